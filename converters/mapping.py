@@ -1,0 +1,117 @@
+"""Parameter mappings as data: which HF tensors make one Megatron parameter, and along which axis TP splits it.
+
+A model family declares a list of these (see ``models/``); the same list drives checkpoint loading, export to
+HF (converter CLIs) and the in-memory sync to the rollout engine. Patterns use ``*`` for an integer index (layer,
+then expert); captures are substituted into the HF names in order. Names are *global*: layer and expert indices
+are model-wide, never PP- or EP-local (see :mod:`converters.plan`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from converters import transforms
+
+
+def _fill(pattern: str, captures: Sequence[str]) -> str:
+    parts = pattern.split("*")
+    if len(parts) - 1 != len(captures):
+        raise ValueError(f"pattern {pattern!r} has {len(parts) - 1} wildcards, got captures {list(captures)}")
+    return "".join(p + c for p, c in zip(parts, [*captures, ""], strict=True))
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """Base kind: one HF tensor is one Megatron tensor.
+
+    Attributes:
+        megatron: Megatron parameter name pattern.
+        hf: HF tensor name patterns, in the order ``to_megatron``/``to_hf`` use them.
+        tp_axis: tensor dim split over the TP (or, for experts, expert-TP) group; ``None`` = replicated.
+        export: whether this parameter is written on export (``False`` for a tied output layer).
+    """
+
+    megatron: str
+    hf: tuple[str, ...]
+    tp_axis: int | None = None
+    export: bool = True
+
+    def hf_names(self, captures: Sequence[str]) -> tuple[str, ...]:
+        return tuple(_fill(p, captures) for p in self.hf)
+
+    def to_megatron(self, hf: Sequence[torch.Tensor], tp: int, full_shape: torch.Size) -> torch.Tensor:
+        """HF tensors -> full Megatron tensor (whose TP chunks are the shards)."""
+        return hf[0]
+
+    def to_hf(self, full: torch.Tensor, tp: int) -> tuple[torch.Tensor, ...]:
+        """Full Megatron tensor -> HF tensors, in ``hf`` order."""
+        return (full,)
+
+
+def Direct(megatron: str, hf: str, tp_axis: int | None = None) -> Mapping:  # noqa: N802 - reads as a kind
+    return Mapping(megatron, (hf,), tp_axis)
+
+
+@dataclass(frozen=True)
+class Vocab(Mapping):
+    """Embedding or output layer: TP splits the vocabulary, which Megatron pads to a TP-friendly multiple."""
+
+    vocab_size: int = 0
+    tp_axis: int | None = 0
+
+    def to_megatron(self, hf, tp, full_shape):
+        return transforms.pad_vocab(hf[0], full_shape[0])
+
+    def to_hf(self, full, tp):
+        return (full[: self.vocab_size],)
+
+
+@dataclass(frozen=True)
+class QKV(Mapping):
+    """Separate HF q/k/v projections (weight or bias) -> Megatron ``linear_qkv``, interleaved per query group."""
+
+    num_attention_heads: int = 0
+    num_query_groups: int = 0
+    head_dim: int = 0
+    tp_axis: int | None = 0
+
+    def to_megatron(self, hf, tp, full_shape):
+        return transforms.merge_qkv(*hf, self.num_query_groups)
+
+    def to_hf(self, full, tp):
+        return transforms.split_qkv(full, self.num_attention_heads, self.num_query_groups, self.head_dim)
+
+
+@dataclass(frozen=True)
+class GatedMLP(Mapping):
+    """HF gate_proj/up_proj -> Megatron ``linear_fc1`` holding ``[gate_i; up_i]`` on TP rank i."""
+
+    tp_axis: int | None = 0
+
+    def to_megatron(self, hf, tp, full_shape):
+        return transforms.merge_gated(hf[0], hf[1], tp)
+
+    def to_hf(self, full, tp):
+        return transforms.split_gated(full, tp)
+
+
+class MappingTable:
+    """Resolves Megatron parameter names to their mapping; an unmapped or doubly-mapped name is an error."""
+
+    def __init__(self, mappings: Sequence[Mapping]):
+        self.mappings = tuple(mappings)
+        self._compiled = [
+            (re.compile("^" + re.escape(m.megatron).replace(r"\*", r"(\d+)") + "$"), m) for m in self.mappings
+        ]
+
+    def resolve(self, megatron_name: str) -> tuple[Mapping, tuple[str, ...]]:
+        hits = [(m, match.groups()) for rx, m in self._compiled if (match := rx.match(megatron_name))]
+        if not hits:
+            raise KeyError(f"no mapping declared for Megatron parameter {megatron_name!r}")
+        if len(hits) > 1:
+            raise KeyError(f"Megatron parameter {megatron_name!r} matches several mappings: {[m for m, _ in hits]}")
+        return hits[0]

@@ -1,0 +1,202 @@
+"""HF checkpoint -> sharded Megatron model (``load_hf``) and sharded Megatron model -> HF tensors (``export_hf``).
+
+Both are driven by a bridge's mapping list. ``export_hf`` is the one path out of a trained model: the converter
+CLIs write what it yields to safetensors, and the rollout sync streams it into the inference engine.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from converters.hf_io import HFCheckpoint
+from converters.mapping import Mapping, MappingTable
+from converters.plan import LocalParam, global_expert_name, local_params
+from converters.transforms import shard
+from parallel.comm import all_gather_bucket, all_gather_objects, broadcast_bucket
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+
+
+def _size_rank(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _num_local_experts(chunks, ep: int) -> int:
+    experts = chunks[0].config.num_moe_experts
+    return experts // ep if experts else 0
+
+
+def _full_shape(shape: torch.Size, axis: int | None, tp: int) -> torch.Size:
+    if axis is None:
+        return torch.Size(shape)
+    dims = list(shape)
+    dims[axis] *= tp
+    return torch.Size(dims)
+
+
+def _check_axis(mapping: Mapping, name: str, megatron_axis: int | None) -> None:
+    if mapping.tp_axis != megatron_axis:
+        raise ValueError(
+            f"{name}: mapping declares TP axis {mapping.tp_axis} but Megatron partitions it on "
+            f"{megatron_axis}; fix the mapping's tp_axis in the model's bridge"
+        )
+
+
+def _collect_errors(problems: list[str], consumed: set[str]) -> tuple[list[str], set[str]]:
+    """Every rank learns every rank's problems, so all raise together instead of leaving peers in a collective."""
+    if not dist.is_initialized():
+        return problems, consumed
+    everyone = all_gather_objects((problems, consumed))
+    return sorted({p for ps, _ in everyone for p in ps}), set().union(*(c for _, c in everyone))
+
+
+def load_hf(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path, groups: ProcessGroupCollection) -> None:
+    """Fill this rank's shards of ``chunks`` from an HF directory, reading only the tensors they need.
+
+    Raises ``ValueError`` naming every missing, mis-shaped or unexpected checkpoint tensor (on all ranks).
+    """
+    ckpt = HFCheckpoint(hf_dir)
+    table = MappingTable(bridge.mappings())
+    ep, ep_rank = _size_rank(groups.ep)
+    num_local = _num_local_experts(chunks, ep)
+    problems: list[str] = []
+    consumed: set[str] = set()
+    for lp in local_params(chunks):
+        name = global_expert_name(lp.slot, ep_rank, num_local) if lp.is_expert else lp.slot
+        mapping, captures = table.resolve(name)
+        _check_axis(mapping, name, lp.tp_axis)
+        tp, tp_rank = _size_rank(groups.expt_tp if lp.is_expert else groups.tp)
+        hf_names = mapping.hf_names(captures)
+        missing = [n for n in hf_names if n not in ckpt.weight_map]
+        if missing:
+            problems.append(f"missing tensor(s) {missing} (needed for Megatron {name})")
+            continue
+        consumed.update(hf_names)
+        want = _full_shape(lp.param.shape, lp.tp_axis, tp)
+        hf = [ckpt.get(n) for n in hf_names]
+        try:
+            full = mapping.to_megatron(hf, tp, want)
+        except (RuntimeError, ValueError) as err:
+            full, detail = None, str(err)
+        if full is None or full.shape != want:
+            shapes = {n: tuple(t.shape) for n, t in zip(hf_names, hf, strict=True)}
+            problems.append(f"shape mismatch: {shapes} cannot form Megatron {name} of shape {tuple(want)}")
+            continue
+        with torch.no_grad():
+            lp.param.copy_(shard(full, lp.tp_axis, tp_rank, tp))
+    problems, consumed = _collect_errors(problems, consumed)
+    ignored = [re.compile(p) for p in bridge.ignored_hf_tensors()]
+    unexpected = sorted(n for n in ckpt.names() - consumed if not any(rx.search(n) for rx in ignored))
+    if unexpected:
+        problems.append(f"unexpected tensor(s) with no Megatron parameter: {unexpected[:20]}")
+    if problems:
+        raise ValueError(f"{hf_dir}: checkpoint does not match {bridge.architecture}:\n  " + "\n  ".join(problems))
+
+
+@dataclass(frozen=True)
+class _Task:
+    slot: str
+    owner: int  # pipeline rank holding the parameter
+    shape: tuple[int, ...]  # local shard shape
+    dtype: torch.dtype
+    is_expert: bool
+    tp_axis: int | None
+
+    def nbytes(self, tp: int, ep: int) -> int:
+        return _full_shape(torch.Size(self.shape), self.tp_axis, tp).numel() * self.dtype.itemsize * ep
+
+
+def _plan(mine: dict[str, LocalParam], table: MappingTable, groups, num_local: int) -> list[_Task]:
+    """The same ordered task list on every rank of a pipeline group (one all_gather of names and shapes)."""
+    meta = [(s, tuple(lp.param.shape), lp.param.dtype, lp.is_expert, lp.tp_axis) for s, lp in mine.items()]
+    tasks = []
+    for owner, stage in enumerate(all_gather_objects(meta, groups.pp)):
+        for slot, shape, dtype, is_expert, axis in stage:
+            mapping, _ = table.resolve(global_expert_name(slot, 0, num_local) if is_expert else slot)
+            _check_axis(mapping, slot, axis)
+            if mapping.export:
+                tasks.append(_Task(slot, owner, shape, dtype, is_expert, axis))
+    return sorted(tasks, key=lambda t: (t.owner, t.slot))
+
+
+def _buckets(tasks: list[_Task], budget: int, tp: int, etp: int, ep: int) -> Iterator[list[_Task]]:
+    bucket, size = [], 0
+    for task in tasks:
+        nbytes = task.nbytes(etp, ep) if task.is_expert else task.nbytes(tp, 1)
+        if bucket and (size + nbytes > budget or (task.owner, task.dtype) != (bucket[0].owner, bucket[0].dtype)):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(task)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _gather_tp(tasks: list[_Task], mine: dict[str, LocalParam], group) -> dict[str, torch.Tensor]:
+    """Full tensors of ``tasks`` from their TP (or expert-TP) shards: one all_gather for the whole bucket."""
+    split = [t for t in tasks if t.tp_axis is not None]
+    gathered = all_gather_bucket([mine[t.slot].param.detach() for t in split], group)
+    full = {t.slot: mine[t.slot].param.detach() for t in tasks if t.tp_axis is None}
+    for i, t in enumerate(split):
+        full[t.slot] = torch.cat([rank_shards[i] for rank_shards in gathered], dim=t.tp_axis)
+    return full
+
+
+def export_hf(
+    chunks: list[torch.nn.Module],
+    bridge,
+    groups: ProcessGroupCollection,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for the whole model on every rank, in byte buckets.
+
+    Per bucket (tasks of one pipeline owner): one all_gather over TP, one over expert-TP, one over EP for the
+    experts, one broadcast over PP. Peak extra memory is about one bucket. Yielded tensors may alias
+    parameters or the bucket buffer: copy them before the model or the iterator moves on.
+    """
+    table = MappingTable(bridge.mappings())
+    tp, _ = _size_rank(groups.tp)
+    etp, _ = _size_rank(groups.expt_tp)
+    ep, _ = _size_rank(groups.ep)
+    _, pp_rank = _size_rank(groups.pp)
+    num_local = _num_local_experts(chunks, ep)
+    mine = {lp.slot: lp for lp in local_params(chunks)}
+    device = next(iter(mine.values())).param.device
+    for bucket in _buckets(_plan(mine, table, groups, num_local), bucket_bytes, tp, etp, ep):
+        names = []  # (global Megatron name, TP size it was split over)
+        for t in bucket:
+            if t.is_expert:
+                names += [(global_expert_name(t.slot, r, num_local), etp) for r in range(ep)]
+            else:
+                names.append((t.slot, tp))
+        shapes = [
+            _full_shape(torch.Size(t.shape), t.tp_axis, etp if t.is_expert else tp)
+            for t in bucket
+            for _ in range(ep if t.is_expert else 1)
+        ]
+        tensors = None
+        if pp_rank == bucket[0].owner:
+            dense = [t for t in bucket if not t.is_expert]
+            experts = [t for t in bucket if t.is_expert]
+            full = _gather_tp(dense, mine, groups.tp)
+            expert_full = _gather_tp(experts, mine, groups.expt_tp)
+            by_ep_rank = all_gather_bucket([expert_full[t.slot] for t in experts], groups.ep)
+            expert_iter = iter(range(len(experts)))
+            tensors = []
+            for t in bucket:
+                if t.is_expert:
+                    i = next(expert_iter)
+                    tensors += [by_ep_rank[r][i] for r in range(ep)]
+                else:
+                    tensors.append(full[t.slot])
+        tensors = broadcast_bucket(tensors, shapes, bucket[0].dtype, bucket[0].owner, groups.pp, device)
+        for (name, split_over), tensor in zip(names, tensors, strict=True):
+            mapping, captures = table.resolve(name)
+            yield from zip(mapping.hf_names(captures), mapping.to_hf(tensor, split_over), strict=True)

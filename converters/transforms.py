@@ -1,0 +1,65 @@
+"""Pure layout transforms between Hugging Face tensors and Megatron's (TP-ordered) tensors.
+
+No collectives and no process groups here: every function maps tensors to tensors, so each is unit-testable in
+one process. "Full Megatron tensor" means the concatenation of the TP shards along the TP axis, i.e. the tensor
+whose ``tp`` equal chunks are the shards of ranks 0..tp-1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
+    """Interleave Q/K/V per query group: ``[g0: q(heads/groups), k, v][g1: ...]`` (works for weights and biases).
+
+    Example: 4 query heads, 2 groups, head_dim d -> rows ``[q0 q1 k0 v0 | q2 q3 k1 v1]`` (each block d rows), so a
+    TP split on group boundaries gives every rank its own heads with their K/V.
+    """
+    rest = q.shape[1:]
+    g = num_query_groups
+    return torch.cat([q.reshape(g, -1, *rest), k.reshape(g, -1, *rest), v.reshape(g, -1, *rest)], dim=1).reshape(
+        -1, *rest
+    )
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`merge_qkv`."""
+    rest = qkv.shape[1:]
+    g = num_query_groups
+    per_group_q = num_attention_heads // g * head_dim
+    grouped = qkv.reshape(g, per_group_q + 2 * head_dim, *rest)
+    q, k, v = torch.split(grouped, [per_group_q, head_dim, head_dim], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def merge_gated(gate: torch.Tensor, up: torch.Tensor, tp: int) -> torch.Tensor:
+    """Megatron's fused ``linear_fc1`` holds ``[gate_i; up_i]`` on TP rank i, so gate and up are chunked apart."""
+    return torch.cat([t for pair in zip(gate.chunk(tp), up.chunk(tp), strict=True) for t in pair])
+
+
+def split_gated(fc1: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`merge_gated`."""
+    halves = [shard.chunk(2) for shard in fc1.chunk(tp)]
+    return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
+
+
+def pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    """Zero rows up to Megatron's padded vocabulary (a multiple of TP * make_vocab_size_divisible_by)."""
+    if weight.shape[0] > padded_rows:
+        raise ValueError(f"vocabulary of {weight.shape[0]} rows does not fit the model's {padded_rows}")
+    if weight.shape[0] == padded_rows:
+        return weight
+    pad = weight.new_zeros(padded_rows - weight.shape[0], *weight.shape[1:])
+    return torch.cat([weight, pad])
+
+
+def shard(full: torch.Tensor, axis: int | None, rank: int, size: int) -> torch.Tensor:
+    """This rank's TP chunk of a full Megatron tensor (``axis=None``: replicated)."""
+    if axis is None or size == 1:
+        return full
+    if full.shape[axis] % size:
+        raise ValueError(f"dim {axis} of shape {tuple(full.shape)} is not divisible by the TP size {size}")
+    return full.chunk(size, dim=axis)[rank]

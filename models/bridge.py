@@ -1,0 +1,230 @@
+"""Bridge: everything one HF architecture needs to become a Megatron GPTModel and back.
+
+A family file subclasses :class:`Bridge` and states data: the architecture name, config-field tables, flags and,
+where its checkpoints differ, extra mappings. The base derives the Megatron ``TransformerConfig`` from
+``config.json`` (never from shell flags), builds the model chunks of this rank, and lists the parameter
+mappings that :mod:`converters.stream` uses in both directions.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from converters.mapping import QKV, Direct, GatedMLP, Mapping, Vocab
+from models.spec import block_spec, resolve_backend
+from parallel.config import ParallelConfig
+
+# (HF config.json key, TransformerConfig attribute): read one way on load, the other way on export.
+DENSE_CONFIG: tuple[tuple[str, str], ...] = (
+    ("num_hidden_layers", "num_layers"),
+    ("hidden_size", "hidden_size"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("num_key_value_heads", "num_query_groups"),
+    ("head_dim", "kv_channels"),
+    ("intermediate_size", "ffn_hidden_size"),
+    ("rms_norm_eps", "layernorm_epsilon"),
+    ("initializer_range", "init_method_std"),
+)
+
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+
+_L = "decoder.layers.*."
+_HL = "model.layers.*."
+
+
+class Bridge:
+    """Base for a Llama-style decoder; subclasses adjust the class attributes below."""
+
+    architecture: ClassVar[str]
+    model_type: ClassVar[str]
+    config_table: ClassVar[tuple[tuple[str, str], ...]] = DENSE_CONFIG
+    qk_norm: ClassVar[bool] = False
+    # None: read HF's ``attention_bias``; a bool: the family's fixed choice (Qwen2 always has q/k/v biases).
+    qkv_bias: ClassVar[bool | None] = None
+
+    def __init__(self, hf_config: dict):
+        self.hf = dict(hf_config)
+        self.hf.setdefault("head_dim", self.hf["hidden_size"] // self.hf["num_attention_heads"])
+        self.hf.setdefault("num_key_value_heads", self.hf["num_attention_heads"])
+        self.check_supported()
+
+    # ---- config translation -------------------------------------------------------------------------------
+    def check_supported(self) -> None:
+        """Refuse HF features this bridge does not translate, instead of silently building another model."""
+        act = self.hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{self.architecture}: hidden_act={act!r} is not supported (expected 'silu')")
+        rope_type = (self.hf.get("rope_scaling") or self.hf.get("rope_parameters") or {}).get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"{self.architecture}: rope scaling type {rope_type!r} is not supported yet")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf["vocab_size"]
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.hf.get("tie_word_embeddings", False))
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.hf.get("rope_theta") or (self.hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+
+    @property
+    def attention_bias(self) -> bool:
+        return bool(self.hf.get("attention_bias", False)) if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def num_experts(self) -> int | None:
+        return None
+
+    def padded_vocab_size(self, tp: int) -> int:
+        multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+    def validate_layout(self, parallel: ParallelConfig) -> None:
+        parallel.validate_model(
+            num_layers=self.hf["num_hidden_layers"],
+            num_attention_heads=self.hf["num_attention_heads"],
+            num_query_groups=self.hf["num_key_value_heads"],
+            vocab_size=self.vocab_size,
+            num_experts=self.num_experts,
+        )
+
+    def transformer_config(
+        self, parallel: ParallelConfig, *, params_dtype: torch.dtype = torch.float32, **overrides
+    ) -> TransformerConfig:
+        """Megatron config for this model under ``parallel``; ``overrides`` set further TransformerConfig fields."""
+        self.validate_layout(parallel)
+        interleaved = parallel.vpp > 1
+        fields = {mcore: self.hf[key] for key, mcore in self.config_table if key in self.hf}
+        fields.update(
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=self.attention_bias,
+            qk_layernorm=self.qk_norm,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            params_dtype=params_dtype,
+            pipeline_dtype=params_dtype,
+            bf16=params_dtype == torch.bfloat16,
+            use_cpu_initialization=True,
+            tensor_model_parallel_size=parallel.tp,
+            pipeline_model_parallel_size=parallel.pp,
+            virtual_pipeline_model_parallel_size=parallel.vpp if interleaved else None,
+            context_parallel_size=parallel.cp,
+            expert_model_parallel_size=parallel.ep,
+            expert_tensor_parallel_size=parallel.expert_tp,
+            sequence_parallel=parallel.sequence_parallel,
+            # Interleaved PP=2 with batched p2p swaps the two directions' messages between the same pair of
+            # ranks (wrong losses on gloo); separate, overlapped send/recv is exact (tests/distributed).
+            overlap_p2p_comm=interleaved,
+            batch_p2p_comm=not interleaved,
+        )
+        fields.update(self.extra_config())
+        fields.update(overrides)
+        return TransformerConfig(**fields)
+
+    def extra_config(self) -> dict:
+        """Family-specific TransformerConfig fields (MoE, ...)."""
+        return {}
+
+    def hf_config(self, config: TransformerConfig) -> dict:
+        """config.json for a model with Megatron ``config``: this bridge's HF config with the mapped fields."""
+        out = dict(self.hf)
+        out.update({key: getattr(config, mcore) for key, mcore in self.config_table})
+        out.update(architectures=[self.architecture], model_type=self.model_type)
+        return out
+
+    # ---- model --------------------------------------------------------------------------------------------
+    def build_model(
+        self,
+        config: TransformerConfig,
+        *,
+        backend: str = "auto",
+        max_sequence_length: int | None = None,
+    ) -> list[GPTModel]:
+        """This rank's model chunks (one per virtual pipeline stage), on the current device, weights initialised."""
+        backend = resolve_backend(backend)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        vpp = config.virtual_pipeline_model_parallel_size or 1
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        chunks = []
+        for stage in range(vpp):
+            vp_stage = stage if vpp > 1 else None
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=block_spec(config, backend, vp_stage),
+                vocab_size=self.padded_vocab_size(tp),
+                max_sequence_length=max_sequence_length or self.hf.get("max_position_embeddings", 4096),
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                share_embeddings_and_output_weights=self.tie_word_embeddings,
+                position_embedding_type="rope",
+                rotary_base=self.rope_theta,
+                vp_stage=vp_stage,
+            )
+            chunks.append(model.to(device=device, dtype=config.params_dtype))
+        return chunks
+
+    # ---- parameter mappings -------------------------------------------------------------------------------
+    def mappings(self) -> list[Mapping]:
+        out = [
+            Vocab("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab_size=self.vocab_size),
+            Direct("decoder.final_layernorm.weight", "model.norm.weight"),
+            Direct(_L + "input_layernorm.weight", _HL + "input_layernorm.weight"),
+            Direct(_L + "self_attention.linear_proj.weight", _HL + "self_attn.o_proj.weight", tp_axis=1),
+            *self._qkv_mappings("weight"),
+            *self.mlp_mappings(),
+            # TransformerEngine fuses the pre-attention/pre-MLP norms into the following linear layer.
+            Direct(_L + "self_attention.linear_qkv.layer_norm_weight", _HL + "input_layernorm.weight"),
+            Direct(_L + "mlp.linear_fc1.layer_norm_weight", _HL + "post_attention_layernorm.weight"),
+        ]
+        if self.attention_bias:
+            out += self._qkv_mappings("bias")
+        if self.qk_norm:
+            out += [
+                Direct(_L + "self_attention.q_layernorm.weight", _HL + "self_attn.q_norm.weight"),
+                Direct(_L + "self_attention.k_layernorm.weight", _HL + "self_attn.k_norm.weight"),
+            ]
+        # A tied output layer (last pipeline stage's copy of the embedding) is loaded from the embedding and
+        # never exported: HF checkpoints of tied models have no lm_head.
+        tied = self.tie_word_embeddings
+        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        out.append(Vocab("output_layer.weight", (head,), vocab_size=self.vocab_size, export=not tied))
+        return out
+
+    def _qkv_mappings(self, kind: str) -> list[Mapping]:
+        names = tuple(_HL + f"self_attn.{p}_proj.{kind}" for p in "qkv")
+        return [
+            QKV(
+                _L + f"self_attention.linear_qkv.{kind}",
+                names,
+                num_attention_heads=self.hf["num_attention_heads"],
+                num_query_groups=self.hf["num_key_value_heads"],
+                head_dim=self.hf["head_dim"],
+            )
+        ]
+
+    def mlp_mappings(self) -> list[Mapping]:
+        """Dense gated MLP; MoE families replace this."""
+        return [
+            Direct(_L + "pre_mlp_layernorm.weight", _HL + "post_attention_layernorm.weight"),
+            GatedMLP(_L + "mlp.linear_fc1.weight", (_HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight")),
+            Direct(_L + "mlp.linear_fc2.weight", _HL + "mlp.down_proj.weight", tp_axis=1),
+        ]
+
+    def ignored_hf_tensors(self) -> list[str]:
+        """Regexes of checkpoint tensors that have no Megatron parameter on purpose."""
+        ignored = [r"rotary_emb\.inv_freq$"]
+        if self.tie_word_embeddings:
+            ignored.append(r"^lm_head\.weight$")
+        return ignored

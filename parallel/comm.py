@@ -1,0 +1,65 @@
+"""The project's collectives. Each takes an explicit process group and moves a whole bucket in one call.
+
+Callers batch tensors (same dtype) into a bucket; these functions flatten the bucket into one buffer, run one
+collective and hand back views shaped like the inputs. Nothing here knows about models or mappings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+
+
+def _unflatten(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for shape in shapes:
+        n = shape.numel()
+        out.append(flat[offset : offset + n].view(shape))
+        offset += n
+    return out
+
+
+def all_gather_bucket(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> list[list[torch.Tensor]]:
+    """Gather equally-shaped buckets from every rank of ``group``: result[rank][i] is rank's ``tensors[i]``."""
+    size = dist.get_world_size(group)
+    if size == 1 or not tensors:
+        return [list(tensors)] * size
+    flat = _flatten(tensors)
+    gathered = [torch.empty_like(flat) for _ in range(size)]
+    dist.all_gather(gathered, flat, group=group)
+    shapes = [t.shape for t in tensors]
+    return [_unflatten(buf, shapes) for buf in gathered]
+
+
+def broadcast_bucket(
+    tensors: Sequence[torch.Tensor] | None,
+    shapes: Sequence[torch.Size],
+    dtype: torch.dtype,
+    src: int,
+    group: ProcessGroup,
+    device: torch.device,
+) -> list[torch.Tensor]:
+    """Broadcast a bucket from group rank ``src``; other ranks pass ``tensors=None`` and receive ``shapes``."""
+    if dist.get_world_size(group) == 1:
+        return list(tensors)
+    if dist.get_rank(group) == src:
+        flat = _flatten(tensors).to(device)
+    else:
+        flat = torch.empty(sum(s.numel() for s in shapes), dtype=dtype, device=device)
+    dist.broadcast(flat, group_src=src, group=group)
+    return _unflatten(flat, shapes)
+
+
+def all_gather_objects(obj, group: ProcessGroup | None = None) -> list:
+    """Small metadata (names, shapes) from every rank of ``group``; never used for tensor payloads."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,284 @@
+"""Megatron-Core 0.16.1 on CPU (gloo), for CI and laptops; a no-op on CUDA machines.
+
+Megatron-Core calls CUDA unconditionally in places that have no extension point. Rather than a global
+``TorchFunctionMode`` (measured +30% per step on tiny models, and it disables dynamo), this module rebinds the
+name ``torch`` *inside the listed Megatron modules only* to a proxy that forwards everything to torch except:
+
+* ``torch.cuda``: RNG calls go to the CPU generator (the model-parallel RNG tracker then forks CPU states, so
+  TP-region initialisation and dropout keep Megatron's semantics); ``current_device()`` is ``cpu``;
+  streams, events, ``synchronize``, ``empty_cache`` and NVTX are no-ops.
+* tensor factories (``zeros``, ``empty``, ``tensor``, ...), ``torch.device`` and ``torch.autocast``: a CUDA
+  device argument becomes ``cpu``.
+
+Covered modules and their call sites (megatron/core/..., 0.16.1 line numbers):
+
+==========================================  ==========================================================
+tensor_parallel/random.py                   RNG tracker: cuda get/set_rng_state, manual_seed, _lazy_call
+                                            (:55, :103, :235-238, :422; _lazy_call silently drops the
+                                            callback on CPU builds, so it is rebound to call at once)
+tensor_parallel/mappings.py                 current_device() buffers for TP/SP gathers (:91-181, :442)
+tensor_parallel/layers.py                   current_device() for weights and SP all-gather (:261-1218)
+models/common/embeddings/rotary_pos_embedding.py   inv_freq / positions on current_device (:78, :162, :297)
+models/common/embeddings/yarn_rotary_pos_embedding.py   same, YaRN variant
+transformer/utils.py                        device="cuda" causal masks (:35, :40)
+utils.py                                    GlobalMemoryBuffer (:631), local l2-norm fallback (:1207)
+pipeline_parallel/schedules.py              device="cuda" token counters (:596, :983, :2138)
+pipeline_parallel/p2p_communication.py      current_device() recv buffers, synchronize (:190-398)
+transformer/moe/router.py                   current_device() router weights and aux-loss scalars (:90-198)
+transformer/moe/token_dispatcher.py         cuda.Stream/Event for the alltoall D2H copy (:445, :871-895)
+transformer/moe/moe_utils.py                device="cuda" aux-loss tracker (:998)
+optimizer/optimizer.py                      device='cuda' found_inf/scale tensors (:473-485, :907, :1141)
+optimizer/clip_grads.py                     device='cuda' norm buffers (:90-207)
+optimizer/distrib_optimizer.py              current_device() buffers (:791, :1077)
+distributed/param_and_grad_buffer.py        cuda streams, current_device() buffers (:417-806)
+==========================================  ==========================================================
+
+Three things a module-level proxy cannot reach are patched narrowly:
+
+* ``tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads.py:167, distrib_optimizer.py:361/420/582)
+  and ``tensor.cuda()`` (optimizer.py:375/380): the owning functions run under a scoped mode that reports CPU
+  tensors with their CUDA type names and makes ``.cuda()`` the identity.
+* token_dispatcher.py:876-892 converts the alltoall split sizes to numpy only for CUDA tensors; CPU tensors
+  reach ``all_to_all_single``, which rejects them. The CPU version converts them too.
+* moe_utils.py:1192 reads ``te_general_gemm``, which is unbound when TransformerEngine is absent.
+
+``torch_norm``'s sequence-parallel assert is not patched: our layer spec substitutes its own norm module
+(:mod:`models.spec`), Megatron's intended extension point. ``tests/unit/test_cpu_compat.py`` fails when a
+CUDA call site appears in a covered-path Megatron module that this list does not name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SUPPORTED_MCORE_VERSION = "0.16.1"
+
+PROXIED_MODULES = (
+    "megatron.core.tensor_parallel.random",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+    "megatron.core.transformer.utils",
+    "megatron.core.utils",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.distributed.param_and_grad_buffer",
+)
+
+# (module, attribute path) of functions that check tensor.type() against CUDA names or call tensor.cuda().
+_CUDA_TYPE_CHECKERS = (
+    ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
+    ("megatron.core.optimizer.optimizer", "MegatronOptimizer.restore_from_cpu"),
+)
+
+_FACTORIES = (
+    "arange",
+    "empty",
+    "empty_like",
+    "full",
+    "ones",
+    "ones_like",
+    "rand",
+    "randn",
+    "randint",
+    "tensor",
+    "zeros",
+    "zeros_like",
+)
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int)
+
+
+def _cpu_device(*args, **kwargs) -> torch.device:
+    if (args and _is_cuda(args[0])) or _is_cuda(kwargs.get("type", "cpu")):
+        return torch.device("cpu")
+    return torch.device(*args, **kwargs)
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+            kwargs.pop("pin_memory", None)
+        return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _cpu_autocast(device_type, *args, **kwargs):
+    return torch.autocast("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream``/``Event``: CPU work is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def __eq__(self, other):
+        return isinstance(other, _NullStream)
+
+    __hash__ = object.__hash__
+
+
+class _AnyIndex:
+    """``torch.cuda.default_generators[i]`` -> the CPU generator, whatever ``i`` is."""
+
+    def __getitem__(self, index):
+        return torch.default_generator
+
+
+def _noop(*args, **kwargs):
+    return None
+
+
+def _make_cuda_namespace() -> types.SimpleNamespace:
+    random = types.SimpleNamespace(
+        get_rng_state=lambda device=None: torch.get_rng_state(),
+        set_rng_state=lambda state, device=None: torch.set_rng_state(state),
+    )
+    return types.SimpleNamespace(
+        is_available=lambda: False,
+        current_device=lambda: torch.device("cpu"),
+        device_count=lambda: 0,
+        get_rng_state=random.get_rng_state,
+        set_rng_state=random.set_rng_state,
+        manual_seed=torch.manual_seed,
+        random=random,
+        default_generators=_AnyIndex(),
+        synchronize=_noop,
+        empty_cache=_noop,
+        Stream=_NullStream,
+        Event=_NullStream,
+        current_stream=_NullStream,
+        default_stream=_NullStream,
+        stream=lambda stream=None: contextlib.nullcontext(),
+        nvtx=types.SimpleNamespace(range_push=_noop, range_pop=_noop),
+        amp=torch.amp,
+        CUDAGraph=types.SimpleNamespace(),
+    )
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` as seen by a covered Megatron module on a CPU-only process."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.cuda = _make_cuda_namespace()
+        self.device = _cpu_device
+        self.autocast = _cpu_autocast
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+class _CudaTypeNames(TorchFunctionMode):
+    """Within Megatron functions that insist on CUDA tensors: CPU tensors answer with CUDA type names."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+            return "torch.cuda." + torch.Tensor.type(args[0]).rsplit(".", 1)[-1]
+        if func is torch.Tensor.cuda:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+def _under_cuda_type_names(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with _CudaTypeNames():
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def _move_splits_to_numpy(original):
+    @functools.wraps(original)
+    def wrapped(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return wrapped
+
+
+def _set_attr_path(module, path: str, wrap) -> None:
+    owner = module
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    raw = owner.__dict__[name]
+    if isinstance(raw, staticmethod):
+        setattr(owner, name, staticmethod(wrap(raw.__func__)))
+    else:
+        setattr(owner, name, wrap(raw))
+
+
+_INSTALLED_MARK = "_mcore_rl_cpu_compat"
+
+
+def install_cpu_compat() -> bool:
+    """Make Megatron-Core runnable on this process's CPU; returns whether anything was installed.
+
+    Idempotent; does nothing when CUDA is available. Raises on a Megatron-Core version other than the one the
+    call sites above were read from, because the patches target its internals.
+    """
+    if torch.cuda.is_available():
+        return False
+    import megatron.core
+
+    if megatron.core.__version__ != SUPPORTED_MCORE_VERSION:
+        raise RuntimeError(
+            f"parallel.cpu supports megatron-core=={SUPPORTED_MCORE_VERSION} on CPU, found "
+            f"{megatron.core.__version__}; re-read its CUDA call sites before changing the pin"
+        )
+    if getattr(megatron.core, _INSTALLED_MARK, False):
+        return True
+
+    cpu_torch = _CpuTorch()
+    for name in PROXIED_MODULES:
+        importlib.import_module(name).torch = cpu_torch
+
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    random._lazy_call = lambda callback: callback()
+    random._lazy_init = _noop
+
+    for module_name, path in _CUDA_TYPE_CHECKERS:
+        _set_attr_path(importlib.import_module(module_name), path, _under_cuda_type_names)
+
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    dispatcher.maybe_move_tensor_to_cpu = _move_splits_to_numpy(dispatcher.maybe_move_tensor_to_cpu)
+
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    setattr(megatron.core, _INSTALLED_MARK, True)
+    return True

@@ -1,0 +1,51 @@
+"""Process groups: torch.distributed (NCCL on CUDA, gloo on CPU) plus Megatron's parallel state for a layout."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from parallel.config import ParallelConfig
+from parallel.cpu import install_cpu_compat
+
+
+def init_parallel(parallel: ParallelConfig, *, seed: int = 1234, timeout_minutes: int = 30) -> ProcessGroupCollection:
+    """Initialise torch.distributed from the environment (if needed) and Megatron's groups for ``parallel``.
+
+    Returns the explicit process groups (``tp``, ``pp``, ``ep``, ``expt_tp``, ``dp``, ...) that the project's
+    collectives take; nothing downstream reads Megatron's global state for groups.
+    """
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        install_cpu_compat()
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=timeout_minutes))
+    parallel.validate_world(dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp if parallel.vpp > 1 else None,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp,
+        distributed_timeout_minutes=timeout_minutes,
+        # On CPU the default backend already is gloo; a second set of gloo groups would only cost start-up.
+        create_gloo_process_groups=cuda,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups (torch.distributed stays up, so a worker can take another layout)."""
+    parallel_state.destroy_model_parallel()

