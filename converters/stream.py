@@ -83,8 +83,8 @@ def load_hf(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path, groups: P
         hf = [ckpt.get(n) for n in hf_names]
         try:
             full = mapping.to_megatron(hf, tp, want)
-        except (RuntimeError, ValueError) as err:
-            full, detail = None, str(err)
+        except (RuntimeError, ValueError):
+            full = None  # reported below with the shapes that caused it
         if full is None or full.shape != want:
             shapes = {n: tuple(t.shape) for n, t in zip(hf_names, hf, strict=True)}
             problems.append(f"shape mismatch: {shapes} cannot form Megatron {name} of shape {tuple(want)}")

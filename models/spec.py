@@ -82,10 +82,11 @@ def layer_spec(config: TransformerConfig, backend: str) -> ModuleSpec:
 def block_spec(config: TransformerConfig, backend: str, vp_stage: int | None) -> ModuleSpec:
     """Spec of this rank's (virtual) pipeline stage: its layers and, on the last stage, the final norm."""
     layer = layer_spec(config, backend)
+    final_norm = TorchNorm
     if backend == "te":
-        from megatron.core.extensions.transformer_engine import TENorm as final_norm
-    else:
-        final_norm = TorchNorm
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return ModuleSpec(
         module=TransformerBlock,
