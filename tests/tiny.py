@@ -1,0 +1,51 @@
+"""Tiny random HF models of every supported family, built and saved by the tests themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    vocab_size=100,  # not a multiple of 128: exercises Megatron's vocabulary padding
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+)
+
+FAMILIES: dict[str, dict] = {
+    # Llama and Qwen3 tie embeddings (as SmolLM2 and small Qwen3 do); Qwen2 and Qwen3-MoE do not.
+    "LlamaForCausalLM": dict(config="LlamaConfig", tie_word_embeddings=True),
+    "Qwen2ForCausalLM": dict(config="Qwen2Config", tie_word_embeddings=False),
+    "Qwen3ForCausalLM": dict(config="Qwen3Config", tie_word_embeddings=True),
+    "Qwen3MoeForCausalLM": dict(
+        config="Qwen3MoeConfig",
+        tie_word_embeddings=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.0,
+    ),
+}
+
+
+def make_tiny(architecture: str, out_dir: Path, seed: int = 0) -> Path:
+    """Save a random fp32 model of ``architecture`` (non-trivial norms and biases) to ``out_dir``."""
+    spec = dict(FAMILIES[architecture])
+    config_cls = getattr(transformers, spec.pop("config"))
+    config = config_cls(architectures=[architecture], **COMMON, **spec)
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.normal_(1.0 if "norm" in name else 0.0, 0.1)  # defaults 1/0 would hide mapping mistakes
+    model.save_pretrained(out_dir)
+    return Path(out_dir)

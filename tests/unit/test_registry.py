@@ -1,0 +1,62 @@
+"""Bridge registry, config translation both ways, and clear errors on bad checkpoints."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from models.registry import BRIDGES, get_bridge
+from parallel.config import ParallelConfig
+from tests.tiny import FAMILIES
+
+
+def _config(tiny_models, arch) -> dict:
+    return json.loads((Path(tiny_models[arch]) / "config.json").read_text())
+
+
+def test_unknown_architecture_lists_supported():
+    with pytest.raises(ValueError, match=r"'GPTNeoXForCausalLM' is not supported; supported: \['LlamaForCausalLM'"):
+        get_bridge({"architectures": ["GPTNeoXForCausalLM"]})
+    with pytest.raises(ValueError, match="no 'architectures' entry"):
+        get_bridge({})
+
+
+def test_missing_config_names_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config.json: not found"):
+        get_bridge(tmp_path)
+    (tmp_path / "config.json").write_text('{"architectures": [\n  "Llama",\n}')
+    with pytest.raises(ValueError, match=r"config.json: invalid JSON at line 3"):
+        get_bridge(tmp_path)
+
+
+def test_every_family_is_registered():
+    assert set(FAMILIES) == set(BRIDGES)
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_config_translation_round_trips(tiny_models, arch):
+    original = _config(tiny_models, arch)
+    bridge = get_bridge(original)
+    config = bridge.transformer_config(ParallelConfig())
+    back = bridge.hf_config(config)
+    for key, _ in bridge.config_table:
+        assert back[key] == original.get(key, bridge.hf[key]), key
+    assert back["architectures"] == [arch]
+
+
+def test_unsupported_rope_scaling_is_refused(tiny_models):
+    cfg = _config(tiny_models, "LlamaForCausalLM")
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}
+    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"):
+        get_bridge(cfg)
+
+
+def test_layout_is_checked_against_model(tiny_models):
+    bridge = get_bridge(tiny_models["LlamaForCausalLM"])
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not divisible by tp=3"):
+        bridge.transformer_config(ParallelConfig(tp=3))
+
+
+def test_vocab_padding_is_tp_multiple(tiny_models):
+    bridge = get_bridge(tiny_models["LlamaForCausalLM"])
+    assert bridge.padded_vocab_size(1) == 128 and bridge.padded_vocab_size(2) == 256
