@@ -53,10 +53,16 @@ class MegatronTrainStep:
         )
 
     @staticmethod
-    def _forward(loss_fn: LossFn, data_iterator, model):
+    def _loss(loss_fn: LossFn, batch: dict, output: torch.Tensor):
+        loss, metrics = loss_fn(batch, output)
+        # Megatron's schedule divides the returned loss in place; metrics must not alias it.
+        return loss, {name: value.detach().clone() for name, value in metrics.items()}
+
+    @classmethod
+    def _forward(cls, loss_fn: LossFn, data_iterator, model):
         batch = next(data_iterator)
         output = model(batch["input_ids"], batch["position_ids"], None)
-        return output, partial(loss_fn, batch)
+        return output, partial(cls._loss, loss_fn, batch)
 
     def step(self, microbatches: list[dict], loss_fn: LossFn) -> StepResult:
         """Forward/backward over ``microbatches`` (dicts with input_ids/position_ids [b, s] and loss inputs)."""

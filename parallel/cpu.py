@@ -42,6 +42,9 @@ Three things a module-level proxy cannot reach are patched narrowly:
 * token_dispatcher.py:876-892 converts the alltoall split sizes to numpy only for CUDA tensors; CPU tensors
   reach ``all_to_all_single``, which rejects them. The CPU version converts them too.
 * moe_utils.py:1192 reads ``te_general_gemm``, which is unbound when TransformerEngine is absent.
+* mappings.py:150/190 gather and reduce-scatter *uneven* token counts (the alltoall dispatcher with expert-TP
+  > 1) as lists of different sizes, which NCCL accepts and gloo rejects. The CPU versions pad to the longest
+  split (gather) or all-reduce and slice (reduce-scatter); even splits still take Megatron's path.
 
 ``torch_norm``'s sequence-parallel assert is not patched: our layer spec substitutes its own norm module
 (:mod:`models.spec`), Megatron's intended extension point. ``tests/unit/test_cpu_compat.py`` fails when a
@@ -83,6 +86,7 @@ PROXIED_MODULES = (
 _CUDA_TENSOR_CALLERS = (
     ("megatron.core.models.common.language_module.language_module", "LanguageModule.setup_embeddings_and_output_layer"),
     ("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32"),
+    ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),  # imported by name there
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
     ("megatron.core.optimizer.optimizer", "MegatronOptimizer.restore_from_cpu"),
 )
@@ -133,13 +137,14 @@ def _cpu_autocast(device_type, *args, **kwargs):
 
 
 class _NullStream:
-    """Stands in for ``torch.cuda.Stream``/``Event``: CPU work is already ordered."""
+    """Stands in for ``torch.cuda.Stream``/``Event``: CPU work is already ordered, so every call is a no-op
+    that returns another null stream/event (``record_event()`` results get ``synchronize()``-d later)."""
 
     def __init__(self, *args, **kwargs):
         pass
 
     def __getattr__(self, name):
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _NullStream()
 
     def __eq__(self, other):
         return isinstance(other, _NullStream)
@@ -231,14 +236,41 @@ def _move_splits_to_numpy(original):
     return wrapped
 
 
+def _gloo_uneven_gather(original):
+    @functools.wraps(original)
+    def wrapped(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        padded = input_.new_zeros(max(output_split_sizes), *input_.shape[1:])
+        padded[: input_.shape[0]] = input_
+        gathered = [torch.empty_like(padded) for _ in range(group.size())]
+        torch.distributed.all_gather(gathered, padded, group=group)
+        return torch.cat([g[:n] for g, n in zip(gathered, output_split_sizes, strict=True)])
+
+    return wrapped
+
+
+def _gloo_uneven_reduce_scatter(original):
+    @functools.wraps(original)
+    def wrapped(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        torch.distributed.all_reduce(total, group=group)
+        start = sum(input_split_sizes[: group.rank()])
+        return total[start : start + input_split_sizes[group.rank()]].clone()
+
+    return wrapped
+
+
 def _set_attr_path(module, path: str, wrap) -> None:
     owner = module
     *parents, name = path.split(".")
     for parent in parents:
         owner = getattr(owner, parent)
-    raw = owner.__dict__[name]
-    if isinstance(raw, staticmethod):
-        setattr(owner, name, staticmethod(wrap(raw.__func__)))
+    raw = vars(owner)[name]
+    if isinstance(raw, staticmethod | classmethod):
+        setattr(owner, name, type(raw)(wrap(raw.__func__)))
     else:
         setattr(owner, name, wrap(raw))
 
@@ -277,6 +309,10 @@ def install_cpu_compat() -> bool:
 
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     dispatcher.maybe_move_tensor_to_cpu = _move_splits_to_numpy(dispatcher.maybe_move_tensor_to_cpu)
+
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    mappings._gather_along_first_dim = _gloo_uneven_gather(mappings._gather_along_first_dim)
+    mappings._reduce_scatter_along_first_dim = _gloo_uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
 
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):

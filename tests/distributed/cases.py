@@ -73,3 +73,18 @@ def train_step(hf_dir: str, layout: dict, tokens: torch.Tensor, micro_batch_size
     result = step.step(microbatches, loss_fn)
     assert result.update_successful
     return result.loss, result.grad_norm
+
+
+def greedy(hf_dir: str, layout: dict, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """Greedy continuation computed by the Megatron model (full re-forward per token, TP logits gathered)."""
+    bridge, _, chunks, groups = _load(hf_dir, layout)
+    ids = torch.tensor([prompt_ids])
+    tp = torch.distributed.get_world_size(groups.tp)
+    for _ in range(new_tokens):
+        with torch.no_grad():
+            local = chunks[0](ids, torch.arange(ids.shape[1]).unsqueeze(0), None)[:, -1]
+        shards = [torch.empty_like(local) for _ in range(tp)]
+        torch.distributed.all_gather(shards, local.contiguous(), group=groups.tp)
+        next_id = torch.cat(shards, dim=-1)[..., : bridge.vocab_size].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, next_id], dim=1)
+    return ids[0, len(prompt_ids) :].tolist()
