@@ -29,8 +29,7 @@ def init_parallel(parallel: ParallelConfig, *, seed: int = 1234, timeout_minutes
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=timeout_minutes))
     parallel.validate_world(dist.get_world_size())
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    destroy_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -46,6 +45,25 @@ def init_parallel(parallel: ParallelConfig, *, seed: int = 1234, timeout_minutes
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
+def _megatron_groups() -> list[dist.ProcessGroup]:
+    found: dict[int, dist.ProcessGroup] = {}
+    for value in vars(parallel_state).values():
+        candidates = value if isinstance(value, list | tuple) else [value]
+        for group in candidates:
+            if isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.WORLD:
+                found[id(group)] = group
+    return list(found.values())
+
+
 def destroy_parallel() -> None:
-    """Tear down Megatron's groups (torch.distributed stays up, so a worker can take another layout)."""
+    """Tear down Megatron's groups; torch.distributed stays up, so a process can take another layout.
+
+    Megatron-Core 0.16.1's ``destroy_model_parallel`` only drops its references: the groups (and, on gloo,
+    their connection threads) would accumulate with every re-initialisation, so they are destroyed here.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    groups = _megatron_groups()
     parallel_state.destroy_model_parallel()
+    for group in groups:
+        dist.destroy_process_group(group)

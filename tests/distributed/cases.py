@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import traceback
 
 import torch
 from megatron.core import parallel_state
@@ -88,3 +89,27 @@ def greedy(hf_dir: str, layout: dict, prompt_ids: list[int], new_tokens: int) ->
         next_id = torch.cat(shards, dim=-1)[..., : bridge.vocab_size].argmax(-1, keepdim=True)
         ids = torch.cat([ids, next_id], dim=1)
     return ids[0, len(prompt_ids) :].tolist()
+
+
+def cuda_call_sites(case: str, **kwargs) -> list[str]:
+    """Run another case with CUDA initialisation instrumented; returns the Megatron lines that reached CUDA.
+
+    Every CUDA use on a CPU-only torch goes through ``torch.cuda._lazy_init`` (factories with a CUDA device
+    call it from C++), so this also catches call sites whose error Megatron would swallow.
+    """
+    hits = []
+    original = torch.cuda._lazy_init
+
+    def record():
+        frames = [f for f in traceback.extract_stack() if "megatron" in f.filename]
+        hits.append(f"{frames[-1].filename.split('site-packages/')[-1]}:{frames[-1].lineno}" if frames else "?")
+        original()
+
+    torch.cuda._lazy_init = record
+    try:
+        globals()[case](**kwargs)
+    except Exception as err:
+        raise AssertionError(f"{case} failed; CUDA call sites reached: {hits}") from err
+    finally:
+        torch.cuda._lazy_init = original
+    return hits

@@ -7,6 +7,7 @@ work costs. Cases are module-level functions, sent by reference and run on every
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import sys
@@ -14,7 +15,8 @@ import traceback
 
 import torch.multiprocessing as mp
 
-CASE_TIMEOUT_S = 600
+CASE_TIMEOUT_S = 300
+HANG_DUMP_S = 120  # a rank still busy after this prints its stack (stderr): hangs show where they are
 
 
 def _free_port() -> int:
@@ -40,11 +42,13 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
     dist.init_process_group("gloo", rank=rank, world_size=world)
     while (task := tasks.get()) is not None:
         fn, kwargs = task
+        faulthandler.dump_traceback_later(HANG_DUMP_S)
         try:
             results.put((rank, True, fn(**kwargs)))
         except BaseException:  # noqa: BLE001 - the traceback travels to the test process
             results.put((rank, False, traceback.format_exc()))
         finally:
+            faulthandler.cancel_dump_traceback_later()
             from parallel.groups import destroy_parallel
 
             destroy_parallel()
