@@ -15,10 +15,20 @@ def tiny_models(tmp_path_factory) -> dict:
     return {arch: str(make_tiny(arch, root / arch)) for arch in FAMILIES}
 
 
-@pytest.fixture(scope="session")
-def ranks():
+def _pool(world_size: int):
     from tests.distributed.pool import RankPool
 
-    pool = RankPool(WORLD_SIZE)
+    pool = RankPool(world_size)
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    yield from _pool(WORLD_SIZE)
+
+
+@pytest.fixture(scope="session")
+def ranks3():
+    """Three ranks, for layouts of models whose head counts are multiples of 3 (SmolLM2: 9 heads, 3 KV)."""
+    yield from _pool(3)
