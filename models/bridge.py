@@ -98,10 +98,16 @@ class Bridge:
         )
 
     def transformer_config(
-        self, parallel: ParallelConfig, *, params_dtype: torch.dtype = torch.float32, **overrides
+        self, parallel: ParallelConfig, *, params_dtype: torch.dtype | None = None, **overrides
     ) -> TransformerConfig:
-        """Megatron config for this model under ``parallel``; ``overrides`` set further TransformerConfig fields."""
+        """Megatron config for this model under ``parallel``; ``overrides`` set further TransformerConfig fields.
+
+        ``params_dtype`` defaults to bf16 on CUDA and fp32 on CPU (CPUs without bf16 instructions ran bf16 steps
+        12x slower).
+        """
         self.validate_layout(parallel)
+        if params_dtype is None:
+            params_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
         interleaved = parallel.vpp > 1
         fields = {mcore: self.hf[key] for key, mcore in self.config_table if key in self.hf}
         fields.update(

@@ -21,8 +21,9 @@ COMMON = dict(
 
 FAMILIES: dict[str, dict] = {
     # Llama and Qwen3 tie embeddings (as SmolLM2 and small Qwen3 do); Qwen2 and Qwen3-MoE do not.
+    # Qwen2 is saved in shards with a model.safetensors.index.json, the others as one file.
     "LlamaForCausalLM": dict(config="LlamaConfig", tie_word_embeddings=True),
-    "Qwen2ForCausalLM": dict(config="Qwen2Config", tie_word_embeddings=False),
+    "Qwen2ForCausalLM": dict(config="Qwen2Config", tie_word_embeddings=False, max_shard_size="100KB"),
     "Qwen3ForCausalLM": dict(config="Qwen3Config", tie_word_embeddings=True),
     "Qwen3MoeForCausalLM": dict(
         config="Qwen3MoeConfig",
@@ -40,6 +41,7 @@ def make_tiny(architecture: str, out_dir: Path, seed: int = 0) -> Path:
     """Save a random fp32 model of ``architecture`` (non-trivial norms and biases) to ``out_dir``."""
     spec = dict(FAMILIES[architecture])
     config_cls = getattr(transformers, spec.pop("config"))
+    max_shard_size = spec.pop("max_shard_size", "5GB")
     config = config_cls(architectures=[architecture], **COMMON, **spec)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).float()
@@ -47,5 +49,5 @@ def make_tiny(architecture: str, out_dir: Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 param.normal_(1.0 if "norm" in name else 0.0, 0.1)  # defaults 1/0 would hide mapping mistakes
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     return Path(out_dir)

@@ -4,15 +4,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from converters.hf_io import HFCheckpoint
 from tests.distributed import cases
 
 
 def _corrupt(src, dst, edit):
     dst.mkdir()
     (dst / "config.json").write_text((Path(src) / "config.json").read_text())
-    tensors = load_file(f"{src}/model.safetensors")
+    source = HFCheckpoint(src)  # sharded: the corrupted copy is written as one file
+    tensors = {name: source.get(name) for name in source.names()}
     edit(tensors)
     save_file(tensors, dst / "model.safetensors")
     return dst
