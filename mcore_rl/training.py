@@ -46,7 +46,6 @@ class MegatronTrainStep:
             DistributedDataParallel(config, ddp, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)
         ]
         config.finalize_model_grads_func = finalize_model_grads
-        self.config = config
         self.groups = groups
         self.optimizer = get_megatron_optimizer(
             optimizer, self.model, use_gloo_process_groups=torch.cuda.is_available(), pg_collection=groups
@@ -81,8 +80,8 @@ class MegatronTrainStep:
             forward_only=False,
         )
         update_successful, grad_norm, _ = self.optimizer.step()
-        # Only the last pipeline stage sees losses; share their DP mean with every rank.
-        local = sum(float(m["loss"]) for m in losses) / len(microbatches) if losses else 0.0
+        # Only the last pipeline stage sees losses (others contribute 0); share their DP mean with every rank.
+        local = sum(float(m["loss"]) for m in losses) / len(microbatches)
         dp_mean = all_reduce_scalar(local, self.groups.dp_cp) / torch.distributed.get_world_size(self.groups.dp_cp)
-        loss = all_reduce_scalar(dp_mean if losses else 0.0, self.groups.pp)
+        loss = all_reduce_scalar(dp_mean, self.groups.pp)
         return StepResult(loss=loss, grad_norm=float(grad_norm), update_successful=bool(update_successful))

@@ -33,7 +33,7 @@ optimizer/distrib_optimizer.py              current_device() buffers (:791, :107
 distributed/param_and_grad_buffer.py        cuda streams, current_device() buffers (:417-806)
 ==========================================  ==========================================================
 
-Three things a module-level proxy cannot reach are patched narrowly:
+What a module-level proxy cannot reach is patched narrowly:
 
 * ``tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads.py:167, distrib_optimizer.py:361/420/582)
   and ``tensor.cuda()`` (optimizer.py:375/380; language_module.py:244, the tied output layer's copy on the last
@@ -47,8 +47,8 @@ Three things a module-level proxy cannot reach are patched narrowly:
   split (gather) or all-reduce and slice (reduce-scatter); even splits still take Megatron's path.
 
 ``torch_norm``'s sequence-parallel assert is not patched: our layer spec substitutes its own norm module
-(:mod:`models.spec`), Megatron's intended extension point. ``tests/unit/test_cpu_compat.py`` fails when a
-CUDA call site appears in a covered-path Megatron module that this list does not name.
+(:mod:`models.spec`), Megatron's intended extension point. ``tests/distributed/test_cpu_compat.py`` fails when a
+training step reaches a CUDA call site that this module does not cover.
 """
 
 from __future__ import annotations

@@ -44,15 +44,20 @@ def roundtrip(hf_dir: str, layout: dict, bucket_bytes: int) -> int:
     return len(seen)
 
 
-def logits(hf_dir: str, layout: dict, input_ids: torch.Tensor) -> torch.Tensor | None:
+def _full_vocab(local: torch.Tensor, groups, vocab_size: int) -> torch.Tensor:
+    """Concatenate the TP ranks' vocabulary shards of ``local`` logits and drop Megatron's padding."""
+    shards = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(groups.tp))]
+    torch.distributed.all_gather(shards, local.contiguous(), group=groups.tp)
+    return torch.cat(shards, dim=-1)[..., :vocab_size]
+
+
+def logits(hf_dir: str, layout: dict, input_ids: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary logits [b, s, V] of a single-stage layout (TP shards gathered), on every rank."""
     bridge, _, chunks, groups = _load(hf_dir, layout)
     positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
     with torch.no_grad():
         local = chunks[0](input_ids, positions, None)
-    shards = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size(groups.tp))]
-    torch.distributed.all_gather(shards, local.contiguous(), group=groups.tp)
-    return torch.cat(shards, dim=-1)[..., : bridge.vocab_size]
+    return _full_vocab(local, groups, bridge.vocab_size)
 
 
 def train_step(hf_dir: str, layout: dict, tokens: torch.Tensor, micro_batch_size: int) -> tuple[float, float]:
@@ -80,13 +85,10 @@ def greedy(hf_dir: str, layout: dict, prompt_ids: list[int], new_tokens: int) ->
     """Greedy continuation computed by the Megatron model (full re-forward per token, TP logits gathered)."""
     bridge, _, chunks, groups = _load(hf_dir, layout)
     ids = torch.tensor([prompt_ids])
-    tp = torch.distributed.get_world_size(groups.tp)
     for _ in range(new_tokens):
         with torch.no_grad():
             local = chunks[0](ids, torch.arange(ids.shape[1]).unsqueeze(0), None)[:, -1]
-        shards = [torch.empty_like(local) for _ in range(tp)]
-        torch.distributed.all_gather(shards, local.contiguous(), group=groups.tp)
-        next_id = torch.cat(shards, dim=-1)[..., : bridge.vocab_size].argmax(-1, keepdim=True)
+        next_id = _full_vocab(local, groups, bridge.vocab_size).argmax(-1, keepdim=True)
         ids = torch.cat([ids, next_id], dim=1)
     return ids[0, len(prompt_ids) :].tolist()
 

@@ -16,21 +16,21 @@ DENSE_LAYOUTS = [
     dict(tp=2, pp=2),
     dict(tp=1, pp=2, vpp=2),
 ]
-MOE_LAYOUTS = [*DENSE_LAYOUTS, dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)]
+EXPERT_LAYOUTS = [dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)]
+MOE = "Qwen3MoeForCausalLM"
 
 
-def _layouts(arch):
-    layouts = MOE_LAYOUTS if arch == "Qwen3MoeForCausalLM" else DENSE_LAYOUTS
+def _layouts(arch, layouts):
+    """``layouts`` as ``arch`` can run them, plus the expert-parallel ones for the MoE family."""
+    if arch != MOE:
+        return layouts
     # MoE with TP needs sequence parallelism (a Megatron rule the layout validation enforces).
-    return [
-        dict(lay, sequence_parallel=True) if arch == "Qwen3MoeForCausalLM" and lay.get("tp", 1) > 1 else lay
-        for lay in layouts
-    ]
+    return [dict(lay, sequence_parallel=True) if lay.get("tp", 1) > 1 else lay for lay in layouts] + EXPERT_LAYOUTS
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_roundtrip_bit_exact(ranks, tiny_models, arch):
-    for layout in _layouts(arch):
+    for layout in _layouts(arch, DENSE_LAYOUTS):
         # A 64 KiB bucket splits every model into several buckets; the rest use one big bucket.
         for bucket in (64 << 10, 512 << 20):
             counts = ranks.run(cases.roundtrip, hf_dir=tiny_models[arch], layout=layout, bucket_bytes=bucket)
@@ -43,7 +43,7 @@ def test_logits_match_hf(ranks, tiny_models, arch):
     ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         reference = hf(ids).logits
-    for layout in [dict(tp=1), dict(tp=2, sequence_parallel=arch == "Qwen3MoeForCausalLM")]:
+    for layout in _layouts(arch, [dict(tp=1), dict(tp=2)]):
         for got in ranks.run(cases.logits, hf_dir=tiny_models[arch], layout=layout, input_ids=ids):
             assert (got - reference).abs().max().item() <= 1e-4, layout
 
@@ -66,15 +66,11 @@ STEP_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", MOE])
 def test_train_step_matches_single_rank(ranks, tiny_models, arch):
     tokens = torch.randint(0, 100, (8, 17), generator=torch.Generator().manual_seed(2))
     ref_loss, ref_norm = _hf_step_reference(tiny_models[arch], tokens)
-    layouts = [dict(), *STEP_LAYOUTS]
-    if arch == "Qwen3MoeForCausalLM":
-        layouts = [dict(lay, sequence_parallel=True) if lay.get("tp") else lay for lay in layouts]
-        layouts += [dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)]
-    for layout in layouts:
+    for layout in _layouts(arch, [dict(), *STEP_LAYOUTS]):
         for loss, norm in ranks.run(
             cases.train_step, hf_dir=tiny_models[arch], layout=layout, tokens=tokens, micro_batch_size=1
         ):
