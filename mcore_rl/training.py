@@ -16,7 +16,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from parallel.comm import all_reduce_scalar
+from mcore_rl.logprobs import token_logprobs
+from parallel.comm import all_reduce_scalar, broadcast_bucket
 
 # loss_fn(batch, logits) -> (scalar loss to differentiate, {metric name: detached value})
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -63,25 +64,59 @@ class MegatronTrainStep:
         output = model(batch["input_ids"], batch["position_ids"], None)
         return output, partial(cls._loss, loss_fn, batch)
 
-    def step(self, microbatches: list[dict], loss_fn: LossFn) -> StepResult:
-        """Forward/backward over ``microbatches`` (dicts with input_ids/position_ids [b, s] and loss inputs)."""
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
+    def _schedule(self, microbatches: list[dict], loss_fn: LossFn, forward_only: bool) -> list[dict]:
+        """Megatron's pipeline schedule over equally-shaped micro-batches; metrics exist on the last stage only."""
         batch_size, seq_length = microbatches[0]["input_ids"].shape
         data = [iter(microbatches) for _ in self.model]
-        losses = get_forward_backward_func()(
+        return get_forward_backward_func()(
             forward_step_func=partial(self._forward, loss_fn),
             data_iterator=data if len(data) > 1 else data[0],
             model=self.model,
             num_microbatches=len(microbatches),
             seq_length=seq_length,
             micro_batch_size=batch_size,
-            forward_only=False,
+            forward_only=forward_only,
         )
+
+    def step(self, microbatches: list[dict], loss_fn: LossFn) -> StepResult:
+        """Forward/backward over ``microbatches`` (dicts with input_ids/position_ids [b, s] and loss inputs)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._schedule(microbatches, loss_fn, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
         # Only the last pipeline stage sees losses (others contribute 0); share their DP mean with every rank.
         local = sum(float(m["loss"]) for m in losses) / len(microbatches)
         dp_mean = all_reduce_scalar(local, self.groups.dp_cp) / torch.distributed.get_world_size(self.groups.dp_cp)
         loss = all_reduce_scalar(dp_mean, self.groups.pp)
         return StepResult(loss=loss, grad_norm=float(grad_norm), update_successful=bool(update_successful))
+
+    @torch.no_grad()
+    def logprobs(self, tokens: torch.Tensor, vocab_size: int, micro_batch_size: int) -> torch.Tensor:
+        """log p(tokens[:, i] | tokens[:, :i]) for i >= 1, shape [b, s-1], on every rank (fp32)."""
+        length = tokens.shape[1] - 1
+        # Sequence parallelism splits the sequence over TP ranks; right padding leaves causal scores unchanged.
+        pad = -length % torch.distributed.get_world_size(self.groups.tp)
+        padded = torch.nn.functional.pad(tokens, (0, pad))
+        positions = torch.arange(length + pad, device=tokens.device).expand(micro_batch_size, -1)
+        microbatches = [
+            {"input_ids": mb[:, :-1], "labels": mb[:, 1:], "position_ids": positions}
+            for mb in padded.split(micro_batch_size)
+        ]
+
+        def score(batch, output):
+            logprobs = token_logprobs(output, batch["labels"], vocab_size)
+            return logprobs.sum() * 0, {"logprobs": logprobs[:, :length]}
+
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            outputs = self._schedule(microbatches, score, forward_only=True)
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        pp = torch.distributed.get_world_size(self.groups.pp)
+        is_last = torch.distributed.get_rank(self.groups.pp) == pp - 1
+        local = [torch.cat([o["logprobs"] for o in outputs])] if is_last else None
+        shape = torch.Size([tokens.shape[0], length])
+        return broadcast_bucket(local, [shape], torch.float32, pp - 1, self.groups.pp, tokens.device)[0]

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.tiny import FAMILIES, make_tiny
 
 WORLD_SIZE = 4
+
+# A throw-away local Ray cluster: no token file in ~/.ray; set before the rank pool spawns, so ranks inherit it.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +37,15 @@ def ranks():
 def ranks3():
     """Three ranks, for layouts of models whose head counts are multiples of 3 (SmolLM2: 9 heads, 3 KV)."""
     yield from _pool(3)
+
+
+@pytest.fixture(scope="session")
+def ray_address(tmp_path_factory):
+    """A local Ray cluster for the session (logical resources only); yields its address for other processes."""
+    import ray
+
+    from mcore_rl.rollout.remote import NAMESPACE
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()

@@ -8,11 +8,11 @@ import torch
 import transformers
 
 COMMON = dict(
-    hidden_size=64,
+    hidden_size=128,
     num_hidden_layers=4,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
+    head_dim=32,  # vLLM's CPU attention supports 32, 64, 80, ...; not 16
     intermediate_size=96,
     vocab_size=100,  # not a multiple of 128: exercises Megatron's vocabulary padding
     max_position_embeddings=128,
@@ -30,7 +30,7 @@ FAMILIES: dict[str, dict] = {
         tie_word_embeddings=False,
         num_experts=4,
         num_experts_per_tok=2,
-        moe_intermediate_size=32,
+        moe_intermediate_size=64,  # vLLM's CPU MoE kernel pads other sizes
         norm_topk_prob=True,
         router_aux_loss_coef=0.0,
     ),

@@ -115,3 +115,58 @@ def cuda_call_sites(case: str, **kwargs) -> list[str]:
     finally:
         torch.cuda._lazy_init = original
     return hits
+
+
+def train_and_sync(
+    hf_dir: str, layout: dict, ray_address: str, engine_name: str, steps: int, bucket_bytes: int
+) -> list[dict]:
+    """Alternate Adam steps and weight syncs into the named rollout engine (owned by rank 0).
+
+    Before each sync the engine still holds the previous weights, which the probe must reject; after the sync
+    the probe's numbers are returned for the test to check.
+    """
+    import ray
+
+    from mcore_rl.rollout.remote import NAMESPACE
+    from mcore_rl.sync import ProbeMismatchError, SyncConfig, WeightSync
+
+    owner = torch.distributed.get_rank() == 0
+    if owner and not ray.is_initialized():
+        ray.init(address=ray_address, log_to_driver=False, namespace=NAMESPACE)
+    bridge, config, chunks, groups = _load(hf_dir, layout)
+    optimizer = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
+    step = MegatronTrainStep(chunks, config, optimizer, groups)
+    engine = ray.get_actor(engine_name) if owner else None
+    sync = WeightSync(
+        chunks,
+        bridge,
+        groups,
+        engine,
+        lambda tokens: step.logprobs(tokens, bridge.vocab_size, micro_batch_size=2),
+        SyncConfig(bucket_bytes=bucket_bytes),
+        torch.float32,
+    )
+    tokens = torch.randint(0, bridge.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    mine = tokens.chunk(dp)[dp_rank]
+    positions = torch.arange(mine.shape[1] - 1).expand(1, -1)
+    microbatches = [{"input_ids": mb[:, :-1], "labels": mb[:, 1:], "position_ids": positions} for mb in mine.split(1)]
+
+    def loss_fn(batch, output):
+        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size).mean()
+        return loss, {"loss": loss.detach()}
+
+    reports = []
+    try:
+        for _ in range(steps):
+            assert step.step(microbatches, loss_fn).update_successful
+            try:
+                sync._probe()
+                stale_rejected = False
+            except ProbeMismatchError:
+                stale_rejected = True
+            report = sync.sync()
+            reports.append(dict(vars(report), stale_rejected=stale_rejected))
+    finally:
+        sync.close()
+    return reports

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import queue
 import socket
 import sys
 import traceback
@@ -16,7 +17,8 @@ import traceback
 import torch.multiprocessing as mp
 
 CASE_TIMEOUT_S = 300
-HANG_DUMP_S = 120  # a rank still busy after this prints its stack (stderr): hangs show where they are
+HANG_DUMP_S = 120
+PEER_GRACE_S = 20  # after one rank failed, how long the others get before the pool is restarted  # a rank still busy after this prints its stack (stderr): hangs show where they are
 
 
 def _free_port() -> int:
@@ -57,31 +59,45 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
 
 class RankPool:
     def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        self.world_size = world_size
         self.results = ctx.Queue()
-        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         port = _free_port()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, repo, self.tasks[r], self.results), daemon=True)
-            for r in range(world_size)
+            ctx.Process(target=_worker, args=(r, self.world_size, port, repo, self.tasks[r], self.results), daemon=True)
+            for r in range(self.world_size)
         ]
         for p in self.procs:
             p.start()
 
     def run(self, fn, **kwargs) -> list:
-        """Run ``fn(**kwargs)`` on every rank; returns the per-rank results or raises with the failing traceback."""
+        """Run ``fn(**kwargs)`` on every rank; returns the per-rank results or raises with the failing traceback.
+
+        A rank that fails leaves its peers waiting in a collective: after the first failure the others get
+        ``PEER_GRACE_S`` to finish, then the pool is restarted so the next case starts clean.
+        """
         for q in self.tasks:
             q.put((fn, kwargs))
-        out, errors = [None] * self.world_size, []
-        for _ in range(self.world_size):
-            rank, ok, value = self.results.get(timeout=CASE_TIMEOUT_S)
+        out, errors, pending = [None] * self.world_size, [], self.world_size
+        while pending:
+            try:
+                rank, ok, value = self.results.get(timeout=PEER_GRACE_S if errors else CASE_TIMEOUT_S)
+            except queue.Empty:
+                errors.append(f"{pending} rank(s) did not finish (see their stacks on stderr)")
+                break
+            pending -= 1
             if ok:
                 out[rank] = value
             else:
                 errors.append(f"rank {rank}:\n{value}")
         if errors:
+            self.close()
+            self._start()
             raise RuntimeError("\n".join(errors))
         return out
 
@@ -89,6 +105,6 @@ class RankPool:
         for q in self.tasks:
             q.put(None)
         for p in self.procs:
-            p.join(timeout=30)
+            p.join(timeout=5)
             if p.is_alive():
                 p.kill()

@@ -1,0 +1,173 @@
+"""Trainer -> rollout weight sync, in memory, verified by a log-prob probe after every sync.
+
+Every trainer rank runs :func:`converters.stream.export_hf` (its collectives need all ranks); the rank that owns
+a rollout engine (the first rank of each rollout replica) regroups the HF tensors into byte buckets, packs each
+into a buffer the engine's workers map (:mod:`mcore_rl.rollout.transport`) and streams the handles to its engine.
+Two buffers alternate, so packing bucket k+1 overlaps the engine loading bucket k. Afterwards the engine scores a
+fixed probe batch and its log-probs are compared with the trainer's: stale or corrupted weights fail loudly here
+instead of silently skewing the policy gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import ray
+import torch
+
+from converters.stream import DEFAULT_BUCKET_BYTES, export_hf
+from mcore_rl.rollout.transport import BucketSender
+from parallel.comm import all_reduce_scalar
+
+log = logging.getLogger(__name__)
+
+# Defaults of the probe's tolerances by engine dtype: (max |Δ|, mean |Δ|) of per-token log-probs.
+PROBE_TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (1.0, 5e-2), torch.float16: (1.0, 5e-2)}
+
+
+@dataclass
+class SyncConfig:
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    probe: bool = True  # score the probe batch after every sync
+    probe_sequences: int = 4
+    probe_length: int = 32
+    probe_seed: int = 0
+    probe_max_tolerance: float | None = None  # None: by engine dtype, see PROBE_TOLERANCE
+    probe_mean_tolerance: float | None = None
+
+    def validate(self) -> None:
+        if self.bucket_bytes <= 0:
+            raise ValueError(f"sync.bucket_bytes={self.bucket_bytes}: expected a positive number of bytes")
+        if self.probe and (self.probe_sequences < 1 or self.probe_length < 2):
+            raise ValueError("sync.probe_sequences must be >= 1 and sync.probe_length >= 2")
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    index: int  # 0 for the first sync (buffers allocated), then 1, 2, ...
+    seconds: float
+    bytes: int
+    buckets: int
+    probe_max_abs_diff: float | None
+    probe_mean_abs_diff: float | None
+    repairs: tuple[str, ...]
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else math.inf
+
+
+class ProbeMismatchError(RuntimeError):
+    """The rollout engine's log-probs after a sync disagree with the trainer's beyond the tolerance."""
+
+
+def probe_tokens(vocab_size: int, config: SyncConfig) -> torch.Tensor:
+    """The fixed probe batch: seeded uniform token ids, the same on every rank and every sync."""
+    generator = torch.Generator().manual_seed(config.probe_seed)
+    return torch.randint(0, vocab_size, (config.probe_sequences, config.probe_length), generator=generator)
+
+
+def _send_buckets(named: Iterator[tuple[str, torch.Tensor]], budget: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket, size = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > budget:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class WeightSync:
+    """Streams a trainer's weights into its rollout engine (a Ray actor of ``RolloutEngine``) and checks them.
+
+    ``engine`` is None on ranks that own no engine; they still take part in the export's collectives.
+    ``trainer_logprobs(tokens) -> [b, s-1]`` is the trainer's own scoring (a collective on all ranks).
+    """
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        bridge,
+        groups,
+        engine,
+        trainer_logprobs: Callable[[torch.Tensor], torch.Tensor],
+        config: SyncConfig,
+        engine_dtype: torch.dtype,
+    ):
+        config.validate()
+        self.chunks, self.bridge, self.groups, self.engine = chunks, bridge, groups, engine
+        self.trainer_logprobs = trainer_logprobs
+        self.config = config
+        default_max, default_mean = PROBE_TOLERANCE[engine_dtype]
+        self.max_tolerance = config.probe_max_tolerance if config.probe_max_tolerance is not None else default_max
+        self.mean_tolerance = config.probe_mean_tolerance if config.probe_mean_tolerance is not None else default_mean
+        device = next(chunks[0].parameters()).device
+        self.senders = [BucketSender(device), BucketSender(device)]
+        self.probe = probe_tokens(bridge.vocab_size, config).to(device)
+        self.count = 0
+
+    def sync(self) -> SyncReport:
+        """Push the current weights; then (by default) probe. Collective over all trainer ranks."""
+        start = time.perf_counter()
+        nbytes = buckets = 0
+        repairs: tuple[str, ...] = ()
+        pending: list = [None, None]  # in-flight load per buffer
+        exported = export_hf(self.chunks, self.bridge, self.groups, bucket_bytes=self.config.bucket_bytes)
+        if self.engine is None:
+            for _ in exported:
+                pass
+        else:
+            ray.get(self.engine.begin_weight_update.remote())
+            for i, bucket in enumerate(_send_buckets(exported, self.config.bucket_bytes)):
+                slot = i % 2
+                if pending[slot] is not None:
+                    ray.get(pending[slot])  # the engine is done with this buffer
+                handle = self.senders[slot].pack(bucket)
+                pending[slot] = self.engine.load_bucket.remote(handle)
+                nbytes += handle.nbytes
+                buckets += 1
+            ray.get([p for p in pending if p is not None])
+            repairs = tuple(ray.get(self.engine.finish_weight_update.remote()))
+        seconds = time.perf_counter() - start
+        max_diff = mean_diff = None
+        if self.config.probe:
+            max_diff, mean_diff = self._probe()
+        report = SyncReport(self.count, seconds, nbytes, buckets, max_diff, mean_diff, repairs)
+        self.count += 1
+        if self.engine is not None:
+            log.info(
+                "weight sync %d: %.3f s, %.1f MB in %d buckets (%.2f GB/s), probe max|Δ| %s mean|Δ| %s",
+                report.index, seconds, nbytes / 1e6, buckets, report.gb_per_s, max_diff, mean_diff,
+            )  # fmt: skip
+        return report
+
+    def _probe(self) -> tuple[float, float]:
+        """Compare the engines' log-probs of the probe batch with the trainer's; all ranks raise above tolerance."""
+        trainer = self.trainer_logprobs(self.probe)
+        max_diff = mean_diff = 0.0
+        if self.engine is not None:
+            engine = torch.tensor(ray.get(self.engine.score.remote(self.probe.tolist())), dtype=torch.float32)
+            diff = (engine - trainer.cpu()).abs()
+            max_diff, mean_diff = diff.max().item(), diff.mean().item()
+        # The worst engine decides, on every rank, so that all ranks raise together or none does.
+        max_diff = all_reduce_scalar(max_diff, torch.distributed.group.WORLD, "max")
+        mean_diff = all_reduce_scalar(mean_diff, torch.distributed.group.WORLD, "max")
+        if not (max_diff <= self.max_tolerance and mean_diff <= self.mean_tolerance):
+            raise ProbeMismatchError(
+                f"after weight sync {self.count}, rollout log-probs differ from the trainer's: max |Δ| {max_diff:.3g} "
+                f"(tolerance {self.max_tolerance:g}), mean |Δ| {mean_diff:.3g} (tolerance {self.mean_tolerance:g}); "
+                "the engine holds stale or mis-converted weights (set sync.probe_max_tolerance/"
+                "probe_mean_tolerance only if the difference is expected numerics)"
+            )
+        return max_diff, mean_diff
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.close()

