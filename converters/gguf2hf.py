@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -39,14 +40,27 @@ def default_gguf() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The embedded default model as an HF directory, converting it on first use."""
-    return convert(default_gguf(), cache_dir() / DEFAULT_NAME)
+    """The embedded default model as an HF directory, converting it on first use (or when the cache is stale)."""
+    out_dir = cache_dir() / DEFAULT_NAME
+    if out_dir.exists() and not _is_complete(out_dir):
+        shutil.rmtree(out_dir)  # our own cache, e.g. written by an older converter
+    return convert(default_gguf(), out_dir)
+
+
+def _is_complete(out_dir: Path) -> bool:
+    """A finished conversion: weights present and a config that does not claim GGUF quantisation."""
+    config = out_dir / "config.json"
+    return (
+        config.is_file()
+        and (out_dir / "model.safetensors").is_file()
+        and "quantization_config" not in json.loads(config.read_text())
+    )
 
 
 def convert(gguf: Path, out_dir: Path) -> Path:
     """Write ``gguf`` as an fp32 HF directory at ``out_dir``; a complete existing directory is reused."""
     out_dir = Path(out_dir)
-    if (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file():
+    if _is_complete(out_dir):
         return out_dir
     if out_dir.exists():
         raise FileExistsError(f"{out_dir}: exists but is not a complete HF directory; remove it to convert again")
@@ -59,8 +73,11 @@ def convert(gguf: Path, out_dir: Path) -> Path:
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
     )
-    # A GGUF-loaded model refuses save_pretrained ("quantized with gguf"): copy into a plain one.
-    plain = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained ("quantized with gguf"): copy into a plain one, whose weights
+    # are dequantised fp32, so its config must not carry the GGUF quantisation (vLLM would refuse it).
+    config = loaded.config
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     plain.save_pretrained(partial)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True).save_pretrained(partial)

@@ -18,7 +18,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from converters.hf_io import HFCheckpoint
 from converters.mapping import Mapping, MappingTable
 from converters.plan import LocalParam, global_expert_name, local_params
-from converters.transforms import shard
+from converters.transforms import full_shape, shard
 from parallel.comm import all_gather_bucket, all_gather_objects, broadcast_bucket
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -31,14 +31,6 @@ def _size_rank(group) -> tuple[int, int]:
 def _num_local_experts(chunks, ep: int) -> int:
     experts = chunks[0].config.num_moe_experts
     return experts // ep if experts else 0
-
-
-def _full_shape(shape: torch.Size, axis: int | None, tp: int) -> torch.Size:
-    if axis is None:
-        return torch.Size(shape)
-    dims = list(shape)
-    dims[axis] *= tp
-    return torch.Size(dims)
 
 
 def _check_axis(mapping: Mapping, name: str, megatron_axis: int | None) -> None:
@@ -79,7 +71,7 @@ def load_hf(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path, groups: P
             problems.append(f"missing tensor(s) {missing} (needed for Megatron {name})")
             continue
         consumed.update(hf_names)
-        want = _full_shape(lp.param.shape, lp.tp_axis, tp)
+        want = full_shape(lp.param.shape, lp.tp_axis, tp)
         hf = [ckpt.get(n) for n in hf_names]
         try:
             full = mapping.to_megatron(hf, tp, want)
@@ -110,7 +102,7 @@ class _Task:
     tp_axis: int | None
 
     def nbytes(self, tp: int, ep: int) -> int:
-        return _full_shape(torch.Size(self.shape), self.tp_axis, tp).numel() * self.dtype.itemsize * ep
+        return full_shape(torch.Size(self.shape), self.tp_axis, tp).numel() * self.dtype.itemsize * ep
 
 
 def _plan(mine: dict[str, LocalParam], table: MappingTable, groups, num_local: int) -> list[_Task]:
@@ -177,7 +169,7 @@ def export_hf(
             else:
                 names.append((t.slot, tp))
         shapes = [
-            _full_shape(torch.Size(t.shape), t.tp_axis, etp if t.is_expert else tp)
+            full_shape(torch.Size(t.shape), t.tp_axis, etp if t.is_expert else tp)
             for t in bucket
             for _ in range(ep if t.is_expert else 1)
         ]

@@ -56,6 +56,15 @@ def pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
     return torch.cat([weight, pad])
 
 
+def full_shape(shape: torch.Size, axis: int | None, size: int) -> torch.Size:
+    """The shape of the full tensor whose TP shards (over ``size`` ranks, on ``axis``) have ``shape``."""
+    if axis is None:
+        return torch.Size(shape)
+    dims = list(shape)
+    dims[axis] *= size
+    return torch.Size(dims)
+
+
 def shard(full: torch.Tensor, axis: int | None, rank: int, size: int) -> torch.Tensor:
     """This rank's TP chunk of a full Megatron tensor (``axis=None``: replicated)."""
     if axis is None or size == 1:

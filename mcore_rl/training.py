@@ -1,6 +1,7 @@
-"""One Megatron-Core optimisation step over micro-batches: Megatron's DDP, optimizer and pipeline schedules.
+"""Megatron-Core models driven by Megatron's pipeline schedules: forward-only scoring and optimisation steps.
 
-The RL trainer builds on this; the loss is a callable so algorithm math stays outside (pure functions).
+``MegatronModel`` scores sequences (reference model, post-sync probe); ``MegatronTrainStep`` adds Megatron's DDP
+and optimizer. The loss is a callable so algorithm math stays outside (pure functions).
 """
 
 from __future__ import annotations
@@ -30,27 +31,12 @@ class StepResult:
     update_successful: bool
 
 
-class MegatronTrainStep:
-    """Owns the DDP-wrapped model chunks and the optimizer; ``step`` runs one update."""
+class MegatronModel:
+    """This rank's model chunks (plain or DDP-wrapped) and the schedule that runs them over micro-batches."""
 
-    def __init__(
-        self,
-        chunks: list[torch.nn.Module],
-        config: TransformerConfig,
-        optimizer: OptimizerConfig,
-        groups: ProcessGroupCollection,
-    ):
-        ddp = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=optimizer.use_distributed_optimizer
-        )
-        self.model = [
-            DistributedDataParallel(config, ddp, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)
-        ]
-        config.finalize_model_grads_func = finalize_model_grads
+    def __init__(self, chunks: list[torch.nn.Module], groups: ProcessGroupCollection):
+        self.model = chunks
         self.groups = groups
-        self.optimizer = get_megatron_optimizer(
-            optimizer, self.model, use_gloo_process_groups=torch.cuda.is_available(), pg_collection=groups
-        )
 
     @staticmethod
     def _loss(loss_fn: LossFn, batch: dict, output: torch.Tensor):
@@ -77,19 +63,6 @@ class MegatronTrainStep:
             micro_batch_size=batch_size,
             forward_only=forward_only,
         )
-
-    def step(self, microbatches: list[dict], loss_fn: LossFn) -> StepResult:
-        """Forward/backward over ``microbatches`` (dicts with input_ids/position_ids [b, s] and loss inputs)."""
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        losses = self._schedule(microbatches, loss_fn, forward_only=False)
-        update_successful, grad_norm, _ = self.optimizer.step()
-        # Only the last pipeline stage sees losses (others contribute 0); share their DP mean with every rank.
-        local = sum(float(m["loss"]) for m in losses) / len(microbatches)
-        dp_mean = all_reduce_scalar(local, self.groups.dp_cp) / torch.distributed.get_world_size(self.groups.dp_cp)
-        loss = all_reduce_scalar(dp_mean, self.groups.pp)
-        return StepResult(loss=loss, grad_norm=float(grad_norm), update_successful=bool(update_successful))
 
     @torch.no_grad()
     def logprobs(self, tokens: torch.Tensor, vocab_size: int, micro_batch_size: int) -> torch.Tensor:
@@ -120,3 +93,39 @@ class MegatronTrainStep:
         local = [torch.cat([o["logprobs"] for o in outputs])] if is_last else None
         shape = torch.Size([tokens.shape[0], length])
         return broadcast_bucket(local, [shape], torch.float32, pp - 1, self.groups.pp, tokens.device)[0]
+
+
+class MegatronTrainStep(MegatronModel):
+    """Adds Megatron's DDP wrapping and (distributed) optimizer; ``step`` runs one update."""
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        config: TransformerConfig,
+        optimizer: OptimizerConfig,
+        groups: ProcessGroupCollection,
+    ):
+        ddp = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=optimizer.use_distributed_optimizer
+        )
+        wrapped = [
+            DistributedDataParallel(config, ddp, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)
+        ]
+        super().__init__(wrapped, groups)
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(
+            optimizer, self.model, use_gloo_process_groups=torch.cuda.is_available(), pg_collection=groups
+        )
+
+    def step(self, microbatches: list[dict], loss_fn: LossFn) -> StepResult:
+        """Forward/backward over ``microbatches`` (dicts with input_ids/position_ids [b, s] and loss inputs)."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._schedule(microbatches, loss_fn, forward_only=False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        # Only the last pipeline stage sees losses (others contribute 0); share their DP mean with every rank.
+        local = sum(float(m["loss"]) for m in losses) / len(microbatches)
+        dp_mean = all_reduce_scalar(local, self.groups.dp_cp) / torch.distributed.get_world_size(self.groups.dp_cp)
+        loss = all_reduce_scalar(dp_mean, self.groups.pp)
+        return StepResult(loss=loss, grad_norm=float(grad_norm), update_successful=bool(update_successful))

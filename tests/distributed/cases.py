@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import re
 import traceback
+import zlib
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig
 
 from converters.hf_io import HFCheckpoint
+from converters.plan import local_params
 from converters.stream import export_hf, load_hf
+from converters.transforms import full_shape, shard
 from mcore_rl.logprobs import token_logprobs
-from mcore_rl.training import MegatronTrainStep
+from mcore_rl.training import MegatronModel, MegatronTrainStep
 from models.registry import get_bridge
 from parallel.config import ParallelConfig
 from parallel.groups import init_parallel
@@ -84,6 +87,10 @@ def train_step(hf_dir: str, layout: dict, tokens: torch.Tensor, micro_batch_size
 def greedy(hf_dir: str, layout: dict, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """Greedy continuation computed by the Megatron model (full re-forward per token, TP logits gathered)."""
     bridge, _, chunks, groups = _load(hf_dir, layout)
+    return _greedy(chunks, groups, bridge, prompt_ids, new_tokens)
+
+
+def _greedy(chunks, groups, bridge, prompt_ids: list[int], new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt_ids])
     for _ in range(new_tokens):
         with torch.no_grad():
@@ -170,3 +177,48 @@ def train_and_sync(
     finally:
         sync.close()
     return reports
+
+
+def _perturb(chunks, groups, seed: int, scale: float) -> None:
+    """Add seeded noise to every parameter, drawn for the full tensor and sliced to this rank's shard, so the
+    perturbed model is the same whatever the layout (replicated parameters stay identical across ranks)."""
+    for lp in local_params(chunks):
+        tp = torch.distributed.get_world_size(groups.expt_tp if lp.is_expert else groups.tp)
+        tp_rank = torch.distributed.get_rank(groups.expt_tp if lp.is_expert else groups.tp)
+        generator = torch.Generator().manual_seed(seed + zlib.crc32(lp.slot.encode()))
+        full = torch.randn(full_shape(lp.param.shape, lp.tp_axis, tp), generator=generator)
+        with torch.no_grad():
+            lp.param.add_(shard(full, lp.tp_axis, tp_rank, tp) * scale * lp.param.std())
+
+
+def perturb_and_sync(
+    hf_dir: str, layout: dict, ray_address: str, engine_name: str, prompt_ids: list[int], new_tokens: int
+) -> dict:
+    """Megatron's greedy continuation before and after perturbing its weights, and the sync's report."""
+    import ray
+
+    from mcore_rl.rollout.remote import NAMESPACE
+    from mcore_rl.sync import SyncConfig, WeightSync
+
+    owner = torch.distributed.get_rank() == 0
+    if owner and not ray.is_initialized():
+        ray.init(address=ray_address, log_to_driver=False, namespace=NAMESPACE)
+    bridge, _, chunks, groups = _load(hf_dir, layout)
+    model = MegatronModel(chunks, groups)
+    sync = WeightSync(
+        chunks,
+        bridge,
+        groups,
+        ray.get_actor(engine_name) if owner else None,
+        lambda tokens: model.logprobs(tokens, bridge.vocab_size, micro_batch_size=4),
+        SyncConfig(bucket_bytes=64 << 20),
+        torch.float32,
+    )
+    before = _greedy(chunks, groups, bridge, prompt_ids, new_tokens)
+    _perturb(chunks, groups, seed=7, scale=0.25)
+    after = _greedy(chunks, groups, bridge, prompt_ids, new_tokens)
+    try:
+        report = sync.sync()
+    finally:
+        sync.close()
+    return dict(before=before, after=after, report=vars(report))

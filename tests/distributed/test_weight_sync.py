@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mcore_rl.rollout.engine import RolloutConfig
@@ -10,16 +12,19 @@ from tests.distributed import cases
 
 ENGINE = RolloutConfig(load_tokenizer=False, max_model_len=128, cpu_kv_cache_bytes=32 << 20)
 DENSE_LAYOUTS = [dict(tp=2), dict(pp=2)]
-CASES = [
-    ("LlamaForCausalLM", DENSE_LAYOUTS),  # tied embeddings
-    ("Qwen3ForCausalLM", DENSE_LAYOUTS),  # tied embeddings, qk-norm
-    ("Qwen3MoeForCausalLM", [dict(ep=2), dict(tp=2, sequence_parallel=True)]),
+CASES = [  # (architecture, rollout TP, training layouts)
+    ("LlamaForCausalLM", 1, DENSE_LAYOUTS),  # tied embeddings
+    ("Qwen3ForCausalLM", 1, DENSE_LAYOUTS),  # tied embeddings, qk-norm
+    ("Qwen3MoeForCausalLM", 1, [dict(ep=2), dict(tp=2, sequence_parallel=True)]),
+    ("LlamaForCausalLM", 2, [dict(pp=2)]),  # the engine's TP workers each take their shard of the same bucket
+    ("Qwen3MoeForCausalLM", 2, [dict(ep=2)]),
 ]
 
 
-@pytest.mark.parametrize("arch,layouts", CASES, ids=[c[0] for c in CASES])
-def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, arch, layouts):
-    engine = launch_engine(tiny_models[arch], ENGINE, name=f"rollout-{arch}")
+@pytest.mark.parametrize("arch,rollout_tp,layouts", CASES, ids=[f"{c[0]}-rollout_tp{c[1]}" for c in CASES])
+def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, arch, rollout_tp, layouts):
+    config = dataclasses.replace(ENGINE, tensor_parallel_size=rollout_tp)
+    engine = launch_engine(tiny_models[arch], config, name=f"rollout-{arch}")
     try:
         for layout in layouts:
             reports = ranks.run(
