@@ -177,16 +177,19 @@ class RolloutEngine:
         ]
 
     # ---- memory: sleep while the colocated trainer runs ---------------------------------------------------
-    def sleep(self) -> None:
-        """Give memory back to the trainer: CUDA sleep mode; on CPU, free the KV cache."""
+    def sleep(self) -> int:
+        """Give memory back to the trainer (CUDA sleep mode; on CPU, free the KV cache); returns bytes freed."""
         if self.asleep:
-            return
+            return 0
         if self.cuda:
+            free_before, _ = torch.cuda.mem_get_info()
             self.llm.sleep(level=self.config.sleep_level)
+            freed = torch.cuda.mem_get_info()[0] - free_before
         else:
             freed = sum(self.llm.collective_rpc("mcore_rl_release_kv_cache"))
-            log.debug("released %.1f MiB of KV cache", freed / 2**20)
+        log.debug("rollout engine asleep: %.1f MiB freed", freed / 2**20)
         self.asleep = True
+        return freed
 
     def wake_weights(self) -> None:
         """Wake the weights only (CUDA), so new weights can be loaded before the KV cache takes memory again."""

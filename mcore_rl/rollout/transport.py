@@ -54,10 +54,20 @@ def _views(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> Iterator[tuple[
         yield m.name, buffer[m.offset : m.offset + n].view(dtype).view(m.shape)
 
 
+def _remove_stale_segments() -> None:
+    """Delete shm buckets of trainer processes that died without closing them (``mcore_rl_<pid>_<id>``)."""
+    for path in SHM_DIR.glob("mcore_rl_*_*"):
+        pid = path.name.split("_")[2]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+
+
 class BucketSender:
     """Trainer side: owns the shared buffer (grown when a bucket needs more) and packs buckets into it."""
 
     def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            _remove_stale_segments()
         self.device = device
         self._buffer: torch.Tensor | None = None
         self._location: str | bytes | None = None
@@ -107,7 +117,11 @@ def open_bucket(handle: BucketHandle, device: torch.device) -> tuple[torch.Tenso
         args[6] = device.index  # the device ordinal as this process sees it
         buffer = rebuild(*args)
     elif handle.kind == "shm":
-        buffer = torch.from_file(str(SHM_DIR / handle.location), shared=True, size=handle.nbytes, dtype=torch.uint8)
+        path = SHM_DIR / handle.location
+        # torch.from_file would create a missing file and hand back zeros: check first.
+        if not path.is_file() or path.stat().st_size < handle.nbytes:
+            raise FileNotFoundError(f"{path}: the shared bucket is gone or short (its sender closed or died)")
+        buffer = torch.from_file(str(path), shared=True, size=handle.nbytes, dtype=torch.uint8)
     else:
         raise ValueError(f"unknown bucket handle kind {handle.kind!r}; expected 'shm' or 'cuda_ipc'")
     return buffer, list(_views(buffer, handle.tensors))

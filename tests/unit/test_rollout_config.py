@@ -1,0 +1,57 @@
+"""Rollout and sync settings are checked up front, with errors that name the field and what was expected."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_rl.rollout.engine import RolloutConfig, SamplingConfig, cpu_thread_binding
+from mcore_rl.sync import SyncConfig, probe_tokens
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("n", 0, r"rollout.train.n=0: expected at least 1"),
+        ("temperature", -0.5, r"rollout.train.temperature=-0.5: expected >= 0"),
+        ("top_p", 0.0, r"rollout.train.top_p=0.0: expected in \(0, 1\]"),
+        ("top_k", -1, r"rollout.train.top_k=-1: expected >= 0 \(0 disables top-k\)"),
+        ("max_new_tokens", 0, r"rollout.train.max_new_tokens=0: expected at least 1"),
+    ],
+)
+def test_bad_sampling_is_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        RolloutConfig(train=SamplingConfig(**{field: value})).validate()
+
+
+def test_stop_strings_need_the_tokenizer():
+    config = RolloutConfig(load_tokenizer=False, eval=SamplingConfig(stop=["\n\n"]))
+    with pytest.raises(ValueError, match=r"rollout.eval.stop needs the tokenizer: set rollout.load_tokenizer=true"):
+        config.validate()
+
+
+def test_rollout_sizes_are_checked():
+    with pytest.raises(ValueError, match=r"rollout.tensor_parallel_size=0"):
+        RolloutConfig(tensor_parallel_size=0).validate()
+    with pytest.raises(ValueError, match=r"rollout.sleep_level=3: expected 1 or 2"):
+        RolloutConfig(sleep_level=3).validate()
+
+
+def test_cpu_binding_splits_cores_over_tp_workers(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda _: {0, 1, 2, 3})
+    assert cpu_thread_binding(RolloutConfig(tensor_parallel_size=1)) == "0,1,2,3"
+    assert cpu_thread_binding(RolloutConfig(tensor_parallel_size=2)) == "0,1|2,3"
+    assert cpu_thread_binding(RolloutConfig(tensor_parallel_size=8)).count("|") == 7  # more workers than cores
+    assert cpu_thread_binding(RolloutConfig(cpu_threads_bind="0-1|2-3")) == "0-1|2-3"
+
+
+def test_sync_config_and_probe_batch():
+    with pytest.raises(ValueError, match=r"sync.bucket_bytes=0: expected a positive number of bytes"):
+        SyncConfig(bucket_bytes=0).validate()
+    with pytest.raises(
+        ValueError, match=r"sync.probe_length=1: expected sync.probe_sequences >= 1 and sync.probe_length >= 2"
+    ):
+        SyncConfig(probe_length=1).validate()
+    config = SyncConfig(probe_sequences=3, probe_length=9)
+    probe = probe_tokens(50, config)
+    assert probe.shape == (3, 9) and int(probe.max()) < 50
+    assert probe.equal(probe_tokens(50, config))  # fixed: the same batch at every sync
