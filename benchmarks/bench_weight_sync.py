@@ -26,6 +26,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from mcore_rl.sync import SyncConfig, WeightSync  # noqa: E402 - after the repository is on the path
+
 # A Llama-architecture model ~4x SmolLM2 (about 0.5B parameters, 2 GB in fp32), random weights.
 SYNTHETIC = dict(
     hidden_size=1536,
@@ -72,7 +74,6 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> list:
     from converters.stream import load_hf
     from mcore_rl.rollout.engine import RolloutConfig
     from mcore_rl.rollout.remote import launch_engine, stop_engine
-    from mcore_rl.sync import SyncConfig, WeightSync
     from mcore_rl.training import MegatronModel
     from models.registry import get_bridge
     from parallel.config import ParallelConfig
@@ -130,7 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,synthetic", help="comma-separated: smollm2, synthetic")
     parser.add_argument("--syncs", type=int, default=4)
-    parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument("--bucket-mb", type=int, default=SyncConfig.bucket_bytes >> 20)
     parser.add_argument("--out", type=Path, default=None, help="report path (default: benchmarks/reports/...)")
     args = parser.parse_args()
     started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")

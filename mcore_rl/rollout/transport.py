@@ -65,13 +65,16 @@ def _remove_stale_segments() -> None:
 class BucketSender:
     """Trainer side: owns the shared buffer (grown when a bucket needs more) and packs buckets into it."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, reserve_bytes: int = 0):
         if device.type != "cuda":
             _remove_stale_segments()
         self.device = device
         self._buffer: torch.Tensor | None = None
         self._location: str | bytes | None = None
         self._path: Path | None = None
+        if reserve_bytes:
+            self._ensure(reserve_bytes)
+            self._buffer.zero_()  # fault the pages in now, so the first sync costs what later ones do
 
     def _ensure(self, nbytes: int) -> None:
         if self._buffer is not None and self._buffer.numel() >= nbytes:
