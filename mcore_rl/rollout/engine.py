@@ -128,7 +128,8 @@ class RolloutEngine:
             **memory,
         )
         self.llm.collective_rpc("mcore_rl_check_reloadable")
-        self.asleep = False
+        self.asleep = False  # KV cache released (and, on CUDA, weights offloaded until wake_weights)
+        self._weights_asleep = False
 
     # ---- generation ---------------------------------------------------------------------------------------
     def _params(self, sampling: SamplingConfig, **extra):
@@ -188,17 +189,19 @@ class RolloutEngine:
         else:
             freed = sum(self.llm.collective_rpc("mcore_rl_release_kv_cache"))
         log.debug("rollout engine asleep: %.1f MiB freed", freed / 2**20)
-        self.asleep = True
+        self.asleep = self._weights_asleep = True
         return freed
 
     def wake_weights(self) -> None:
         """Wake the weights only (CUDA), so new weights can be loaded before the KV cache takes memory again."""
-        if self.cuda and self.asleep:
+        if self.cuda and self._weights_asleep:
             self.llm.wake_up(tags=["weights"])
+        self._weights_asleep = False
 
     def wake_up(self) -> None:
         if not self.asleep:
             return
+        self.wake_weights()
         if self.cuda:
             self.llm.wake_up(tags=["kv_cache"])
         else:
@@ -215,8 +218,10 @@ class RolloutEngine:
         return self.llm.collective_rpc("mcore_rl_load_bucket", args=(handle,))[0]
 
     def finish_weight_update(self) -> list[str]:
+        """Complete the update and wake the KV cache (after the weights, so they never compete for memory)."""
         repairs = self.llm.collective_rpc("mcore_rl_finish_update")[0]
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.wake_up()
         return repairs
 
     def shutdown(self) -> None:

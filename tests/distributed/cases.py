@@ -125,25 +125,31 @@ def cuda_call_sites(case: str, **kwargs) -> list[str]:
 
 
 def train_and_sync(
-    hf_dir: str, layout: dict, ray_address: str, engine_name: str, steps: int, bucket_bytes: int
+    hf_dir: str,
+    layout: dict,
+    ray_address: str,
+    engines: dict[int, str],
+    steps: int,
+    bucket_bytes: int,
+    engine_dtype: str = "float32",
 ) -> list[dict]:
-    """Alternate Adam steps and weight syncs into the named rollout engine (owned by rank 0).
+    """Alternate Adam steps and weight syncs into the named rollout engines (``engines``: owner rank -> name).
 
-    Before each sync the engine still holds the previous weights, which the probe must reject; after the sync
-    the probe's numbers are returned for the test to check.
+    Each engine sleeps while the trainer steps, as in the RL loop; before each sync it still holds the previous
+    weights, which the probe must reject. The sync's reports (with that verdict) are returned per step.
     """
     import ray
 
     from mcore_rl.rollout.remote import NAMESPACE
     from mcore_rl.sync import ProbeMismatchError, SyncConfig, WeightSync
 
-    owner = torch.distributed.get_rank() == 0
-    if owner and not ray.is_initialized():
+    name = engines.get(torch.distributed.get_rank())
+    if name is not None and not ray.is_initialized():
         ray.init(address=ray_address, log_to_driver=False, namespace=NAMESPACE)
+    engine = ray.get_actor(name) if name is not None else None
     bridge, config, chunks, groups = _load(hf_dir, layout)
     optimizer = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
     step = MegatronTrainStep(chunks, config, optimizer, groups)
-    engine = ray.get_actor(engine_name) if owner else None
     sync = WeightSync(
         chunks,
         bridge,
@@ -151,7 +157,7 @@ def train_and_sync(
         engine,
         lambda tokens: step.logprobs(tokens, bridge.vocab_size, micro_batch_size=2),
         SyncConfig(bucket_bytes=bucket_bytes),
-        torch.float32,
+        getattr(torch, engine_dtype),
     )
     tokens = torch.randint(0, bridge.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -166,12 +172,18 @@ def train_and_sync(
     reports = []
     try:
         for _ in range(steps):
+            if engine is not None:
+                ray.get(engine.sleep.remote())
             assert step.step(microbatches, loss_fn).update_successful
+            if engine is not None:
+                ray.get(engine.wake_up.remote())  # only to let the probe score against the stale weights
             try:
                 sync._probe()
                 stale_rejected = False
             except ProbeMismatchError:
                 stale_rejected = True
+            if engine is not None:
+                ray.get(engine.sleep.remote())  # the sync wakes it: weights first, then the KV cache
             report = sync.sync()
             reports.append(dict(vars(report), stale_rejected=stale_rejected))
     finally:
