@@ -42,6 +42,9 @@ SYNTHETIC = dict(
 )
 
 
+TRANSPORT_BYTES = 2 << 30
+
+
 def memcpy_gbps(nbytes: int = 512 << 20, repeats: int = 5) -> float:
     """Best-of-``repeats`` bandwidth of one tensor copy (bytes copied / s), the yardstick for the sync."""
     src = torch.ones(nbytes // 4)
@@ -55,6 +58,58 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _transport_rank(rank: int, port: int, total: int, bucket: int, results) -> None:
+    """One side of a two-process transfer of ``total`` bytes in ``bucket``-sized pieces, by shm and by gloo."""
+    import torch.distributed as dist
+
+    from mcore_rl.rollout.transport import BucketSender, open_bucket
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    data = torch.ones(bucket // 4)
+    cpu = torch.device("cpu")
+    sender = BucketSender(cpu, bucket) if rank == 0 else None
+    timings = {}
+    for method in ("shm", "gloo"):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(total // bucket):
+            if method == "gloo":
+                (dist.send if rank == 0 else dist.recv)(data, 1 - rank)
+                continue
+            box = [sender.pack([("x", data)]) if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)  # the handle: a few hundred bytes
+            if rank == 1:
+                _, views = open_bucket(box[0], cpu)
+                data.copy_(views[0][1])  # what the engine's loader does: copy into its own memory
+            dist.barrier()  # the sender may reuse the buffer
+        timings[method] = time.perf_counter() - start
+    if sender is not None:
+        sender.close()
+    if rank == 1:
+        results.put({m: total / t / 1e9 for m, t in timings.items()})
+    dist.destroy_process_group()
+
+
+def transport_gbps(total: int, bucket: int) -> dict[str, float]:
+    """GB/s of moving buckets between two processes: shared memory (pack + map + copy out) vs gloo send/recv."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_transport_rank, args=(r, port, total, bucket, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = results.get(timeout=600)
+    for p in procs:
+        p.join()
+    return out
 
 
 def model_dir(name: str, scratch: Path) -> Path:
@@ -102,7 +157,7 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> list:
         stop_engine(engine)
 
 
-def report(rows: list[tuple[str, list]], memcpy: float, args, started: str) -> str:
+def report(rows: list[tuple[str, list]], memcpy: float, transport: dict[str, float], args, started: str) -> str:
     lines = [
         f"# Weight sync, {platform.node()} ({os.cpu_count()} CPUs), {started}",
         "",
@@ -124,6 +179,16 @@ def report(rows: list[tuple[str, list]], memcpy: float, args, started: str) -> s
     for name, reports in rows:
         later = sum(r.seconds for r in reports[1:]) / max(1, len(reports) - 1)
         lines.append(f"| {name} | {reports[0].seconds / later:.2f}x |")
+    lines += [
+        "",
+        f"Transport alone, trainer process -> engine process, {TRANSPORT_BYTES >> 20} MiB in "
+        f"{args.bucket_mb} MiB buckets, one bucket in flight (what the CPU choice of shared memory rests on):",
+        "",
+        "| transport | GB/s | % of memcpy |",
+        "|---|---|---|",
+    ]
+    for method, label in (("shm", "shared memory: pack, map, copy out"), ("gloo", "gloo send/recv")):
+        lines.append(f"| {label} | {transport[method]:.2f} | {100 * transport[method] / memcpy:.0f}% |")
     return "\n".join(lines) + "\n"
 
 
@@ -149,7 +214,8 @@ def main() -> None:
             rows.append((name, bench_model(name, model_dir(name, Path(scratch)), args.syncs, args.bucket_mb << 20)))
     ray.shutdown()
     memcpy = memcpy_gbps()
-    text = report(rows, memcpy, args, started)
+    transport = transport_gbps(TRANSPORT_BYTES, args.bucket_mb << 20)
+    text = report(rows, memcpy, transport, args, started)
     hardware = "cuda" if torch.cuda.is_available() else f"cpu{os.cpu_count()}"
     out = args.out or REPO / "benchmarks" / "reports" / f"weight_sync_{hardware}_{started[:10]}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
