@@ -121,7 +121,8 @@ class WeightSync:
         self.max_tolerance = config.probe_max_tolerance if config.probe_max_tolerance is not None else default_max
         self.mean_tolerance = config.probe_mean_tolerance if config.probe_mean_tolerance is not None else default_mean
         device = next(chunks[0].parameters()).device
-        self.senders = [BucketSender(device, config.bucket_bytes) for _ in range(2)]
+        # Two buffers (pack one while the engine loads the other), only where an engine is fed.
+        self.senders = [BucketSender(device, config.bucket_bytes) for _ in range(2 if engine is not None else 0)]
         self.probe = probe_tokens(bridge.vocab_size, config).to(device)
         self.count = 0
 

@@ -104,8 +104,7 @@ class RolloutEngine:
         self.config = config
         self.cuda = torch.cuda.is_available()
         # vLLM reads these when the engine is built; the engine owns its process (a Ray actor).
-        if config.in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process else "1"
         if not self.cuda:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(config)
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"  # colocated: the trainer is idle while we run

@@ -25,27 +25,41 @@ class WeightUpdateExtension:
     def mcore_rl_begin_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        initialize_layerwise_reload(self.model_runner.get_model())
+        model = self.model_runner.get_model()
+        self._mcore_rl_expected = {name for name, _ in model.named_parameters()}
+        self._mcore_rl_loaded: set[str] = set()
+        initialize_layerwise_reload(model)
 
     def mcore_rl_load_bucket(self, handle: BucketHandle) -> int:
         """Load one bucket of HF-named full tensors into this worker's shard, cast to the engine's dtype."""
         dtype = self.model_runner.model_config.dtype
         device = self.model_runner.device
         buffer, tensors = open_bucket(handle, device)
-        self.model_runner.get_model().load_weights((name, t.to(device=device, dtype=dtype)) for name, t in tensors)
+        model = self.model_runner.get_model()
+        self._mcore_rl_loaded |= model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in tensors)
         _detach_pending(buffer)
         return handle.nbytes
 
     def mcore_rl_finish_update(self) -> list[str]:
-        """Process layers still pending, drop state derived from old weights, apply build-specific repairs."""
+        """Process layers still pending, drop state derived from old weights, apply build-specific repairs.
+
+        Raises if some parameter received nothing: it would silently keep its old value.
+        """
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         runner = self.model_runner
-        finalize_layerwise_reload(runner.get_model(), runner.model_config)
+        model = runner.get_model()
+        finalize_layerwise_reload(model, runner.model_config)
         runner.reset_lora_state()
         runner.reset_encoder_cache()
         runner.reset_mm_cache()
-        return repair_after_reload(runner.get_model())
+        repairs = repair_after_reload(model)
+        missing = self._mcore_rl_expected - self._mcore_rl_loaded
+        if getattr(model.config, "tie_word_embeddings", False):
+            missing.discard("lm_head.weight")  # it is the embedding
+        if missing:
+            raise RuntimeError(f"weight update left {len(missing)} parameter(s) stale: {sorted(missing)[:10]}")
+        return repairs
 
     # CPU has no sleep mode; the KV cache is the memory a colocated trainer can get back. Its storages are freed
     # and later re-allocated (uninitialised: the engine resets its prefix cache on wake).

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import ray
+import torch
+from safetensors.torch import load_file
 
 from mcore_rl.rollout.engine import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.remote import launch_engine, stop_engine
+from mcore_rl.rollout.transport import BucketSender
 
 KV_BYTES = 32 << 20
 PROMPTS = [[11, 12, 13, 14], [50, 51, 52]]
@@ -57,3 +62,16 @@ def test_sleep_frees_the_kv_cache_and_wake_restores_generation(engine):
         _generate(engine, PROMPTS, GREEDY)
     ray.get(engine.wake_up.remote())
     assert _generate(engine, PROMPTS, GREEDY) == before
+
+
+def test_an_incomplete_weight_update_is_refused_by_name(engine, tiny_models):
+    weights = load_file(Path(tiny_models["LlamaForCausalLM"]) / "model.safetensors")
+    dropped = "model.layers.1.post_attention_layernorm.weight"
+    sender = BucketSender(torch.device("cpu"))
+    try:
+        ray.get(engine.begin_weight_update.remote())
+        ray.get(engine.load_bucket.remote(sender.pack([(n, t) for n, t in weights.items() if n != dropped])))
+        with pytest.raises(ray.exceptions.RayTaskError, match=rf"left 1 parameter\(s\) stale: \['{dropped}'\]"):
+            ray.get(engine.finish_weight_update.remote())
+    finally:
+        sender.close()
