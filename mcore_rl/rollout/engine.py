@@ -20,6 +20,9 @@ from mcore_rl.rollout.transport import BucketHandle
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "mcore_rl.rollout.worker.WeightUpdateExtension"
+# The worker extension drives vLLM's layer-wise reload internals; other versions are checked by the post-sync probe
+# and the stale-parameter check, but deserve a look at worker.py and repairs.py first.
+TESTED_VLLM = "0.32."
 
 
 @dataclass
@@ -108,7 +111,11 @@ class RolloutEngine:
         if not self.cuda:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(config)
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"  # colocated: the trainer is idle while we run
+        import vllm
         from vllm import LLM
+
+        if not vllm.__version__.startswith(TESTED_VLLM):
+            log.warning("vLLM %s: the in-place weight update was built against %sx", vllm.__version__, TESTED_VLLM)
 
         memory = (
             dict(enable_sleep_mode=True, gpu_memory_utilization=config.gpu_memory_utilization)
