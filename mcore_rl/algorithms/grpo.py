@@ -1,0 +1,149 @@
+"""GRPO/GSPO math as pure functions over padded [batch, tokens] tensors with a 0/1 response ``mask``.
+
+Nothing here knows about ranks, devices or models: the trainer computes log-probs and calls these per micro-batch.
+Conventions: ``logp`` is the current policy's log-prob of each response token (differentiable), ``old_logp`` the
+policy's before this episode's updates, ``ref_logp`` the reference model's, ``rollout_logp`` the engine's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6):
+    """Per-sample advantage: reward minus its prompt group's mean, divided by the group's std (GRPO) or not
+    (``normalize_std=False``, Dr.GRPO). ``rewards`` holds consecutive groups of ``group_size`` samples."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    groups = rewards.float().view(-1, group_size)
+    centered = groups - groups.mean(dim=1, keepdim=True)
+    if normalize_std:
+        centered = centered / (groups.std(dim=1, keepdim=True) + eps)
+    return centered.view(-1)
+
+
+def constant_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Which prompt groups have all-equal rewards (no learning signal): bool [num_groups]."""
+    groups = rewards.view(-1, group_size)
+    return (groups == groups[:, :1]).all(dim=1)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(policy || ref) per token: exp(r) - r - 1 with r = ref_logp - logp (>= 0)."""
+    log_ratio = ref_logp - logp
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def token_ratio(logp: torch.Tensor, old_logp: torch.Tensor) -> torch.Tensor:
+    """GRPO's per-token importance ratio pi/pi_old."""
+    return torch.exp(logp - old_logp)
+
+
+def sequence_ratio(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's length-normalised sequence ratio s_i = exp(mean_t (logp - old_logp)), broadcast to every token.
+
+    Written as sg[s_i] * pi_t / sg[pi_t] so its value is s_i on every token while each token's gradient is
+    s_i * grad log pi_t / |y_i| after token-mean aggregation within the sequence (the GSPO-token form).
+    """
+    lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = ((logp - old_logp) * mask).sum(dim=-1, keepdim=True) / lengths
+    return torch.exp(seq_log_ratio.detach() + logp - logp.detach()).expand_as(logp)
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic clipped objective as a per-token loss, with separate low/high clip (clip-higher).
+
+    ``advantages`` is [batch] (one per sequence) or per token. Returns (loss, clipped) where ``clipped`` marks
+    tokens whose gradient the clip removed.
+    """
+    adv = advantages.unsqueeze(-1) if advantages.dim() == ratio.dim() - 1 else advantages
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    return -torch.minimum(unclipped, clipped), (clipped < unclipped)
+
+
+def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance-sampling weight min(pi_old / pi_rollout, cap) per token: corrects for the rollout
+    engine sampling from slightly different probabilities than the trainer computes (no gradient)."""
+    return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce per-token ``values`` over response tokens.
+
+    token-mean: mean over all tokens of the batch (long responses weigh more);
+    seq-mean-token-sum: per-sequence sum, then mean over sequences (Dr.GRPO);
+    seq-mean-token-mean: per-sequence mean, then mean over sequences (the original GRPO).
+    """
+    mask = mask.to(values.dtype)
+    if mode == "token-mean":
+        return (values * mask).sum() / mask.sum().clamp(min=1)
+    per_seq = (values * mask).sum(dim=-1)
+    if mode == "seq-mean-token-sum":
+        return per_seq.mean()
+    if mode == "seq-mean-token-mean":
+        return (per_seq / mask.sum(dim=-1).clamp(min=1)).mean()
+    raise ValueError(f"loss aggregation {mode!r}: expected token-mean, seq-mean-token-sum or seq-mean-token-mean")
+
+
+@dataclass
+class PolicyLossConfig:
+    algorithm: str = "grpo"  # "grpo": token ratios; "gspo": sequence ratios
+    clip_low: float = 0.2  # ratio floor 1 - clip_low
+    clip_high: float = 0.28  # ratio ceiling 1 + clip_high (clip-higher keeps low-probability tokens learning)
+    kl_coef: float = 0.0  # weight of k3 KL to the reference; 0 skips the reference model's log-probs
+    entropy_coef: float = 0.0  # entropy bonus weight
+    loss_agg: str = "token-mean"
+    tis: bool = True  # truncated importance sampling against the rollout engine's log-probs
+    tis_cap: float = 2.0
+
+    def validate(self, prefix: str = "algorithm") -> None:
+        if self.algorithm not in ("grpo", "gspo"):
+            raise ValueError(f"{prefix}.algorithm={self.algorithm!r}: expected 'grpo' or 'gspo'")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"{prefix}.clip_low must be in [0, 1) and {prefix}.clip_high >= 0")
+        if self.tis_cap < 1:
+            raise ValueError(f"{prefix}.tis_cap={self.tis_cap}: expected >= 1")
+        aggregate(torch.zeros(1, 1), torch.ones(1, 1), self.loss_agg)  # names the bad mode
+
+
+def policy_loss(
+    config: PolicyLossConfig,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    ref_logp: torch.Tensor | None = None,
+    rollout_logp: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The GRPO/GSPO objective for one micro-batch; returns (loss, detached metrics)."""
+    mask = mask.to(logp.dtype)
+    if config.algorithm == "gspo":
+        ratio = sequence_ratio(logp, old_logp, mask)
+    else:
+        ratio = token_ratio(logp, old_logp)
+    per_token, clipped = clipped_surrogate(ratio, advantages, config.clip_low, config.clip_high)
+    metrics = {}
+    if config.tis and rollout_logp is not None:
+        weight = tis_weight(old_logp, rollout_logp, config.tis_cap)
+        per_token = per_token * weight
+        metrics["tis_weight_mean"] = aggregate(weight, mask, "token-mean")
+        metrics["rollout_logp_abs_diff"] = aggregate((old_logp - rollout_logp).abs(), mask, "token-mean")
+    loss = aggregate(per_token, mask, config.loss_agg)
+    if config.kl_coef and ref_logp is not None:
+        kl = aggregate(kl_k3(logp, ref_logp), mask, config.loss_agg)
+        loss = loss + config.kl_coef * kl
+        metrics["kl"] = kl
+    if entropy is not None:
+        ent = aggregate(entropy, mask, config.loss_agg)
+        loss = loss - config.entropy_coef * ent
+        metrics["entropy"] = ent
+    metrics["ratio_mean"] = aggregate(ratio, mask, "token-mean")
+    metrics["clip_fraction"] = aggregate(clipped.to(logp.dtype), mask, "token-mean")
+    metrics["policy_loss"] = loss
+    return loss, {name: value.detach() for name, value in metrics.items()}

@@ -1,0 +1,101 @@
+"""GRPO/GSPO math against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mcore_rl.algorithms.grpo import (
+    PolicyLossConfig,
+    aggregate,
+    clipped_surrogate,
+    constant_groups,
+    group_advantages,
+    kl_k3,
+    policy_loss,
+    sequence_ratio,
+    tis_weight,
+)
+
+
+def test_group_advantages_grpo_and_dr_grpo():
+    rewards = torch.tensor([1.0, 0, 0, 1, 2, 2, 2, 2])
+    # group 1: mean 0.5, unbiased std sqrt(1/3); group 2: constant -> 0
+    s = 0.5 / math.sqrt(1 / 3)
+    expected = torch.tensor([s, -s, -s, s, 0, 0, 0, 0])
+    assert torch.allclose(group_advantages(rewards, 4), expected, atol=1e-5)
+    assert torch.equal(
+        group_advantages(rewards, 4, normalize_std=False), torch.tensor([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+    )
+    assert constant_groups(rewards, 4).tolist() == [False, True]
+    with pytest.raises(ValueError, match="8 rewards do not split into groups of 3"):
+        group_advantages(rewards, 3)
+
+
+def test_kl_k3():
+    logp, ref = torch.tensor([math.log(0.5), -1.0]), torch.tensor([math.log(0.25), -1.0])
+    # r = log(0.25/0.5) = -log 2: exp(r) - r - 1 = 0.5 + log 2 - 1
+    assert torch.allclose(kl_k3(logp, ref), torch.tensor([0.5 + math.log(2) - 1, 0.0]))
+
+
+def test_clipped_surrogate_with_clip_higher():
+    ratio = torch.tensor([[0.5, 1.0, 1.5]])
+    loss, clipped = clipped_surrogate(ratio, torch.tensor([1.0]), clip_low=0.2, clip_high=0.28)
+    assert torch.allclose(loss, torch.tensor([[-0.5, -1.0, -1.28]]))
+    assert clipped.tolist() == [[False, False, True]]
+    loss, clipped = clipped_surrogate(ratio, torch.tensor([-1.0]), clip_low=0.2, clip_high=0.28)
+    assert torch.allclose(loss, torch.tensor([[0.8, 1.0, 1.5]]))
+    assert clipped.tolist() == [[True, False, False]]
+
+
+def test_gspo_sequence_ratio_value_and_gradient():
+    old = torch.zeros(1, 3)
+    logp = torch.tensor([[0.2, -0.1, 0.5]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the last token is padding
+    ratio = sequence_ratio(logp, old, mask)
+    s = math.exp((0.2 - 0.1) / 2)
+    assert torch.allclose(ratio, torch.full((1, 3), s))
+    (ratio * mask).sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[s, s, 0.0]]))
+
+
+def test_tis_weight_is_truncated_and_constant():
+    old = torch.tensor([math.log(3.0), math.log(0.5)], requires_grad=True)
+    weight = tis_weight(old, torch.zeros(2), cap=2.0)
+    assert torch.allclose(weight, torch.tensor([2.0, 0.5])) and not weight.requires_grad
+
+
+def test_aggregation_modes():
+    values = torch.tensor([[1.0, 2, 3], [4, 0, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert aggregate(values, mask, "token-mean").item() == pytest.approx(2.5)
+    assert aggregate(values, mask, "seq-mean-token-sum").item() == pytest.approx(5.0)
+    assert aggregate(values, mask, "seq-mean-token-mean").item() == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="loss aggregation 'sum'"):
+        aggregate(values, mask, "sum")
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
+def test_first_update_has_unit_ratio_and_zero_kl(algorithm):
+    """Before any change, policy == old == reference == rollout: ratio 1, KL 0, TIS 1, loss = -mean advantage."""
+    logp = torch.log(torch.rand(2, 4, generator=torch.Generator().manual_seed(0)))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    adv = torch.tensor([1.5, -0.5])
+    config = PolicyLossConfig(algorithm=algorithm, kl_coef=0.1)
+    loss, metrics = policy_loss(config, logp, logp, adv, mask, ref_logp=logp, rollout_logp=logp)
+    assert metrics["ratio_mean"].item() == pytest.approx(1.0)
+    assert metrics["kl"].item() == pytest.approx(0.0)
+    assert metrics["tis_weight_mean"].item() == pytest.approx(1.0)
+    assert metrics["clip_fraction"].item() == 0
+    assert loss.item() == pytest.approx(-(1.5 * 3 - 0.5 * 2) / 5)
+
+
+def test_policy_loss_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="algorithm.algorithm='ppo'"):
+        PolicyLossConfig(algorithm="ppo").validate()
+    with pytest.raises(ValueError, match="algorithm.tis_cap=0.5"):
+        PolicyLossConfig(tis_cap=0.5).validate()
+    with pytest.raises(ValueError, match="loss aggregation 'mean'"):
+        PolicyLossConfig(loss_agg="mean").validate()
