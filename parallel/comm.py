@@ -73,3 +73,11 @@ def all_reduce_scalar(value: float, group: ProcessGroup, op: str = "sum") -> flo
         t = t.cuda()
     dist.all_reduce(t, op=ops[op], group=group)
     return t.item()
+
+
+def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:
+    """In-place reduction of one small tensor over ``group`` (per-token statistics of vocab-parallel math)."""
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(tensor, op=ops[op], group=group)
+    return tensor

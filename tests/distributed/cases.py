@@ -234,3 +234,16 @@ def perturb_and_sync(
     finally:
         sync.close()
     return dict(before=before, after=after, report=vars(report))
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Entropy and d(sum entropy)/d(logits) from TP vocab shards of ``logits`` (padded to 128 * tp), full vocab."""
+    from mcore_rl.logprobs import token_entropy
+
+    groups = init_parallel(ParallelConfig(tp=tp))
+    padded = torch.nn.functional.pad(logits, (0, -logits.shape[-1] % (128 * tp)), value=123.0)  # garbage pad
+    rank = torch.distributed.get_rank(groups.tp)
+    local = padded.chunk(tp, dim=-1)[rank].clone().requires_grad_(True)
+    entropy = token_entropy(local, vocab_size, groups.tp)
+    entropy.sum().backward()
+    return entropy.detach(), _full_vocab(local.grad, groups, vocab_size)
