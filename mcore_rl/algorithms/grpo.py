@@ -72,6 +72,9 @@ def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()
 
 
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
 def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     """Reduce per-token ``values`` over response tokens.
 
@@ -108,7 +111,8 @@ class PolicyLossConfig:
             raise ValueError(f"{prefix}.clip_low must be in [0, 1) and {prefix}.clip_high >= 0")
         if self.tis_cap < 1:
             raise ValueError(f"{prefix}.tis_cap={self.tis_cap}: expected >= 1")
-        aggregate(torch.zeros(1, 1), torch.ones(1, 1), self.loss_agg)  # names the bad mode
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"{prefix}.loss_agg={self.loss_agg!r}: expected one of {list(LOSS_AGGREGATIONS)}")
 
 
 def policy_loss(

@@ -162,7 +162,10 @@ def build(cls, data, at: str = ""):
             hint = f"; did you mean {close[0]!r}?" if close else f"; known keys: {sorted(fields)}"
             raise ConfigError(f"{at + '.' if at else ''}{key}: unknown key{hint}")
     kwargs = {name: _convert(value, hints[name], f"{at + '.' if at else ''}{name}") for name, value in data.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:  # a dataclass's own __post_init__ checks
+        raise ConfigError(f"{at or cls.__name__}: {err}") from None
 
 
 def _merge(base: dict, over: dict) -> dict:

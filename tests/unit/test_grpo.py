@@ -97,5 +97,5 @@ def test_policy_loss_config_errors_name_the_field():
         PolicyLossConfig(algorithm="ppo").validate()
     with pytest.raises(ValueError, match="algorithm.tis_cap=0.5"):
         PolicyLossConfig(tis_cap=0.5).validate()
-    with pytest.raises(ValueError, match="loss aggregation 'mean'"):
+    with pytest.raises(ValueError, match="algorithm.loss_agg='mean': expected one of"):
         PolicyLossConfig(loss_agg="mean").validate()

@@ -1,0 +1,202 @@
+"""The run configuration: one YAML file in ChatLearn's shape (``runtime_args`` + ``models.*``), typed and checked
+before any actor starts. Errors name the key and say how to fix it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mcore_rl.algorithms.grpo import PolicyLossConfig
+from mcore_rl.config.loader import ConfigError, load_config
+from mcore_rl.rollout.engine import RolloutConfig
+from mcore_rl.sync import SyncConfig
+from models.registry import get_bridge
+from parallel.config import ParallelConfig
+
+BUILTIN_DATA = "builtin:arithmetic"
+ROLES = ("policy_trainer", "ref_policy", "policy")
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    console_every: int = 1  # episodes between console lines
+
+
+@dataclass
+class RuntimeArgs:
+    exp_name: str = "run"
+    output_dir: str = "runs/${runtime_args.exp_name}"
+    data_path: str = BUILTIN_DATA  # JSONL of {"messages", "answer"} rows, or the built-in arithmetic set
+    eval_data_path: str = BUILTIN_DATA
+    num_builtin_train: int = 2000
+    num_builtin_eval: int = 100
+    num_episode: int = 10
+    sample_per_episode: int = 64  # prompts x num_inference_per_prompt
+    train_global_batch_size: int = 32  # samples per optimizer step
+    save_episode_interval: int = 5
+    eval_episode_interval: int = 5
+    data_shuffle: bool = True
+    seed: int = 1
+    num_devices: int = 2  # GPUs, or logical devices declared to Ray on a CPU machine
+    colocation: list[str] = field(default_factory=lambda: list(ROLES))
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+@dataclass
+class OptimizerSettings:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    lr_warmup_steps: int = 0
+
+
+@dataclass
+class TrainerConfig:
+    load: str = ""  # HF model directory
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size: int = 2
+    max_tokens_per_micro_batch: int = 0  # >0: pack sequences up to this many tokens instead
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    algorithm: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    advantage_std_norm: bool = True  # False: Dr.GRPO advantages
+    dynamic_sampling: bool = False  # drop prompt groups with constant rewards and refill
+    offload: bool = True  # weights, grads and optimizer leave the device while the engine rolls out
+
+
+@dataclass
+class ReferenceConfig:
+    load: str = "${models.policy_trainer.load}"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size: int = 2
+
+
+@dataclass
+class PolicyConfig:
+    load: str = "${models.policy_trainer.load}"
+    num_inference_per_prompt: int = 8
+    max_prompt_tokens: int = 256
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+
+@dataclass
+class RewardConfig:
+    fn: str = "math"  # "math", "path/to/file.py" or "path/to/file.py:function"
+    num_actors: int = 1
+    num_cpus: float = 1.0
+
+
+@dataclass
+class ModelsConfig:
+    policy_trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ref_policy: ReferenceConfig = field(default_factory=ReferenceConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+
+
+@dataclass
+class RunConfig:
+    runtime_args: RuntimeArgs = field(default_factory=RuntimeArgs)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+
+    def validate(self) -> None:
+        """Everything that can be checked without starting an actor; raises ConfigError naming the key."""
+        try:
+            self._validate()
+        except ConfigError:
+            raise
+        except ValueError as err:  # a component's own check (it names its field)
+            raise ConfigError(str(err)) from None
+
+    def _validate(self) -> None:
+        rt, m = self.runtime_args, self.models
+        for role in rt.colocation:
+            if role not in ROLES:
+                raise ConfigError(f"runtime_args.colocation: unknown role {role!r}; expected some of {list(ROLES)}")
+        positive = {
+            "runtime_args.num_episode": rt.num_episode,
+            "runtime_args.sample_per_episode": rt.sample_per_episode,
+            "runtime_args.train_global_batch_size": rt.train_global_batch_size,
+            "runtime_args.num_devices": rt.num_devices,
+            "models.policy_trainer.micro_batch_size": m.policy_trainer.micro_batch_size,
+            "models.policy.num_inference_per_prompt": m.policy.num_inference_per_prompt,
+        }
+        for key, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{key}={value}: expected at least 1")
+        n = m.policy.num_inference_per_prompt
+        if rt.sample_per_episode % n:
+            raise ConfigError(
+                f"runtime_args.sample_per_episode={rt.sample_per_episode} is not a multiple of "
+                f"models.policy.num_inference_per_prompt={n}: whole prompt groups are sampled"
+            )
+        if rt.sample_per_episode % rt.train_global_batch_size:
+            raise ConfigError(
+                f"runtime_args.sample_per_episode={rt.sample_per_episode} is not a multiple of "
+                f"runtime_args.train_global_batch_size={rt.train_global_batch_size}"
+            )
+        self._validate_layouts()
+        m.policy_trainer.algorithm.validate("models.policy_trainer.algorithm")
+        m.policy.rollout.validate()
+        m.policy.sync.validate()
+        for key in ("models.policy_trainer.load", "models.ref_policy.load", "models.policy.load"):
+            _check_model_dir(key, self._get(key))
+        for key in ("models.policy_trainer", "models.ref_policy"):
+            role = self._get(key)
+            try:
+                get_bridge(role.load).validate_layout(role.parallel)
+            except ValueError as err:
+                raise ConfigError(f"{key}.parallel: {err}") from None
+        for key in ("runtime_args.data_path", "runtime_args.eval_data_path"):
+            path = self._get(key)
+            if path != BUILTIN_DATA and not Path(path).is_file():
+                raise ConfigError(f"{key}={path!r}: file not found (or use {BUILTIN_DATA!r})")
+
+    def _get(self, dotted: str):
+        node = self
+        for part in dotted.split("."):
+            node = getattr(node, part)
+        return node
+
+    def _validate_layouts(self) -> None:
+        rt, m = self.runtime_args, self.models
+        devices = rt.num_devices
+        for key, parallel in (
+            ("models.policy_trainer.parallel", m.policy_trainer.parallel),
+            ("models.ref_policy.parallel", m.ref_policy.parallel),
+        ):
+            try:
+                parallel.validate_world(devices)
+            except ValueError as err:
+                raise ConfigError(f"{key}: {err} (runtime_args.num_devices={devices})") from None
+        trainer = m.policy_trainer
+        dp = trainer.parallel.dp(devices)
+        if rt.train_global_batch_size % (trainer.micro_batch_size * dp):
+            raise ConfigError(
+                f"runtime_args.train_global_batch_size={rt.train_global_batch_size} is not a multiple of "
+                f"models.policy_trainer.micro_batch_size={trainer.micro_batch_size} x data-parallel size {dp}"
+            )
+        rollout_tp = m.policy.rollout.tensor_parallel_size
+        if devices % rollout_tp:
+            raise ConfigError(
+                f"models.policy.rollout.tensor_parallel_size={rollout_tp} does not divide "
+                f"runtime_args.num_devices={devices}: each rollout replica takes tensor_parallel_size devices"
+            )
+
+
+def _check_model_dir(key: str, path: str) -> None:
+    if not path:
+        raise ConfigError(f"{key}: no model directory given (an HF directory with config.json)")
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"{key}={path!r}: not an HF model directory (no config.json)")
+
+
+def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Load, interpolate, type-check and validate a run's YAML (``overrides``: ``dotted.key=value``)."""
+    config = load_config(RunConfig, path, overrides)
+    config.validate()
+    return config

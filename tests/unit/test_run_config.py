@@ -1,0 +1,54 @@
+"""The run config: defaults interpolate, sizes are checked against devices and the model, keys are named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from converters.gguf2hf import default_model_dir
+from mcore_rl.config.loader import ConfigError
+from mcore_rl.config.schema import load_run_config
+
+
+@pytest.fixture()
+def run_yaml(tmp_path) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        f"runtime_args:\n  exp_name: t\n  output_dir: {tmp_path}/${{runtime_args.exp_name}}\n  num_devices: 3\n"
+        f"  sample_per_episode: 24\n  train_global_batch_size: 12\n"
+        f"models:\n  policy_trainer:\n    load: {default_model_dir()}\n    parallel: {{tp: 3}}\n"
+        f"  policy:\n    num_inference_per_prompt: 4\n    rollout: {{tensor_parallel_size: 1}}\n"
+    )
+    return path
+
+
+def test_a_valid_config_resolves_references(run_yaml, tmp_path):
+    config = load_run_config(run_yaml, ["models.policy.rollout.train.temperature=0.8"])
+    assert config.runtime_args.output_dir == f"{tmp_path}/t"
+    assert config.models.ref_policy.load == config.models.policy.load == str(default_model_dir())
+    assert config.models.policy.rollout.train.temperature == 0.8
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("models.policy.num_inference_per_prompt=5", r"sample_per_episode=24 is not a multiple of .*=5"),
+        ("runtime_args.train_global_batch_size=7", r"sample_per_episode=24 is not a multiple of .*=7"),
+        ("models.policy_trainer.micro_batch_size=5", r"micro_batch_size=5 x data-parallel size 1"),
+        ("models.policy_trainer.parallel.tp=2", r"models.policy_trainer.parallel: world size 3 is not divisible by"),
+        ("models.ref_policy.parallel.ep=3", r"models.ref_policy.parallel: .*expert"),
+        ("models.ref_policy.parallel.pp=2", r"models.ref_policy.parallel"),
+        ("models.policy.rollout.tensor_parallel_size=2", r"tensor_parallel_size=2 does not divide .*num_devices=3"),
+        ("models.policy_trainer.load=/nowhere", r"models.policy_trainer.load='/nowhere': not an HF model directory"),
+        ("runtime_args.data_path=/nowhere.jsonl", r"runtime_args.data_path='/nowhere.jsonl': file not found"),
+        ("runtime_args.colocation=[policy,critic]", r"unknown role 'critic'"),
+        ("models.policy_trainer.algorithm.loss_agg=mean", r"models.policy_trainer.algorithm.loss_agg='mean'"),
+        ("models.policy.rollout.train.top_p=0", r"rollout.train.top_p=0"),
+        ("models.policy_trainer.parallel.tp=0", r"models.policy_trainer.parallel: "),
+        ("models.reward.fnn=math", r"models.reward.fnn: unknown key; did you mean 'fn'\?"),
+    ],
+)
+def test_bad_configs_are_refused_with_the_key(run_yaml, override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(run_yaml, [override])
