@@ -1,0 +1,29 @@
+"""Checkpoint directories are committed atomically; resume finds the newest complete one."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_rl.checkpoint import commit, latest_complete, partial_dir, read_meta
+
+
+def test_commit_and_latest_complete(tmp_path):
+    assert latest_complete(tmp_path / "none") is None
+    for episode in (2, 4):
+        (partial_dir(tmp_path, episode) / "weights.bin").write_bytes(b"x" * episode)
+        commit(tmp_path, episode, {"data_position": 10 * episode})
+    # a crash while saving episode 6: its partial directory must not count
+    (partial_dir(tmp_path, 6) / "weights.bin").write_bytes(b"half")
+    episode, path = latest_complete(tmp_path)
+    assert episode == 4 and (path / "weights.bin").read_bytes() == b"xxxx"
+    assert read_meta(path)["data_position"] == 40
+    # the next attempt at episode 6 starts from an empty partial directory
+    assert list(partial_dir(tmp_path, 6).iterdir()) == []
+
+
+def test_an_existing_checkpoint_is_never_overwritten(tmp_path):
+    partial_dir(tmp_path, 1)
+    commit(tmp_path, 1, {})
+    with pytest.raises(FileExistsError, match="a checkpoint of episode 1 exists already"):
+        partial_dir(tmp_path, 1)
+    assert latest_complete(tmp_path)[0] == 1
