@@ -67,12 +67,10 @@ def all_gather_objects(obj, group: ProcessGroup | None = None) -> list:
 
 def all_reduce_scalar(value: float, group: ProcessGroup, op: str = "sum") -> float:
     """Reduce one Python number over ``group`` (metrics: losses, counts); ``op`` is ``sum`` or ``max``."""
-    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
     t = torch.tensor([value], dtype=torch.float64)
     if dist.get_backend(group) == "nccl":
         t = t.cuda()
-    dist.all_reduce(t, op=ops[op], group=group)
-    return t.item()
+    return all_reduce_(t, group, op).item()
 
 
 def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: str = "sum") -> torch.Tensor:

@@ -124,6 +124,19 @@ def cuda_call_sites(case: str, **kwargs) -> list[str]:
     return hits
 
 
+def _attach_engine(ray_address: str, name: str | None):
+    """This rank's rollout engine actor (connecting the rank to the test's Ray cluster), or None if it owns none."""
+    if name is None:
+        return None
+    import ray
+
+    from mcore_rl.rollout.remote import NAMESPACE
+
+    if not ray.is_initialized():
+        ray.init(address=ray_address, log_to_driver=False, namespace=NAMESPACE)
+    return ray.get_actor(name)
+
+
 def train_and_sync(
     hf_dir: str,
     layout: dict,
@@ -140,13 +153,9 @@ def train_and_sync(
     """
     import ray
 
-    from mcore_rl.rollout.remote import NAMESPACE
     from mcore_rl.sync import ProbeMismatchError, SyncConfig, WeightSync
 
-    name = engines.get(torch.distributed.get_rank())
-    if name is not None and not ray.is_initialized():
-        ray.init(address=ray_address, log_to_driver=False, namespace=NAMESPACE)
-    engine = ray.get_actor(name) if name is not None else None
+    engine = _attach_engine(ray_address, engines.get(torch.distributed.get_rank()))
     bridge, config, chunks, groups = _load(hf_dir, layout)
     optimizer = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
     step = MegatronTrainStep(chunks, config, optimizer, groups)
@@ -207,21 +216,15 @@ def perturb_and_sync(
     hf_dir: str, layout: dict, ray_address: str, engine_name: str, prompt_ids: list[int], new_tokens: int
 ) -> dict:
     """Megatron's greedy continuation before and after perturbing its weights, and the sync's report."""
-    import ray
-
-    from mcore_rl.rollout.remote import NAMESPACE
     from mcore_rl.sync import SyncConfig, WeightSync
 
-    owner = torch.distributed.get_rank() == 0
-    if owner and not ray.is_initialized():
-        ray.init(address=ray_address, log_to_driver=False, namespace=NAMESPACE)
     bridge, _, chunks, groups = _load(hf_dir, layout)
     model = MegatronModel(chunks, groups)
     sync = WeightSync(
         chunks,
         bridge,
         groups,
-        ray.get_actor(engine_name) if owner else None,
+        _attach_engine(ray_address, engine_name if torch.distributed.get_rank() == 0 else None),
         lambda tokens: model.logprobs(tokens, bridge.vocab_size, micro_batch_size=4),
         SyncConfig(bucket_bytes=64 << 20),
         torch.float32,
