@@ -18,7 +18,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.logprobs import token_logprobs
-from parallel.comm import all_reduce_scalar, broadcast_bucket
+from parallel.comm import all_gather_objects, all_reduce_, broadcast_bucket
 
 # loss_fn(batch, logits) -> (scalar loss to differentiate, {metric name: detached value})
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -29,6 +29,28 @@ class StepResult:
     loss: float  # mean over micro-batches and data-parallel ranks, on every rank
     grad_norm: float
     update_successful: bool
+    metrics: dict[str, float]  # the loss function's metrics, averaged like ``loss``
+
+
+def microbatches(tokens: torch.Tensor, micro_batch_size: int, tp: int, **extra: torch.Tensor) -> list[dict]:
+    """Split ``tokens`` [b, s] into next-token micro-batches: input_ids/labels/position_ids [mb, s-1+pad].
+
+    ``extra`` tensors are split along the batch too; per-token ones ([b, s-1], aligned with labels) are right
+    padded with zeros like the labels. The padding makes the length divisible by ``tp`` (sequence parallelism
+    splits the sequence); causal scores of the real positions do not change.
+    """
+    length = tokens.shape[1] - 1
+    pad = -length % tp
+    padded = torch.nn.functional.pad(tokens, (0, pad))
+    positions = torch.arange(length + pad, device=tokens.device)
+    extra = {k: torch.nn.functional.pad(v, (0, pad)) if v.dim() == 2 else v for k, v in extra.items()}
+    out = []
+    for start in range(0, tokens.shape[0], micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        mb = padded[rows]
+        batch = {"input_ids": mb[:, :-1], "labels": mb[:, 1:], "position_ids": positions.expand(mb.shape[0], -1)}
+        out.append(batch | {k: v[rows] for k, v in extra.items()})
+    return out
 
 
 class MegatronModel:
@@ -68,14 +90,7 @@ class MegatronModel:
     def logprobs(self, tokens: torch.Tensor, vocab_size: int, micro_batch_size: int) -> torch.Tensor:
         """log p(tokens[:, i] | tokens[:, :i]) for i >= 1, shape [b, s-1], on every rank (fp32)."""
         length = tokens.shape[1] - 1
-        # Sequence parallelism splits the sequence over TP ranks; right padding leaves causal scores unchanged.
-        pad = -length % torch.distributed.get_world_size(self.groups.tp)
-        padded = torch.nn.functional.pad(tokens, (0, pad))
-        positions = torch.arange(length + pad, device=tokens.device).expand(micro_batch_size, -1)
-        microbatches = [
-            {"input_ids": mb[:, :-1], "labels": mb[:, 1:], "position_ids": positions}
-            for mb in padded.split(micro_batch_size)
-        ]
+        batches = microbatches(tokens, micro_batch_size, torch.distributed.get_world_size(self.groups.tp))
 
         def score(batch, output):
             logprobs = token_logprobs(output, batch["labels"], vocab_size)
@@ -84,7 +99,7 @@ class MegatronModel:
         for chunk in self.model:
             chunk.eval()
         try:
-            outputs = self._schedule(microbatches, score, forward_only=True)
+            outputs = self._schedule(batches, score, forward_only=True)
         finally:
             for chunk in self.model:
                 chunk.train()
@@ -122,10 +137,24 @@ class MegatronTrainStep(MegatronModel):
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self._schedule(microbatches, loss_fn, forward_only=False)
+        outputs = self._schedule(microbatches, loss_fn, forward_only=False)
         update_successful, grad_norm, _ = self.optimizer.step()
-        # Only the last pipeline stage sees losses (others contribute 0); share their DP mean with every rank.
-        local = sum(float(m["loss"]) for m in losses) / len(microbatches)
-        dp_mean = all_reduce_scalar(local, self.groups.dp_cp) / torch.distributed.get_world_size(self.groups.dp_cp)
-        loss = all_reduce_scalar(dp_mean, self.groups.pp)
-        return StepResult(loss=loss, grad_norm=float(grad_norm), update_successful=bool(update_successful))
+        metrics = self._mean_metrics(outputs)
+        return StepResult(
+            loss=metrics.pop("loss"),
+            grad_norm=float(grad_norm),
+            update_successful=bool(update_successful),
+            metrics=metrics,
+        )
+
+    def _mean_metrics(self, outputs: list[dict]) -> dict[str, float]:
+        """Average the metrics over micro-batches and data-parallel ranks (one all-reduce), then hand the last
+        pipeline stage's result to every stage (only it computes losses)."""
+        local = None
+        if outputs:  # the last pipeline stage
+            names = sorted(outputs[0])
+            values = torch.stack([torch.stack([o[n].float().mean() for n in names]) for o in outputs]).mean(0)
+            dp = self.groups.dp_cp
+            values = all_reduce_(values.double(), dp) / torch.distributed.get_world_size(dp)
+            local = dict(zip(names, values.tolist(), strict=True))
+        return all_gather_objects(local, self.groups.pp)[-1]

@@ -31,16 +31,22 @@ optimizer/optimizer.py                      device='cuda' found_inf/scale tensor
 optimizer/clip_grads.py                     device='cuda' norm buffers (:90-207)
 optimizer/distrib_optimizer.py              current_device() buffers (:791, :1077)
 distributed/param_and_grad_buffer.py        cuda streams, current_device() buffers (:417-806)
+dist_checkpointing/strategies/              synchronize before the writers start (filesystem_async.py:230,
+                                            state_dict_saver.py:252)
 ==========================================  ==========================================================
 
 What a module-level proxy cannot reach is patched narrowly:
 
 * ``tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads.py:167, distrib_optimizer.py:361/420/582)
   and ``tensor.cuda()`` (optimizer.py:375/380; language_module.py:244, the tied output layer's copy on the last
-  pipeline stage): the owning functions run under a scoped mode that reports CPU
+  pipeline stage; distrib_optimizer.py:1089, gathering optimizer state for a checkpoint): the owning functions run under a scoped mode that reports CPU
   tensors with their CUDA type names and makes ``.cuda()`` the identity.
 * token_dispatcher.py:876-892 converts the alltoall split sizes to numpy only for CUDA tensors; CPU tensors
   reach ``all_to_all_single``, which rejects them. The CPU version converts them too.
+* distrib_optimizer.py:940 (torch.optim's Adam, used without Apex/TE, i.e. always on CPU) fails to load its own
+  checkpoint with ``KeyError: 'step'``; the loaded tensors get the already-restored step added. Its load also
+  shares one ``step`` tensor among all parameters (:825), which Adam then advances once per parameter per
+  step; the loaded states get their own copies.
 * moe_utils.py:1192 reads ``te_general_gemm``, which is unbound when TransformerEngine is absent.
 * mappings.py:150/190 gather and reduce-scatter *uneven* token counts (the alltoall dispatcher with expert-TP
   > 1) as lists of different sizes, which NCCL accepts and gloo rejects. The CPU versions pad to the longest
@@ -80,6 +86,8 @@ PROXIED_MODULES = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 
 # (module, attribute path) of functions that check tensor.type() against CUDA names or call tensor.cuda().
@@ -89,6 +97,7 @@ _CUDA_TENSOR_CALLERS = (
     ("megatron.core.optimizer.optimizer", "clip_grad_by_total_norm_fp32"),  # imported by name there
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
     ("megatron.core.optimizer.optimizer", "MegatronOptimizer.restore_from_cpu"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero"),
 )
 
 _FACTORIES = (
@@ -263,6 +272,37 @@ def _gloo_uneven_reduce_scatter(original):
     return wrapped
 
 
+def _keep_adam_step(original):
+    """distrib_optimizer.py:940 copies every key of torch Adam's state, ``step`` included, from the loaded
+    tensors, which carry no ``step`` (it travels in the param groups and is already restored): KeyError."""
+
+    @functools.wraps(original)
+    def wrapped(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    return wrapped
+
+
+def _unshare_adam_steps(original):
+    """distrib_optimizer.py:825 gives every parameter's Adam state the *same* ``step`` tensor; torch's Adam
+    increments each in place, so after a resume the step (and the bias correction) advanced once per parameter."""
+
+    @functools.wraps(original)
+    def wrapped(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+        return result
+
+    return wrapped
+
+
 def _set_attr_path(module, path: str, wrap) -> None:
     owner = module
     *parents, name = path.split(".")
@@ -313,6 +353,10 @@ def install_cpu_compat() -> bool:
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
     mappings._gather_along_first_dim = _gloo_uneven_gather(mappings._gather_along_first_dim)
     mappings._reduce_scatter_along_first_dim = _gloo_uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
+
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    _set_attr_path(distrib, "DistributedOptimizer._set_main_param_and_optimizer_states", _keep_adam_step)
+    _set_attr_path(distrib, "DistributedOptimizer.load_state_dict", _unshare_adam_steps)
 
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):

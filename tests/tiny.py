@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
 
 import torch
 import transformers
+
+# A character-level tokenizer with a ChatML template, so tiny models run the whole RL loop (chat prompts, decoded
+# responses); ids 0-3 are special and <|im_end|> (2) is the models' default EOS.
+SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+CHARS = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n?+-.,:!='"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 COMMON = dict(
     hidden_size=128,
@@ -17,6 +27,9 @@ COMMON = dict(
     vocab_size=100,  # not a multiple of 128: exercises Megatron's vocabulary padding
     max_position_embeddings=128,
     rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,  # <|im_end|> of the character tokenizer below
+    pad_token_id=0,
 )
 
 FAMILIES: dict[str, dict] = {
@@ -50,4 +63,21 @@ def make_tiny(architecture: str, out_dir: Path, seed: int = 0) -> Path:
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 param.normal_(1.0 if "norm" in name else 0.0, 0.1)  # defaults 1/0 would hide mapping mistakes
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    save_char_tokenizer(out_dir)
     return Path(out_dir)
+
+
+def save_char_tokenizer(out_dir: Path) -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + list(CHARS))}
+    assert len(vocab) <= COMMON["vocab_size"]
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(SPECIAL)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)

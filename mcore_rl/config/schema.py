@@ -39,6 +39,7 @@ class RuntimeArgs:
     data_shuffle: bool = True
     seed: int = 1
     num_devices: int = 2  # GPUs, or logical devices declared to Ray on a CPU machine
+    ray_address: str = ""  # an existing cluster ("auto" or host:port); empty: $RAY_ADDRESS, else start a local one
     colocation: list[str] = field(default_factory=lambda: list(ROLES))
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -46,6 +47,7 @@ class RuntimeArgs:
 @dataclass
 class OptimizerSettings:
     lr: float = 1e-6
+    lr_decay_style: str = "constant"  # or "cosine" / "linear" from lr to min_lr over the run's steps
     min_lr: float = 0.0
     weight_decay: float = 0.0
     clip_grad: float = 1.0
@@ -117,6 +119,11 @@ class RunConfig:
         for role in rt.colocation:
             if role not in ROLES:
                 raise ConfigError(f"runtime_args.colocation: unknown role {role!r}; expected some of {list(ROLES)}")
+        if sorted(rt.colocation) != sorted(ROLES):
+            raise ConfigError(
+                f"runtime_args.colocation={rt.colocation}: every role shares the devices in this version; "
+                f"list all of {list(ROLES)}"
+            )
         positive = {
             "runtime_args.num_episode": rt.num_episode,
             "runtime_args.sample_per_episode": rt.sample_per_episode,
@@ -139,7 +146,24 @@ class RunConfig:
                 f"runtime_args.sample_per_episode={rt.sample_per_episode} is not a multiple of "
                 f"runtime_args.train_global_batch_size={rt.train_global_batch_size}"
             )
+        train = m.policy.rollout.train
+        if train.n not in (1, n):
+            raise ConfigError(
+                f"models.policy.rollout.train.n={train.n}: samples per prompt are set by "
+                f"models.policy.num_inference_per_prompt={n}; remove rollout.train.n"
+            )
+        longest = m.policy.max_prompt_tokens + max(train.max_new_tokens, m.policy.rollout.eval.max_new_tokens)
+        if longest > m.policy.rollout.max_model_len:
+            raise ConfigError(
+                f"models.policy.max_prompt_tokens + max_new_tokens = {longest} exceeds "
+                f"models.policy.rollout.max_model_len={m.policy.rollout.max_model_len}; raise it or shorten either"
+            )
         self._validate_layouts()
+        if m.policy_trainer.optimizer.lr_decay_style not in ("constant", "cosine", "linear"):
+            raise ConfigError(
+                f"models.policy_trainer.optimizer.lr_decay_style={m.policy_trainer.optimizer.lr_decay_style!r}: "
+                "expected 'constant', 'cosine' or 'linear'"
+            )
         m.policy_trainer.algorithm.validate("models.policy_trainer.algorithm")
         m.policy.rollout.validate()
         m.policy.sync.validate()

@@ -1,4 +1,4 @@
-"""Prompt datasets: JSONL rows ``{"messages": [...], "answer": ..., "id": optional}``, tokenised with the model's
+"""Prompt datasets: JSONL or Parquet rows ``{"messages": [...], "answer": ..., "id": optional}``, tokenised with the model's
 chat template, served in a seeded order whose position is one integer (saved in checkpoints, so a resumed run
 sees exactly the batches an uninterrupted one would)."""
 
@@ -51,6 +51,24 @@ def read_jsonl(path: str | Path) -> list[PromptRow]:
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows
+
+
+def read_parquet(path: str | Path) -> list[PromptRow]:
+    """All rows of a Parquet file (columns ``messages``, ``answer``, optional ``id``); errors name the row."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: dataset file not found")
+    rows = [_check_row(row, f"{path}: row {i}") for i, row in enumerate(pq.read_table(path).to_pylist())]
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    return rows
+
+
+def read_rows(path: str | Path) -> list[PromptRow]:
+    """A dataset file by its suffix: ``.parquet``, else JSONL."""
+    return read_parquet(path) if Path(path).suffix == ".parquet" else read_jsonl(path)
 
 
 def write_jsonl(rows: Iterable[PromptRow], path: str | Path) -> Path:

@@ -1,0 +1,67 @@
+"""One episode's samples as padded training tensors, and the statistics logged about them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mcore_rl.algorithms.grpo import constant_groups, group_advantages
+from mcore_rl.data.prompts import Prompt
+from mcore_rl.rollout.engine import Completion
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str  # "<prompt id>/<k>": the k-th completion of a prompt
+    prompt: Prompt
+    completion: Completion
+    text: str  # the completion, decoded
+
+
+def samples_of(prompts: list[Prompt], completions: list[list[Completion]], texts: list[str]) -> list[Sample]:
+    """Flatten per-prompt completions into samples, grouped by prompt (what group advantages expect)."""
+    flat = [(p, k, c) for p, group in zip(prompts, completions, strict=True) for k, c in enumerate(group)]
+    return [Sample(f"{p.row.id}/{k}", p, c, t) for (p, k, c), t in zip(flat, texts, strict=True)]
+
+
+def training_batch(samples: list[Sample], rewards: list[float], group_size: int, normalize_std: bool) -> dict:
+    """Right-padded tensors of prompt + response: ``tokens`` [N, L]; per next-token position ([N, L-1]) the
+    response ``mask`` and the engine's ``rollout_logp``; per sample ``advantages`` and ``rewards``."""
+    sequences = [s.prompt.token_ids + s.completion.token_ids for s in samples]
+    length = max(map(len, sequences))
+    n = len(samples)
+    tokens = torch.zeros(n, length, dtype=torch.long)
+    mask = torch.zeros(n, length - 1)
+    rollout_logp = torch.zeros(n, length - 1)
+    for i, (sample, seq) in enumerate(zip(samples, sequences, strict=True)):
+        tokens[i, : len(seq)] = torch.tensor(seq)
+        start, count = len(sample.prompt.token_ids) - 1, len(sample.completion.token_ids)
+        mask[i, start : start + count] = 1
+        rollout_logp[i, start : start + count] = torch.tensor(sample.completion.logprobs)
+    reward_t = torch.tensor(rewards, dtype=torch.float32)
+    advantages = group_advantages(reward_t, group_size, normalize_std)
+    return {"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp, "advantages": advantages, "rewards": reward_t}
+
+
+def keep_informative_groups(samples: list[Sample], rewards: list[float], group_size: int):
+    """Dynamic sampling: drop prompt groups whose rewards are all equal (zero advantage, no gradient)."""
+    constant = constant_groups(torch.tensor(rewards), group_size).tolist()
+    keep = [i for i in range(len(samples)) if not constant[i // group_size]]
+    return [samples[i] for i in keep], [rewards[i] for i in keep]
+
+
+def rollout_stats(samples: list[Sample], rewards: list[float], group_size: int) -> dict[str, float]:
+    r = torch.tensor(rewards, dtype=torch.float32)
+    lengths = torch.tensor([len(s.completion.token_ids) for s in samples], dtype=torch.float32)
+    groups = r.view(-1, group_size)
+    truncated = sum(s.completion.finish_reason == "length" for s in samples)
+    return {
+        "reward/mean": r.mean().item(),
+        "reward/max": r.max().item(),
+        "reward/group_std_mean": groups.std(dim=1).mean().item() if group_size > 1 else 0.0,
+        "reward/constant_group_fraction": constant_groups(r, group_size).float().mean().item(),
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_fraction": truncated / len(samples),
+    }

@@ -1,0 +1,84 @@
+"""Where a run's numbers go: TensorBoard scalars, an append-only ``metrics.jsonl``, a console progress bar, and a
+PNG of the reward and accuracy curves at the end."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BAR_KEYS = {"reward/mean": "reward", "eval/accuracy": "eval_acc", "train/kl": "kl", "time/episode": "s/ep"}
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str | Path, tensorboard: bool, total: int, start: int):
+        from tqdm import tqdm
+
+        self.dir = Path(output_dir)
+        self.jsonl = self.dir / "metrics.jsonl"
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: after a resume, events past the checkpoint (from the crashed run) are dropped.
+            self.writer = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start + 1 if start else None)
+        self.bar = tqdm(total=total, initial=start, desc="episodes", dynamic_ncols=True)
+        self.last: dict[str, float] = {}
+
+    def log(self, episode: int, metrics: dict[str, float], advance: bool = True) -> None:
+        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps({"episode": episode, **metrics}) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                self.writer.add_scalar(key, value, episode)
+            self.writer.flush()
+        self.last.update(metrics)
+        self.bar.set_postfix({short: f"{self.last[k]:.3g}" for k, short in BAR_KEYS.items() if k in self.last})
+        if advance:
+            self.bar.update(1)
+
+    def event(self, name: str, **fields) -> None:
+        """A one-off record (start, resume, checkpoint) in metrics.jsonl and the log."""
+        with self.jsonl.open("a") as f:
+            f.write(json.dumps({"event": name, **fields}) + "\n")
+        log.info("%s: %s", name, fields)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Episode records of a metrics.jsonl; after a resume the latest record of each episode wins."""
+    latest: dict[int, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        if "episode" in record and "event" not in record:
+            latest.setdefault(record["episode"], {}).update(record)
+    return [latest[e] for e in sorted(latest)]
+
+
+def plot_curves(metrics_path: str | Path, png_path: str | Path) -> Path:
+    """Mean training reward and eval accuracy per episode, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label in (("reward/mean", "train reward (mean)"), ("eval/accuracy", "eval accuracy")):
+        points = [(r["episode"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o" if key.startswith("eval") else None, label=label)
+    ax.set_xlabel("episode")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return Path(png_path)

@@ -1,0 +1,76 @@
+"""Ray placement of the roles: one bundle per device; colocated roles share bundles and take turns.
+
+On GPU clusters a device is a Ray ``GPU``. On a CPU machine it is a logical resource (``DEVICE``) that the
+driver declares when it starts a local cluster (``ray start --resources='{"mcore_rl_device": N}'`` on an existing
+one), so scheduling takes the same path everywhere.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+DEVICE = "mcore_rl_device"
+
+
+def device_resource(num_devices: int) -> str:
+    """ "GPU" if the cluster has enough GPUs for the run, else the logical CPU device."""
+    resources = ray.cluster_resources()
+    if resources.get("GPU", 0) >= num_devices:
+        return "GPU"
+    if resources.get(DEVICE, 0) >= num_devices:
+        return DEVICE
+    raise RuntimeError(
+        f"the Ray cluster has {resources.get('GPU', 0):g} GPUs and {resources.get(DEVICE, 0):g} logical devices; "
+        f"the run needs runtime_args.num_devices={num_devices} (on CPU nodes start Ray with "
+        f"--resources='{{\"{DEVICE}\": {num_devices}}}')"
+    )
+
+
+class Placement:
+    """A placement group of ``num_devices`` bundles, each shared by ``share`` colocated roles."""
+
+    def __init__(self, num_devices: int, share: int, timeout_s: float = 120):
+        self.resource = device_resource(num_devices)
+        self.share = share
+        self.group = placement_group([{self.resource: 1}] * num_devices, strategy="PACK")
+        if not self.group.wait(timeout_s):
+            remove_placement_group(self.group)
+            raise RuntimeError(f"could not reserve {num_devices} x {self.resource} within {timeout_s:.0f} s")
+
+    def options(self, bundle: int) -> dict:
+        """Ray actor options for an actor that takes one role's share of device ``bundle``."""
+        share = 1 / self.share
+        return {
+            "num_cpus": 0,  # colocated roles take turns on their device's cores
+            "resources": {self.resource: share} if self.resource != "GPU" else {},
+            "num_gpus": share if self.resource == "GPU" else 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
+        }
+
+    def remove(self) -> None:
+        remove_placement_group(self.group)
+
+
+class ActorGroup:
+    """The ranks of one Megatron role, one actor per bundle; ``call`` runs a method on all and gathers results."""
+
+    def __init__(self, cls, placement: Placement, world: int, name: str, **kwargs):
+        from mcore_rl.roles.megatron import free_address
+
+        remote = ray.remote(cls)
+        first = placement.options(0)
+        master = ray.get(ray.remote(free_address).options(**first).remote())
+        self.actors = [
+            remote.options(name=f"{name}-{rank}", **placement.options(rank)).remote(rank, world, master, **kwargs)
+            for rank in range(world)
+        ]
+        ray.get([a.__ray_ready__.remote() for a in self.actors])
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)

@@ -1,0 +1,272 @@
+"""The Megatron roles, one Ray actor per rank: the reference policy (scoring only) and the policy trainer.
+
+Each role's ranks form their own torch.distributed world (gloo on CPU, NCCL on GPU) with their own Megatron
+layout, so colocated roles never share a process group. Batches arrive whole on every rank as a dict of tensors
+(see :mod:`mcore_rl.batch`); each data-parallel rank takes its share.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from converters.stream import load_hf
+from mcore_rl.algorithms.grpo import PolicyLossConfig, policy_loss
+from mcore_rl.logprobs import token_entropy, token_logprobs
+from mcore_rl.offload import StorageOffloader
+from mcore_rl.sync import SyncConfig, WeightSync
+from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches
+from models.registry import get_bridge
+from parallel.comm import all_gather_bucket, all_reduce_scalar
+from parallel.config import ParallelConfig
+from parallel.groups import init_parallel
+
+log = logging.getLogger(__name__)
+
+
+def free_address() -> tuple[str, int]:
+    """This node's IP and a free TCP port: the rendezvous of a role's torch.distributed world (rank 0 calls)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return socket.gethostbyname(socket.gethostname()), port
+
+
+class MegatronRank:
+    """One rank of a Megatron model loaded from an HF directory, scoring sequences (the reference policy)."""
+
+    def __init__(
+        self, rank: int, world: int, master: tuple[str, int], hf_dir: str, parallel: ParallelConfig, seed: int
+    ):
+        os.environ.update(
+            MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0"
+        )
+        if not torch.cuda.is_available():  # colocated roles take turns, so each may use its device's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        self.rank, self.parallel = rank, parallel
+        self.groups = init_parallel(parallel, seed=seed)
+        self.bridge = get_bridge(hf_dir)
+        self.config = self.bridge.transformer_config(parallel)
+        self.chunks = self.bridge.build_model(self.config)
+        load_hf(self.chunks, self.bridge, hf_dir, self.groups)
+        self.device = next(self.chunks[0].parameters()).device
+        self.model = MegatronModel(self.chunks, self.groups)
+        self.offloader: StorageOffloader | None = None
+
+    @property
+    def dp(self) -> tuple[int, int]:
+        group = self.groups.dp_cp
+        return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+
+    def _tp(self) -> int:
+        return torch.distributed.get_world_size(self.groups.tp)
+
+    def logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
+        """Log-probs [N, L-1] of ``batch["tokens"]``; each DP rank scores its share, every rank gets all rows."""
+        size, rank = self.dp
+        mine = batch["tokens"].chunk(size)[rank].to(self.device)
+        local = self.model.logprobs(mine, self.bridge.vocab_size, micro_batch_size)
+        return torch.cat([shards[0] for shards in all_gather_bucket([local], self.groups.dp_cp)]).cpu()
+
+    def memory_bytes(self) -> int:
+        """Device memory in use by this process (CUDA), or its resident set size (CPU)."""
+        if torch.cuda.is_available():
+            return torch.cuda.memory_allocated()
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def _offloadable(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [p.data for chunk in self.chunks for p in chunk.parameters()], []
+
+    def offload(self) -> int:
+        """Free this rank's device memory while other roles run (CUDA; on CPU there is nothing to move to)."""
+        if self.device.type != "cuda":
+            return 0
+        if self.offloader is None:
+            self.offloader = StorageOffloader(*self._offloadable())
+        freed = self.offloader.offload()
+        torch.cuda.empty_cache()
+        return freed
+
+    def onload(self) -> int:
+        return self.offloader.onload() if self.offloader is not None else 0
+
+
+class PolicyTrainer(MegatronRank):
+    """One rank of the policy: GRPO/GSPO steps, the weight sync into its rollout engine, checkpoints."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        master: tuple[str, int],
+        hf_dir: str,
+        parallel: ParallelConfig,
+        seed: int,
+        optimizer: dict,
+        loss: PolicyLossConfig,
+        total_steps: int,
+    ):
+        super().__init__(rank, world, master, hf_dir, parallel, seed)
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        settings = dict(optimizer)
+        warmup, min_lr, decay = settings.pop("lr_warmup_steps"), settings.pop("min_lr"), settings.pop("lr_decay_style")
+        config = OptimizerConfig(
+            optimizer="adam", bf16=self.config.bf16, use_distributed_optimizer=True, min_lr=min_lr, **settings
+        )
+        self.trainer = MegatronTrainStep(self.chunks, self.config, config, self.groups)
+        self.model = self.trainer
+        self.scheduler = OptimizerParamScheduler(
+            self.trainer.optimizer,
+            init_lr=0.0 if warmup else config.lr,
+            max_lr=config.lr,
+            min_lr=min_lr,
+            lr_warmup_steps=warmup,
+            lr_decay_steps=max(total_steps, warmup + 1),
+            lr_decay_style=decay,
+            start_wd=config.weight_decay,
+            end_wd=config.weight_decay,
+            wd_incr_steps=max(total_steps, 1),
+            wd_incr_style="constant",
+        )
+        self.loss = loss
+        self.sync: WeightSync | None = None
+
+    # ---- training -----------------------------------------------------------------------------------------
+    def _loss_fn(self, batch: dict, output: torch.Tensor):
+        vocab = self.bridge.vocab_size
+        logp = token_logprobs(output, batch["labels"], vocab)
+        entropy = token_entropy(output, vocab, self.groups.tp)
+        if not self.loss.entropy_coef:
+            entropy = entropy.detach()  # logged, not optimised
+        loss, metrics = policy_loss(
+            self.loss,
+            logp,
+            batch["old_logp"],
+            batch["advantages"],
+            batch["mask"],
+            ref_logp=batch.get("ref_logp"),
+            rollout_logp=batch["rollout_logp"],
+            entropy=entropy,
+        )
+        return loss, metrics | {"loss": loss.detach()}
+
+    def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
+        """Optimizer steps over ``batch`` in global batches of ``global_batch_size`` rows; metrics per step."""
+        size, rank = self.dp
+        per_token = ("mask", "old_logp", "rollout_logp", "ref_logp")
+        results = []
+        for start in range(0, batch["tokens"].shape[0], global_batch_size):
+            rows = {k: v[start : start + global_batch_size].chunk(size)[rank].to(self.device) for k, v in batch.items()}
+            extra = {k: rows[k] for k in (*per_token, "advantages") if k in rows}
+            mbs = microbatches(rows["tokens"], micro_batch_size, self._tp(), **extra)
+            result = self.trainer.step(mbs, self._loss_fn)
+            self.scheduler.step(increment=1)
+            results.append(
+                result.metrics
+                | {
+                    "loss": result.loss,
+                    "grad_norm": result.grad_norm,
+                    "update_successful": float(result.update_successful),
+                    "lr": self.trainer.optimizer.param_groups[0]["lr"],
+                }
+            )
+        return results
+
+    def _offloadable(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        keep, discard = [], []
+        for chunk in self.trainer.model:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                keep.append(buffer.param_data)
+                discard.append(buffer.grad_data)
+        for opt in self._optimizers():
+            for group in opt.optimizer.param_groups:
+                keep.extend(group["params"])  # main (fp32) parameters
+            keep.extend(t for state in opt.optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+        return keep, discard
+
+    def _optimizers(self) -> list:
+        return list(getattr(self.trainer.optimizer, "chained_optimizers", [self.trainer.optimizer]))
+
+    # ---- weight sync --------------------------------------------------------------------------------------
+    def connect_engine(self, engine, sync: SyncConfig, engine_dtype: str) -> None:
+        """Attach this rank's rollout engine actor (None on ranks that own none)."""
+        dtype = getattr(torch, engine_dtype)
+        self.sync = WeightSync(
+            self.chunks,
+            self.bridge,
+            self.groups,
+            engine,
+            lambda tokens: self.model.logprobs(tokens, self.bridge.vocab_size, tokens.shape[0]),
+            sync,
+            dtype,
+        )
+
+    def sync_weights(self) -> dict:
+        report = self.sync.sync()
+        return {
+            "sync_seconds": report.seconds,
+            "sync_engine_wait_seconds": report.engine_wait_seconds,
+            "sync_gb_per_s": report.gb_per_s if report.bytes else 0.0,
+            "sync_bytes": float(report.bytes),
+            "probe_max_abs_diff": report.probe_max_abs_diff,
+            "probe_mean_abs_diff": report.probe_mean_abs_diff,
+        }
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def _sharded_state(self, is_loading: bool) -> dict:
+        model = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(self.trainer.model)}
+        # Resharding-friendly optimizer layout: a checkpoint saved under one layout loads under another.
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        optimizer = self.trainer.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
+        return {**model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+
+    def save(self, directory: str) -> None:
+        """Model, optimizer and LR schedule as a Megatron distributed checkpoint, plus this rank's RNG states."""
+        from megatron.core import dist_checkpointing, tensor_parallel
+
+        (Path(directory) / "policy").mkdir(exist_ok=True)
+        dist_checkpointing.save(self._sharded_state(is_loading=False), str(Path(directory) / "policy"))
+        rng = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, Path(directory) / f"rng_rank{self.rank}.pt")
+
+    def load(self, directory: str) -> None:
+        from megatron.core import dist_checkpointing, tensor_parallel
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        for opt in self._optimizers():
+            if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()  # Adam's state exists only after a step otherwise
+        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(Path(directory) / "policy"))
+        for i, chunk in enumerate(self.trainer.model):
+            chunk.module.load_state_dict(state[f"model{i}"])
+        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        rng = torch.load(Path(directory) / f"rng_rank{self.rank}.pt", weights_only=False)
+        torch.set_rng_state(rng["cpu"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+        if "cuda" in rng:
+            torch.cuda.set_rng_state(rng["cuda"])
+
+    def optimizer_digest(self) -> dict:
+        """Step count and sums of Adam's moments over all ranks: equal before a save and after its load."""
+        step, sums = 0.0, {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+        for opt in self._optimizers():
+            for state in opt.optimizer.state.values():
+                step = max(step, float(state.get("step", 0)))
+                for key in sums:
+                    if key in state:
+                        sums[key] += state[key].double().sum().item()
+        world = torch.distributed.group.WORLD
+        return {"step": all_reduce_scalar(step, world, "max")} | {
+            k: all_reduce_scalar(v, world) for k, v in sums.items()
+        }

@@ -1,0 +1,72 @@
+"""The rollout replicas (one vLLM engine actor each, ``tensor_parallel_size`` devices) and the reward actors."""
+
+from __future__ import annotations
+
+import ray
+
+from mcore_rl.rewards.user import load_reward_fn, score
+from mcore_rl.roles.cluster import Placement
+from mcore_rl.rollout.engine import Completion, RolloutConfig, SamplingConfig
+from mcore_rl.rollout.remote import launch_engine, stop_engine
+
+
+def _split(items: list, parts: int) -> list[list]:
+    size = -(-len(items) // parts)
+    return [items[i * size : (i + 1) * size] for i in range(parts)]
+
+
+class RolloutGroup:
+    """Engines on consecutive device groups; ``owners[i]`` is the trainer rank that feeds engine ``i``."""
+
+    def __init__(self, model_dir: str, config: RolloutConfig, placement: Placement, num_devices: int, name: str):
+        tp = config.tensor_parallel_size
+        self.owners = list(range(0, num_devices, tp))
+        self.engines = [
+            launch_engine(model_dir, config, name=f"{name}-{i}", **placement.options(rank))
+            for i, rank in enumerate(self.owners)
+        ]
+
+    def engine_of(self, rank: int):
+        return self.engines[self.owners.index(rank)] if rank in self.owners else None
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
+        """Prompts spread evenly over the replicas, generated concurrently; results in prompt order."""
+        parts = [p for p in _split(prompts, len(self.engines)) if p]
+        results = ray.get([e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=False)])
+        return [c for part in results for c in part]
+
+    def sleep(self) -> int:
+        return sum(ray.get([e.sleep.remote() for e in self.engines]))
+
+    def wake_up(self) -> None:
+        ray.get([e.wake_up.remote() for e in self.engines])
+
+    def stop(self) -> None:
+        for engine in self.engines:
+            stop_engine(engine)
+
+
+class RewardWorker:
+    """Scores samples with the configured reward function, in its own CPU process."""
+
+    def __init__(self, spec: str):
+        self.fn = load_reward_fn(spec)
+
+    def score(self, samples: list[tuple[str, list[dict], str]]) -> list[float]:
+        return score(self.fn, samples)
+
+
+class RewardPool:
+    def __init__(self, spec: str, num_actors: int, num_cpus: float):
+        remote = ray.remote(RewardWorker).options(num_cpus=num_cpus)
+        self.actors = [remote.remote(spec) for _ in range(num_actors)]
+
+    def score(self, samples: list[tuple[str, list[dict], str]]) -> list[float]:
+        parts = [p for p in _split(samples, len(self.actors)) if p]
+        return [
+            r for part in ray.get([a.score.remote(p) for a, p in zip(self.actors, parts, strict=False)]) for r in part
+        ]
+
+    def stop(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)

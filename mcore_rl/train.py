@@ -1,0 +1,283 @@
+"""The RL driver: ``python -m mcore_rl.train CONFIG.yaml [dotted.key=value ...]``.
+
+The loop reads like the algorithm: generate -> reward -> reference/old log-probs -> advantages -> train ->
+sync weights -> log/save. Each concern is an object (:class:`System` holds the roles, :class:`Data` the prompts,
+:class:`~mcore_rl.metrics.MetricsLogger` the numbers); re-running the same command resumes from the latest
+complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from mcore_rl import checkpoint
+from mcore_rl.batch import keep_informative_groups, rollout_stats, samples_of, training_batch
+from mcore_rl.config.loader import ConfigError, to_dict
+from mcore_rl.config.schema import BUILTIN_DATA, RunConfig, load_run_config
+from mcore_rl.data.arithmetic import arithmetic_splits
+from mcore_rl.data.prompts import PromptDataset, read_rows
+from mcore_rl.metrics import MetricsLogger, plot_curves
+from mcore_rl.rewards.user import load_reward_fn
+
+log = logging.getLogger("mcore_rl")
+
+
+class Data:
+    """Tokenised train and eval prompts; the train order is seeded and its position is saved in checkpoints."""
+
+    def __init__(self, config: RunConfig):
+        from transformers import AutoTokenizer
+
+        rt, policy = config.runtime_args, config.models.policy
+        self.tokenizer = AutoTokenizer.from_pretrained(policy.load)
+        builtin = arithmetic_splits(rt.num_builtin_train, rt.num_builtin_eval, rt.seed)
+        rows = {
+            path: builtin[i] if path == BUILTIN_DATA else read_rows(path)
+            for i, path in enumerate((rt.data_path, rt.eval_data_path))
+        }
+        self.train = PromptDataset(
+            rows[rt.data_path], self.tokenizer, policy.max_prompt_tokens, rt.seed, rt.data_shuffle
+        )
+        self.eval = PromptDataset(rows[rt.eval_data_path], self.tokenizer, policy.max_prompt_tokens, rt.seed, False)
+        for name, ds in (("data_path", self.train), ("eval_data_path", self.eval)):
+            if ds.dropped:
+                log.warning("runtime_args.%s: %d prompts longer than max_prompt_tokens dropped", name, ds.dropped)
+
+    def decode(self, completions) -> list[str]:
+        ids = [c.token_ids for group in completions for c in group]
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+class System:
+    """The roles on a Ray placement group: policy trainer ranks, reference ranks, rollout engines, rewards."""
+
+    def __init__(self, config: RunConfig):
+        import ray
+
+        from mcore_rl.roles.cluster import DEVICE, ActorGroup, Placement
+        from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer
+        from mcore_rl.roles.rollout import RewardPool, RolloutGroup
+        from mcore_rl.rollout.remote import NAMESPACE
+
+        rt, m = config.runtime_args, config.models
+        self.started_ray = not ray.is_initialized() and not (rt.ray_address or os.environ.get("RAY_ADDRESS"))
+        if self.started_ray:
+            ray.init(resources={DEVICE: rt.num_devices}, namespace=NAMESPACE, include_dashboard=False)
+        elif not ray.is_initialized():
+            ray.init(address=rt.ray_address or None, namespace=NAMESPACE)
+        self.config, self.groups = config, []
+        self.use_ref = bool(m.policy_trainer.algorithm.kl_coef)
+        self.placement = Placement(rt.num_devices, share=2 + self.use_ref)
+        name, n = rt.exp_name, rt.num_devices
+        steps = rt.num_episode * (rt.sample_per_episode // rt.train_global_batch_size)
+        trainer = m.policy_trainer
+        self.trainer = ActorGroup(
+            PolicyTrainer, self.placement, n, f"{name}/policy_trainer",
+            hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
+            optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
+        )  # fmt: skip
+        self.groups.append(self.trainer)
+        if self.use_ref:
+            ref = m.ref_policy
+            self.ref = ActorGroup(
+                MegatronRank, self.placement, n, f"{name}/ref_policy",
+                hf_dir=ref.load, parallel=ref.parallel, seed=rt.seed,
+            )  # fmt: skip
+            self.groups.append(self.ref)
+        self.rollout = RolloutGroup(m.policy.load, m.policy.rollout, self.placement, n, f"{name}/policy")
+        self.rewards = RewardPool(m.reward.fn, m.reward.num_actors, m.reward.num_cpus)
+        dtype = m.policy.rollout.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if self.placement.resource == "GPU" else "float32"
+        ray.get(
+            [
+                actor.connect_engine.remote(self.rollout.engine_of(rank), m.policy.sync, dtype)
+                for rank, actor in enumerate(self.trainer.actors)
+            ]
+        )
+
+    def close(self) -> None:
+        import ray
+
+        for group in self.groups:
+            group.kill()
+        for stop in (self.rollout.stop, self.rewards.stop, self.placement.remove):
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - best effort while tearing down after an error
+                log.exception("teardown")
+        if self.started_ray:
+            ray.shutdown()
+
+
+def save_resolved_config(config: RunConfig, out: Path) -> None:
+    """``config.yaml`` in the output dir; a resumed run with different settings adds ``config.<n>.yaml``."""
+    text = yaml.safe_dump(to_dict(config), sort_keys=False)
+    path, n = out / "config.yaml", 1
+    while path.exists() and path.read_text() != text:
+        path, n = out / f"config.{n}.yaml", n + 1
+    path.write_text(text)
+
+
+def evaluate(system: System, data: Data, config: RunConfig) -> dict[str, float]:
+    """Accuracy (fraction of positive rewards) of eval-sampling completions over the whole eval set."""
+    prompts = data.eval.prompts
+    completions = system.rollout.generate([p.token_ids for p in prompts], config.models.policy.rollout.eval)
+    samples = samples_of(prompts, completions, data.decode(completions))
+    rewards = system.rewards.score([_reward_input(s) for s in samples])
+    return {
+        "eval/accuracy": sum(r > 0 for r in rewards) / len(rewards),
+        "eval/reward_mean": sum(rewards) / len(rewards),
+    }
+
+
+def _reward_input(sample) -> tuple[str, list[dict], str]:
+    messages = sample.prompt.row.messages + [{"role": "assistant", "content": sample.text}]
+    return sample.id, messages, sample.prompt.row.answer
+
+
+def rollout_phase(system: System, data: Data, config: RunConfig, position: int):
+    """Generate and score one episode's samples (refilling constant-reward groups under dynamic sampling)."""
+    rt, policy = config.runtime_args, config.models.policy
+    n = policy.num_inference_per_prompt
+    sampling = dataclasses.replace(policy.rollout.train, n=n)
+    need = rt.sample_per_episode
+    kept, kept_rewards, spare, spare_rewards = [], [], [], []
+    for _ in range(1 + 3 * config.models.policy_trainer.dynamic_sampling):
+        prompts = data.train.batch(position, (need - len(kept)) // n)
+        position += len(prompts)
+        completions = system.rollout.generate([p.token_ids for p in prompts], sampling)
+        samples = samples_of(prompts, completions, data.decode(completions))
+        rewards = system.rewards.score([_reward_input(s) for s in samples])
+        if not config.models.policy_trainer.dynamic_sampling:
+            return samples, rewards, position
+        good, good_rewards = keep_informative_groups(samples, rewards, n)
+        kept, kept_rewards = kept + good, kept_rewards + good_rewards
+        spare += [s for s in samples if s not in good]
+        spare_rewards += [r for s, r in zip(samples, rewards, strict=True) if s not in good]
+        if len(kept) == need:
+            break
+    short = need - len(kept)  # after the refill rounds, constant groups (zero advantage) fill the batch
+    return kept + spare[:short], kept_rewards + spare_rewards[:short], position
+
+
+def run(config: RunConfig) -> Path:
+    rt = config.runtime_args
+    out = Path(rt.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_resolved_config(config, out)
+    ckpt_root = out / "checkpoints"
+    data = Data(config)
+    system = System(config)
+    found = checkpoint.latest_complete(ckpt_root)
+    start, position = 0, 0
+    logger = MetricsLogger(out, rt.log.tensorboard, rt.num_episode, found[0] if found else 0)
+    try:
+        if found:
+            start, path = found
+            system.trainer.call("load", str(path))
+            position = checkpoint.read_meta(path)["data_position"]
+            digest = system.trainer.call("optimizer_digest")[0]
+            logger.event("resume", episode=start, checkpoint=str(path), data_position=position, optimizer=digest)
+        sync = system.trainer.call("sync_weights")[0]  # engines start from the HF weights; the probe checks both
+        logger.event("initial_sync", **sync)
+        if rt.eval_episode_interval and not found:
+            logger.log(0, evaluate(system, data, config), advance=False)
+        for episode in range(start + 1, rt.num_episode + 1):
+            position = episode_step(system, data, config, logger, episode, position)
+            if rt.save_episode_interval and (episode % rt.save_episode_interval == 0 or episode == rt.num_episode):
+                partial = checkpoint.partial_dir(ckpt_root, episode)
+                system.trainer.call("save", str(partial))
+                meta = {"data_position": position, "optimizer": system.trainer.call("optimizer_digest")[0]}
+                logger.event("checkpoint", path=str(checkpoint.commit(ckpt_root, episode, meta)), **meta)
+    finally:
+        logger.close()
+        system.close()
+    png = plot_curves(out / "metrics.jsonl", out / "curves.png")
+    log.info("TensorBoard logs: %s ; curves: %s", out / "tensorboard", png)
+    return out
+
+
+def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsLogger, episode: int, position: int):
+    """One episode: generate -> reward -> ref/old log-probs -> advantages -> train -> sync -> log."""
+    rt, m = config.runtime_args, config.models
+    t, timings = time.perf_counter(), {}
+
+    def phase(name: str) -> None:
+        nonlocal t
+        now = time.perf_counter()
+        timings[f"time/{name}"] = now - t
+        t = now
+
+    samples, rewards, position = rollout_phase(system, data, config, position)
+    phase("rollout_and_reward")
+    freed = system.rollout.sleep()
+    system.trainer.call("onload")
+    batch = training_batch(samples, rewards, m.policy.num_inference_per_prompt, m.policy_trainer.advantage_std_norm)
+    if system.use_ref:
+        batch["ref_logp"] = system.ref.call("logprobs", batch, m.ref_policy.micro_batch_size)[0]
+    phase("ref_logprobs")
+    batch["old_logp"] = system.trainer.call("logprobs", batch, m.policy_trainer.micro_batch_size)[0]
+    phase("old_logprobs")
+    steps = system.trainer.call("train", batch, rt.train_global_batch_size, m.policy_trainer.micro_batch_size)[0]
+    phase("train")
+    memory = system.trainer.call("memory_bytes")[0]
+    sync = system.trainer.call("sync_weights")[0]
+    system.trainer.call("offload")
+    phase("sync")
+    tokens = float(batch["mask"].sum())
+    metrics = rollout_stats(samples, rewards, m.policy.num_inference_per_prompt)
+    metrics |= {f"train/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    metrics |= {f"train/first_step_{k}": steps[0][k] for k in ("ratio_mean", "kl") if k in steps[0]}
+    metrics |= {f"sync/{k}": v for k, v in sync.items()} | timings
+    metrics |= {
+        "time/episode": sum(timings.values()),
+        "throughput/response_tokens_per_s": tokens / sum(timings.values()),
+        "memory/trainer_bytes": memory,
+        "memory/engine_freed_bytes": freed,
+        "data/position": position,
+    }
+    logger.log(episode, metrics)
+    write_samples(Path(rt.output_dir) / "rollouts" / f"episode_{episode}.jsonl", samples, rewards)
+    if rt.eval_episode_interval and (episode % rt.eval_episode_interval == 0 or episode == rt.num_episode):
+        logger.log(episode, evaluate(system, data, config), advance=False)
+    return position
+
+
+def write_samples(path: Path, samples, rewards) -> None:
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for s, r in zip(samples, rewards, strict=True):
+            f.write(json.dumps({"id": s.id, "reward": r, "response": s.text}) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="run YAML (runtime_args + models.*)")
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted.key=value overrides, e.g. models.policy.num_inference_per_prompt=4"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = load_run_config(args.config, args.overrides)
+        load_reward_fn(config.models.reward.fn)  # a missing or broken reward file fails before any actor starts
+    except (ConfigError, FileNotFoundError, AttributeError, SyntaxError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
