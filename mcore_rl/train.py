@@ -60,12 +60,10 @@ class System:
     def __init__(self, config: RunConfig):
         import ray
 
-        from mcore_rl.roles.cluster import DEVICE, ActorGroup, Placement
-        from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer
-        from mcore_rl.roles.rollout import RewardPool, RolloutGroup
+        from mcore_rl.roles.cluster import DEVICE
         from mcore_rl.rollout.remote import NAMESPACE
 
-        rt, m = config.runtime_args, config.models
+        rt = config.runtime_args
         self.started_ray = not ray.is_initialized() and not (rt.ray_address or os.environ.get("RAY_ADDRESS"))
         # The actors' console output: vLLM's warnings and errors, not Megatron's/torch's fallback notices.
         quiet = {"PYTHONWARNINGS": "ignore", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
@@ -78,9 +76,25 @@ class System:
             )
         elif not ray.is_initialized():
             ray.init(address=rt.ray_address or None, namespace=NAMESPACE, runtime_env={"env_vars": quiet})
-        self.config, self.groups = config, []
+        self.config = config
+        self._stops: list = []  # how to tear down what has started, in start order
+        try:
+            self._start(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, config: RunConfig) -> None:
+        import ray
+
+        from mcore_rl.roles.cluster import ActorGroup, Placement
+        from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer
+        from mcore_rl.roles.rollout import RewardPool, RolloutGroup
+
+        rt, m = config.runtime_args, config.models
         self.use_ref = bool(m.policy_trainer.algorithm.kl_coef)
         self.placement = Placement(rt.num_devices, share=2 + self.use_ref)
+        self._stops.append(self.placement.remove)
         name, n = rt.exp_name, rt.num_devices
         steps = rt.num_episode * (rt.sample_per_episode // rt.train_global_batch_size)
         trainer = m.policy_trainer
@@ -89,16 +103,18 @@ class System:
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
             optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
         )  # fmt: skip
-        self.groups.append(self.trainer)
+        self._stops.append(self.trainer.kill)
         if self.use_ref:
             ref = m.ref_policy
             self.ref = ActorGroup(
                 MegatronRank, self.placement, n, f"{name}/ref_policy",
                 hf_dir=ref.load, parallel=ref.parallel, seed=rt.seed,
             )  # fmt: skip
-            self.groups.append(self.ref)
+            self._stops.append(self.ref.kill)
         self.rollout = RolloutGroup(m.policy.load, m.policy.rollout, self.placement, n, f"{name}/policy")
+        self._stops.append(self.rollout.stop)
         self.rewards = RewardPool(m.reward.fn, m.reward.num_actors, m.reward.num_cpus)
+        self._stops.append(self.rewards.stop)
         dtype = m.policy.rollout.dtype
         if dtype == "auto":
             dtype = "bfloat16" if self.placement.resource == "GPU" else "float32"
@@ -112,13 +128,12 @@ class System:
     def close(self) -> None:
         import ray
 
-        for group in self.groups:
-            group.kill()
-        for stop in (self.rollout.stop, self.rewards.stop, self.placement.remove):
+        for stop in reversed(self._stops):
             try:
                 stop()
             except Exception:  # noqa: BLE001 - best effort while tearing down after an error
                 log.exception("teardown")
+        self._stops.clear()
         if self.started_ray:
             ray.shutdown()
 
@@ -236,7 +251,7 @@ def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsL
     phase("train")
     memory = system.trainer.call("memory_bytes")[0]
     sync = system.trainer.call("sync_weights")[0]
-    system.trainer.call("offload")
+    offloaded = sum(system.trainer.call("offload")) if m.policy_trainer.offload else 0  # 0 on CPU: nowhere to go
     phase("sync")
     tokens = float(batch["mask"].sum())
     metrics = rollout_stats(samples, rewards, m.policy.num_inference_per_prompt)
@@ -248,6 +263,7 @@ def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsL
         "throughput/response_tokens_per_s": tokens / sum(timings.values()),
         "memory/trainer_bytes": memory,
         "memory/engine_freed_bytes": freed,
+        "memory/trainer_offloaded_bytes": offloaded,
         "data/position": position,
     }
     logger.log(episode, metrics)

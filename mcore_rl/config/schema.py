@@ -61,12 +61,11 @@ class TrainerConfig:
     load: str = ""  # HF model directory
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     micro_batch_size: int = 2
-    max_tokens_per_micro_batch: int = 0  # >0: pack sequences up to this many tokens instead
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     algorithm: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     advantage_std_norm: bool = True  # False: Dr.GRPO advantages
     dynamic_sampling: bool = False  # drop prompt groups with constant rewards and refill
-    offload: bool = True  # weights, grads and optimizer leave the device while the engine rolls out
+    offload: bool = True  # GPU: weights, grads and optimizer state leave the device while the engines roll out
 
 
 @dataclass

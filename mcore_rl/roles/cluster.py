@@ -66,7 +66,11 @@ class ActorGroup:
             remote.options(name=f"{name}-{rank}", **placement.options(rank)).remote(rank, world, master, **kwargs)
             for rank in range(world)
         ]
-        ray.get([a.__ray_ready__.remote() for a in self.actors])
+        try:
+            ray.get([a.__ray_ready__.remote() for a in self.actors])
+        except BaseException:
+            self.kill()  # peers of a failed rank would wait in its collectives forever
+            raise
 
     def call(self, method: str, *args, **kwargs) -> list:
         return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])

@@ -110,8 +110,7 @@ def _second_prompt_id(out: Path) -> str:
 
 
 def test_grpo_raises_the_reward_of_a_learnable_task(tiny_models, ray_address, tmp_path):
-    extra = "\n".join(["", ""])
-    path = write_config(tmp_path, tiny_models["LlamaForCausalLM"], "learn", extra)
+    path = write_config(tmp_path, tiny_models["LlamaForCausalLM"], "learn")
     config = load_run_config(
         path,
         [
@@ -121,6 +120,7 @@ def test_grpo_raises_the_reward_of_a_learnable_task(tiny_models, ray_address, tm
             "models.policy_trainer.parallel.tp=1",  # data parallel 2
             "models.policy_trainer.algorithm.kl_coef=0",
             "models.policy_trainer.algorithm.algorithm=gspo",
+            "models.policy_trainer.dynamic_sampling=true",
         ],
     )
     out = run(config)
