@@ -1,4 +1,4 @@
-"""Prompt datasets: JSONL rows with named errors, chat-template tokenisation, a seeded resumable order."""
+"""Prompt datasets: JSONL and Parquet rows with named errors, chat-template tokenisation, a seeded resumable order."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import transformers
 
 from converters.gguf2hf import default_model_dir
 from mcore_rl.data.arithmetic import arithmetic_splits
-from mcore_rl.data.prompts import PromptDataset, read_jsonl, write_jsonl
+from mcore_rl.data.prompts import PromptDataset, read_jsonl, read_rows, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,20 @@ def test_jsonl_roundtrip_and_errors_name_file_and_line(tmp_path):
             read_jsonl(path)
     with pytest.raises(FileNotFoundError, match="dataset file not found"):
         read_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_parquet_rows_read_like_jsonl_and_errors_name_the_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows, _ = arithmetic_splits(3, 0, seed=0)
+    table = [{"id": r.id, "messages": r.messages, "answer": r.answer} for r in rows]
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "train.parquet")
+    assert read_rows(tmp_path / "train.parquet") == rows
+    table[2]["answer"] = None
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "bad.parquet")
+    with pytest.raises(ValueError, match=r"bad.parquet: row 2: 'answer' must be a string or a number"):
+        read_rows(tmp_path / "bad.parquet")
 
 
 def test_dataset_drops_overlong_prompts_and_resumes_at_a_position(tokenizer):
