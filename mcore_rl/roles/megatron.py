@@ -184,7 +184,8 @@ class PolicyTrainer(MegatronRank):
         keep, discard = [], []
         for chunk in self.trainer.model:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                keep.append(buffer.param_data)
+                if buffer.param_data is not None:  # absent without the distributed optimizer
+                    keep.append(buffer.param_data)
                 discard.append(buffer.grad_data)
         for opt in self._optimizers():
             for group in opt.optimizer.param_groups:

@@ -250,3 +250,31 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, tp: int) -> tu
     entropy = token_entropy(local, vocab_size, groups.tp)
     entropy.sum().backward()
     return entropy.detach(), _full_vocab(local.grad, groups, vocab_size)
+
+
+def policy_trainer_episodes(hf_dir: str, layout: dict, offload: bool) -> dict:
+    """Two GRPO episodes of the policy-trainer role, its device memory freed and restored between them when
+    ``offload``; returns each optimizer step's metrics and the bytes the offload freed."""
+    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.offload import StorageOffloader
+    from mcore_rl.roles.megatron import PolicyTrainer
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
+    trainer = PolicyTrainer(
+        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 4
+    )
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(4, 100, (8, 12), generator=generator)
+    mask = torch.zeros(8, 11)
+    mask[:, 5:] = 1
+    batch = {"tokens": tokens, "mask": mask, "advantages": torch.randn(8, generator=generator)}
+    steps, freed = [], 0
+    for _ in range(2):
+        batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=2) * mask
+        steps += trainer.train(batch, global_batch_size=4, micro_batch_size=2)
+        if offload:
+            offloader = StorageOffloader(*trainer._offloadable())  # on CPU the role itself never offloads
+            freed = offloader.offload()
+            offloader.onload()
+    return dict(steps=steps, freed=freed)
