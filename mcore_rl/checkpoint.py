@@ -50,15 +50,35 @@ def commit(root: str | Path, episode: int, meta: dict) -> Path:
     return final
 
 
-def latest_complete(root: str | Path) -> tuple[int, Path] | None:
-    """The highest episode with a complete checkpoint under ``root``, or None."""
+def complete(root: str | Path) -> list[tuple[int, Path]]:
+    """Every complete checkpoint under ``root`` as (episode, path), oldest first."""
     root = Path(root)
     found = []
     for path in root.iterdir() if root.is_dir() else ():
         match = _NAME.match(path.name)
         if match and (path / MARKER).is_file():
             found.append((int(match.group(1)), path))
-    return max(found) if found else None
+    return sorted(found)
+
+
+def latest_complete(root: str | Path) -> tuple[int, Path] | None:
+    """The highest episode with a complete checkpoint under ``root``, or None."""
+    found = complete(root)
+    return found[-1] if found else None
+
+
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints (``keep`` <= 0 keeps all); returns what went.
+
+    Called after a commit, so the newest complete checkpoint is never the one deleted; the marker goes first,
+    so a crash mid-delete leaves a directory that no longer counts as complete.
+    """
+    found = complete(root)
+    doomed = [path for _, path in found[: max(len(found) - keep, 0)]] if keep > 0 else []
+    for path in doomed:
+        (path / MARKER).unlink()
+        shutil.rmtree(path)
+    return doomed
 
 
 def read_meta(path: str | Path) -> dict:

@@ -218,6 +218,7 @@ def run(config: RunConfig) -> Path:
                 system.trainer.call("save", str(partial))
                 meta = {"data_position": position, "optimizer": system.trainer.call("optimizer_digest")[0]}
                 logger.event("checkpoint", path=str(checkpoint.commit(ckpt_root, episode, meta)), **meta)
+                checkpoint.prune(ckpt_root, rt.keep_checkpoints)
     finally:
         logger.close()
         system.close()

@@ -35,6 +35,7 @@ class RuntimeArgs:
     sample_per_episode: int = 64  # prompts x num_inference_per_prompt
     train_global_batch_size: int = 32  # samples per optimizer step
     save_episode_interval: int = 5
+    keep_checkpoints: int = 2  # the newest N complete checkpoints stay (0: all); SmolLM2's is 2.1 GB in fp32
     eval_episode_interval: int = 5
     data_shuffle: bool = True
     seed: int = 1

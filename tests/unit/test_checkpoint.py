@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_rl.checkpoint import commit, latest_complete, partial_dir, read_meta
+from mcore_rl.checkpoint import commit, complete, latest_complete, partial_dir, prune, read_meta
 
 
 def test_commit_and_latest_complete(tmp_path):
@@ -27,3 +27,13 @@ def test_an_existing_checkpoint_is_never_overwritten(tmp_path):
     with pytest.raises(FileExistsError, match="a checkpoint of episode 1 exists already"):
         partial_dir(tmp_path, 1)
     assert latest_complete(tmp_path)[0] == 1
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for episode in (1, 2, 3):
+        partial_dir(tmp_path, episode)
+        commit(tmp_path, episode, {})
+    partial_dir(tmp_path, 4)  # an unfinished save is not a checkpoint: neither kept nor counted
+    assert prune(tmp_path, keep=0) == []
+    assert [p.name for p in prune(tmp_path, keep=2)] == ["episode_1"]
+    assert [e for e, _ in complete(tmp_path)] == [2, 3]
