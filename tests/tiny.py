@@ -29,7 +29,7 @@ COMMON = dict(
     rms_norm_eps=1e-6,
     bos_token_id=1,
     eos_token_id=2,  # <|im_end|> of the character tokenizer below
-    pad_token_id=0,
+    # no pad_token_id: HF would zero that embedding row, and RMSNorm of a zero vector blows gradients up by 1/eps
 )
 
 FAMILIES: dict[str, dict] = {
