@@ -146,7 +146,7 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> list:
         bridge,
         groups,
         engine,
-        lambda tokens: model.logprobs(tokens, bridge.vocab_size, micro_batch_size=4),
+        model,
         SyncConfig(bucket_bytes=bucket_bytes),
         torch.float32,
     )

@@ -44,11 +44,16 @@ def training_batch(samples: list[Sample], rewards: list[float], group_size: int,
     return {"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp, "advantages": advantages, "rewards": reward_t}
 
 
-def keep_informative_groups(samples: list[Sample], rewards: list[float], group_size: int):
-    """Dynamic sampling: drop prompt groups whose rewards are all equal (zero advantage, no gradient)."""
+def partition_groups(samples: list[Sample], rewards: list[float], group_size: int):
+    """Dynamic sampling: split samples (and rewards) into prompt groups with a learning signal and groups whose
+    rewards are all equal (zero advantage, no gradient): ((kept, kept_rewards), (constant, constant_rewards))."""
     constant = constant_groups(torch.tensor(rewards), group_size).tolist()
-    keep = [i for i in range(len(samples)) if not constant[i // group_size]]
-    return [samples[i] for i in keep], [rewards[i] for i in keep]
+    parts = ([], []), ([], [])
+    for i, (sample, reward) in enumerate(zip(samples, rewards, strict=True)):
+        part = parts[constant[i // group_size]]
+        part[0].append(sample)
+        part[1].append(reward)
+    return parts
 
 
 def rollout_stats(samples: list[Sample], rewards: list[float], group_size: int) -> dict[str, float]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import ray
@@ -21,6 +21,7 @@ import torch
 
 from converters.stream import export_hf
 from mcore_rl.rollout.transport import BucketSender
+from mcore_rl.training import MegatronModel
 from parallel.comm import all_reduce_scalar
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,8 @@ class WeightSync:
     """Streams a trainer's weights into its rollout engine (a Ray actor of ``RolloutEngine``) and checks them.
 
     ``engine`` is None on ranks that own no engine; they still take part in the export's collectives.
-    ``trainer_logprobs(tokens) -> [b, s-1]`` is the trainer's own scoring (a collective on all ranks).
+    ``scorer`` is the trainer's model (or the train step wrapping it); its ``logprobs`` scores the probe batch
+    on the trainer side (a collective on all ranks).
     """
 
     def __init__(
@@ -109,13 +111,13 @@ class WeightSync:
         bridge,
         groups,
         engine,
-        trainer_logprobs: Callable[[torch.Tensor], torch.Tensor],
+        scorer: MegatronModel,
         config: SyncConfig,
         engine_dtype: torch.dtype,
     ):
         config.validate()
         self.chunks, self.bridge, self.groups, self.engine = chunks, bridge, groups, engine
-        self.trainer_logprobs = trainer_logprobs
+        self.scorer = scorer
         self.config = config
         default_max, default_mean = PROBE_TOLERANCE[engine_dtype]
         self.max_tolerance = config.probe_max_tolerance if config.probe_max_tolerance is not None else default_max
@@ -165,7 +167,7 @@ class WeightSync:
 
     def _probe(self) -> tuple[float, float]:
         """Compare the engines' log-probs of the probe batch with the trainer's; all ranks raise above tolerance."""
-        trainer = self.trainer_logprobs(self.probe)
+        trainer = self.scorer.logprobs(self.probe, self.bridge.vocab_size, micro_batch_size=len(self.probe))
         max_diff = mean_diff = 0.0
         if self.engine is not None:
             engine = torch.tensor(ray.get(self.engine.score.remote(self.probe.tolist())), dtype=torch.float32)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from mcore_rl import checkpoint
-from mcore_rl.batch import keep_informative_groups, rollout_stats, samples_of, training_batch
+from mcore_rl.batch import partition_groups, rollout_stats, samples_of, training_batch
 from mcore_rl.config.loader import ConfigError, to_dict
 from mcore_rl.config.schema import BUILTIN_DATA, RunConfig, load_run_config
 from mcore_rl.data.arithmetic import arithmetic_splits
@@ -67,15 +68,9 @@ class System:
         self.started_ray = not ray.is_initialized() and not (rt.ray_address or os.environ.get("RAY_ADDRESS"))
         # The actors' console output: vLLM's warnings and errors, not Megatron's/torch's fallback notices.
         quiet = {"PYTHONWARNINGS": "ignore", "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
-        if self.started_ray:
-            ray.init(
-                resources={DEVICE: rt.num_devices},
-                namespace=NAMESPACE,
-                include_dashboard=False,
-                runtime_env={"env_vars": quiet},
-            )
-        elif not ray.is_initialized():
-            ray.init(address=rt.ray_address or None, namespace=NAMESPACE, runtime_env={"env_vars": quiet})
+        local = dict(resources={DEVICE: rt.num_devices}, include_dashboard=False) if self.started_ray else {}
+        if not ray.is_initialized():
+            ray.init(address=rt.ray_address or None, namespace=NAMESPACE, runtime_env={"env_vars": quiet}, **local)
         self.config = config
         self._stops: list = []  # how to tear down what has started, in start order
         try:
@@ -179,10 +174,9 @@ def rollout_phase(system: System, data: Data, config: RunConfig, position: int):
         rewards = system.rewards.score([_reward_input(s) for s in samples])
         if not config.models.policy_trainer.dynamic_sampling:
             return samples, rewards, position
-        good, good_rewards = keep_informative_groups(samples, rewards, n)
+        (good, good_rewards), (constant, constant_rewards) = partition_groups(samples, rewards, n)
         kept, kept_rewards = kept + good, kept_rewards + good_rewards
-        spare += [s for s in samples if s not in good]
-        spare_rewards += [r for s, r in zip(samples, rewards, strict=True) if s not in good]
+        spare, spare_rewards = spare + constant, spare_rewards + constant_rewards
         if len(kept) == need:
             break
     short = need - len(kept)  # after the refill rounds, constant groups (zero advantage) fill the batch
@@ -275,8 +269,6 @@ def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsL
 
 
 def write_samples(path: Path, samples, rewards) -> None:
-    import json
-
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for s, r in zip(samples, rewards, strict=True):

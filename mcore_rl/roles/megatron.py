@@ -121,10 +121,9 @@ class PolicyTrainer(MegatronRank):
         config = OptimizerConfig(
             optimizer="adam", bf16=self.config.bf16, use_distributed_optimizer=True, min_lr=min_lr, **settings
         )
-        self.trainer = MegatronTrainStep(self.chunks, self.config, config, self.groups)
-        self.model = self.trainer
+        self.model = MegatronTrainStep(self.chunks, self.config, config, self.groups)
         self.scheduler = OptimizerParamScheduler(
-            self.trainer.optimizer,
+            self.model.optimizer,
             init_lr=0.0 if warmup else config.lr,
             max_lr=config.lr,
             min_lr=min_lr,
@@ -167,7 +166,7 @@ class PolicyTrainer(MegatronRank):
             rows = {k: v[start : start + global_batch_size].chunk(size)[rank].to(self.device) for k, v in batch.items()}
             extra = {k: rows[k] for k in (*per_token, "advantages") if k in rows}
             mbs = microbatches(rows["tokens"], micro_batch_size, self._tp(), **extra)
-            result = self.trainer.step(mbs, self._loss_fn)
+            result = self.model.step(mbs, self._loss_fn)
             self.scheduler.step(increment=1)
             results.append(
                 result.metrics
@@ -175,14 +174,14 @@ class PolicyTrainer(MegatronRank):
                     "loss": result.loss,
                     "grad_norm": result.grad_norm,
                     "update_successful": float(result.update_successful),
-                    "lr": self.trainer.optimizer.param_groups[0]["lr"],
+                    "lr": self.model.optimizer.param_groups[0]["lr"],
                 }
             )
         return results
 
     def _offloadable(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         keep, discard = [], []
-        for chunk in self.trainer.model:
+        for chunk in self.model.model:
             for buffer in chunk.buffers + chunk.expert_parallel_buffers:
                 if buffer.param_data is not None:  # absent without the distributed optimizer
                     keep.append(buffer.param_data)
@@ -194,7 +193,7 @@ class PolicyTrainer(MegatronRank):
         return keep, discard
 
     def _optimizers(self) -> list:
-        return list(getattr(self.trainer.optimizer, "chained_optimizers", [self.trainer.optimizer]))
+        return list(getattr(self.model.optimizer, "chained_optimizers", [self.model.optimizer]))
 
     # ---- weight sync --------------------------------------------------------------------------------------
     def connect_engine(self, engine, sync: SyncConfig, engine_dtype: str) -> None:
@@ -205,7 +204,7 @@ class PolicyTrainer(MegatronRank):
             self.bridge,
             self.groups,
             engine,
-            lambda tokens: self.model.logprobs(tokens, self.bridge.vocab_size, tokens.shape[0]),
+            self.model,
             sync,
             dtype,
         )
@@ -223,10 +222,10 @@ class PolicyTrainer(MegatronRank):
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def _sharded_state(self, is_loading: bool) -> dict:
-        model = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(self.trainer.model)}
+        model = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(self.model.model)}
         # Resharding-friendly optimizer layout: a checkpoint saved under one layout loads under another.
         metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
-        optimizer = self.trainer.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
+        optimizer = self.model.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
         return {**model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
     def save(self, directory: str) -> None:
@@ -248,9 +247,9 @@ class PolicyTrainer(MegatronRank):
             if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()  # Adam's state exists only after a step otherwise
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(Path(directory) / "policy"))
-        for i, chunk in enumerate(self.trainer.model):
+        for i, chunk in enumerate(self.model.model):
             chunk.module.load_state_dict(state[f"model{i}"])
-        self.trainer.optimizer.load_state_dict(state["optimizer"])
+        self.model.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         rng = torch.load(Path(directory) / f"rng_rank{self.rank}.pt", weights_only=False)
         torch.set_rng_state(rng["cpu"])

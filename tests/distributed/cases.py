@@ -164,7 +164,7 @@ def train_and_sync(
         bridge,
         groups,
         engine,
-        lambda tokens: step.logprobs(tokens, bridge.vocab_size, micro_batch_size=2),
+        step,
         SyncConfig(bucket_bytes=bucket_bytes),
         getattr(torch, engine_dtype),
     )
@@ -225,7 +225,7 @@ def perturb_and_sync(
         bridge,
         groups,
         _attach_engine(ray_address, engine_name if torch.distributed.get_rank() == 0 else None),
-        lambda tokens: model.logprobs(tokens, bridge.vocab_size, micro_batch_size=4),
+        model,
         SyncConfig(bucket_bytes=64 << 20),
         torch.float32,
     )

@@ -2,7 +2,7 @@
 
 import torch
 
-from mcore_rl.batch import keep_informative_groups, rollout_stats, samples_of, training_batch
+from mcore_rl.batch import partition_groups, rollout_stats, samples_of, training_batch
 from mcore_rl.data.prompts import Prompt, PromptRow
 from mcore_rl.rollout.engine import Completion
 
@@ -32,8 +32,9 @@ def test_training_batch_marks_response_targets_and_engine_logprobs():
 
 def test_dynamic_sampling_drops_constant_groups_and_stats_report_them():
     samples, rewards = _samples(), [1.0, 0.0, 0.5, 0.5]
-    kept, kept_rewards = keep_informative_groups(samples, rewards, 2)
+    (kept, kept_rewards), (constant, _) = partition_groups(samples, rewards, 2)
     assert [s.id for s in kept] == ["p0/0", "p0/1"] and kept_rewards == [1.0, 0.0]
+    assert [s.id for s in constant] == ["p1/0", "p1/1"]
     stats = rollout_stats(samples, rewards, 2)
     assert stats["reward/constant_group_fraction"] == 0.5
     assert stats["response/length_mean"] == 7 / 4 and stats["response/truncated_fraction"] == 0.25
