@@ -88,8 +88,16 @@ class MegatronModel:
 
     @torch.no_grad()
     def logprobs(self, tokens: torch.Tensor, vocab_size: int, micro_batch_size: int) -> torch.Tensor:
-        """log p(tokens[:, i] | tokens[:, :i]) for i >= 1, shape [b, s-1], on every rank (fp32)."""
+        """log p(tokens[:, i] | tokens[:, :i]) for i >= 1, shape [b, s-1], on every rank (fp32).
+
+        Under interleaved pipelining Megatron's schedule needs at least PP micro-batches, so a batch given as one
+        micro-batch (the post-sync probe) is split further: into the largest equal size that makes PP of them.
+        """
         length = tokens.shape[1] - 1
+        pp = torch.distributed.get_world_size(self.groups.pp)
+        if len(self.model) > 1:
+            limit = max(1, min(micro_batch_size, tokens.shape[0] // pp))
+            micro_batch_size = max(d for d in range(1, limit + 1) if tokens.shape[0] % d == 0)
         batches = microbatches(tokens, micro_batch_size, torch.distributed.get_world_size(self.groups.tp))
 
         def score(batch, output):
@@ -103,7 +111,6 @@ class MegatronModel:
         finally:
             for chunk in self.model:
                 chunk.train()
-        pp = torch.distributed.get_world_size(self.groups.pp)
         is_last = torch.distributed.get_rank(self.groups.pp) == pp - 1
         local = [torch.cat([o["logprobs"] for o in outputs])] if is_last else None
         shape = torch.Size([tokens.shape[0], length])
