@@ -99,6 +99,27 @@ class GatedMLP(Mapping):
         return transforms.split_gated(full, tp)
 
 
+@dataclass(frozen=True)
+class RopeRows(Mapping):
+    """A projection whose output rows hold, every ``period`` rows, ``rope_dim`` rotary rows at ``offset``.
+
+    Megatron's MLA reads rotary rows interleaved, ``x0 x1 x2 x3 ...`` rotating ``(x0, x1)``, as DeepSeek's
+    checkpoints store them (``rope_interleave=True``), and de-interleaves them itself. Checkpoints with
+    ``rope_interleave=False`` hold them in rotate-half order ``x0 x2 ... x1 x3 ...``: they are interleaved on load
+    and de-interleaved on export. Periods are per head, so TP splits on head boundaries stay valid.
+    """
+
+    period: int = 0
+    offset: int = 0
+    rope_dim: int = 0
+
+    def to_megatron(self, hf, tp, full_shape):
+        return transforms.permute_rope_rows(hf[0], self.period, self.offset, self.rope_dim, inverse=True)
+
+    def to_hf(self, full, tp):
+        return (transforms.permute_rope_rows(full, self.period, self.offset, self.rope_dim),)
+
+
 class MappingTable:
     """Resolves Megatron parameter names to their mapping; an unmapped or doubly-mapped name is an error."""
 

@@ -46,6 +46,24 @@ def split_gated(fc1: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
 
 
+def permute_rope_rows(
+    weight: torch.Tensor, period: int, offset: int, rope_dim: int, inverse: bool = False
+) -> torch.Tensor:
+    """De-interleave (``inverse``: interleave) rows ``offset:offset+rope_dim`` of every ``period``-row block.
+
+    Example, rope_dim 4: block rows ``[n0 | r0 r1 r2 r3]`` -> ``[n0 | r0 r2 r1 r3]``.
+    """
+    if weight.shape[0] % period:
+        raise ValueError(f"{weight.shape[0]} rows are not whole blocks of {period}")
+    rope = torch.arange(rope_dim).reshape(rope_dim // 2, 2).t().reshape(-1)  # 0 2 4 ... 1 3 5 ...
+    if inverse:
+        rope = torch.argsort(rope)
+    block = torch.arange(period)
+    block[offset : offset + rope_dim] = offset + rope
+    index = (torch.arange(weight.shape[0] // period)[:, None] * period + block).reshape(-1)
+    return weight[index]
+
+
 def pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
     """Zero rows up to Megatron's padded vocabulary (a multiple of TP * make_vocab_size_divisible_by)."""
     if weight.shape[0] > padded_rows:

@@ -43,8 +43,10 @@ class Bridge:
 
     architecture: ClassVar[str]
     model_type: ClassVar[str]
+    config_class: ClassVar[type[TransformerConfig]] = TransformerConfig
     config_table: ClassVar[tuple[tuple[str, str], ...]] = DENSE_CONFIG
     qk_norm: ClassVar[bool] = False
+    rope_types: ClassVar[tuple[str, ...]] = ("default",)
     # None: read HF's ``attention_bias``; a bool: the family's fixed choice (Qwen2 always has q/k/v biases).
     qkv_bias: ClassVar[bool | None] = None
 
@@ -60,9 +62,20 @@ class Bridge:
         act = self.hf.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"{self.architecture}: hidden_act={act!r} is not supported (expected 'silu')")
-        rope_type = (self.hf.get("rope_scaling") or self.hf.get("rope_parameters") or {}).get("rope_type", "default")
-        if rope_type != "default":
-            raise ValueError(f"{self.architecture}: rope scaling type {rope_type!r} is not supported yet")
+        if self.rope_type not in self.rope_types:
+            raise ValueError(
+                f"{self.architecture}: rope scaling type {self.rope_type!r} is not supported "
+                f"(supported: {list(self.rope_types)})"
+            )
+
+    @property
+    def rope_scaling(self) -> dict:
+        """RoPE parameters: ``rope_scaling`` in released config.json files, ``rope_parameters`` in transformers 5."""
+        return self.hf.get("rope_scaling") or self.hf.get("rope_parameters") or {}
+
+    @property
+    def rope_type(self) -> str:
+        return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
 
     @property
     def vocab_size(self) -> int:
@@ -74,7 +87,7 @@ class Bridge:
 
     @property
     def rope_theta(self) -> float:
-        return float(self.hf.get("rope_theta") or (self.hf.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        return float(self.hf.get("rope_theta") or self.rope_scaling.get("rope_theta", 10000.0))
 
     @property
     def attention_bias(self) -> bool:
@@ -137,7 +150,7 @@ class Bridge:
         )
         fields.update(self.extra_config())
         fields.update(overrides)
-        return TransformerConfig(**fields)
+        return self.config_class(**fields)
 
     def extra_config(self) -> dict:
         """Family-specific TransformerConfig fields (MoE, ...)."""
@@ -188,19 +201,11 @@ class Bridge:
             Direct("decoder.final_layernorm.weight", "model.norm.weight"),
             Direct(_L + "input_layernorm.weight", _HL + "input_layernorm.weight"),
             Direct(_L + "self_attention.linear_proj.weight", _HL + "self_attn.o_proj.weight", tp_axis=1),
-            *self._qkv_mappings("weight"),
+            *self.attention_mappings(),
             *self.mlp_mappings(),
-            # TransformerEngine fuses the pre-attention/pre-MLP norms into the following linear layer.
-            Direct(_L + "self_attention.linear_qkv.layer_norm_weight", _HL + "input_layernorm.weight"),
+            # TransformerEngine fuses the pre-MLP norm into the following linear layer.
             Direct(_L + "mlp.linear_fc1.layer_norm_weight", _HL + "post_attention_layernorm.weight"),
         ]
-        if self.attention_bias:
-            out += self._qkv_mappings("bias")
-        if self.qk_norm:
-            out += [
-                Direct(_L + "self_attention.q_layernorm.weight", _HL + "self_attn.q_norm.weight"),
-                Direct(_L + "self_attention.k_layernorm.weight", _HL + "self_attn.k_norm.weight"),
-            ]
         # A tied output layer (last pipeline stage's copy of the embedding) is loaded from the embedding and
         # never exported: HF checkpoints of tied models have no lm_head.
         tied = self.tie_word_embeddings
@@ -208,17 +213,30 @@ class Bridge:
         out.append(Vocab("output_layer.weight", (head,), vocab_size=self.vocab_size, export=not tied))
         return out
 
-    def _qkv_mappings(self, kind: str) -> list[Mapping]:
-        names = tuple(_HL + f"self_attn.{p}_proj.{kind}" for p in "qkv")
-        return [
-            QKV(
-                _L + f"self_attention.linear_qkv.{kind}",
-                names,
-                num_attention_heads=self.hf["num_attention_heads"],
-                num_query_groups=self.hf["num_key_value_heads"],
-                head_dim=self.hf["head_dim"],
-            )
+    def attention_mappings(self) -> list[Mapping]:
+        """Grouped-query attention: fused q/k/v (weights, optional biases) and optional q/k norms."""
+        out = [
+            self._qkv_mapping("weight"),
+            # TransformerEngine fuses the pre-attention norm into linear_qkv.
+            Direct(_L + "self_attention.linear_qkv.layer_norm_weight", _HL + "input_layernorm.weight"),
         ]
+        if self.attention_bias:
+            out.append(self._qkv_mapping("bias"))
+        if self.qk_norm:
+            out += [
+                Direct(_L + "self_attention.q_layernorm.weight", _HL + "self_attn.q_norm.weight"),
+                Direct(_L + "self_attention.k_layernorm.weight", _HL + "self_attn.k_norm.weight"),
+            ]
+        return out
+
+    def _qkv_mapping(self, kind: str) -> Mapping:
+        return QKV(
+            _L + f"self_attention.linear_qkv.{kind}",
+            tuple(_HL + f"self_attn.{p}_proj.{kind}" for p in "qkv"),
+            num_attention_heads=self.hf["num_attention_heads"],
+            num_query_groups=self.hf["num_key_value_heads"],
+            head_dim=self.hf["head_dim"],
+        )
 
     def mlp_mappings(self) -> list[Mapping]:
         """Dense gated MLP; MoE families replace this."""

@@ -6,12 +6,15 @@ from pathlib import Path
 
 from converters.hf_io import read_config
 from models.bridge import Bridge
+from models.deepseek_v3 import DeepseekV3Bridge
 from models.llama import LlamaBridge
 from models.qwen2 import Qwen2Bridge
 from models.qwen3 import Qwen3Bridge
 from models.qwen3_moe import Qwen3MoeBridge
 
-BRIDGES: dict[str, type[Bridge]] = {b.architecture: b for b in (LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge)}
+BRIDGES: dict[str, type[Bridge]] = {
+    b.architecture: b for b in (DeepseekV3Bridge, LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge)
+}
 
 
 def get_bridge(hf: dict | str | Path) -> Bridge:

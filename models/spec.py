@@ -1,9 +1,15 @@
 """Megatron layer specs per backend: TransformerEngine on CUDA when installed, Megatron's local modules otherwise.
 
-The local spec is Megatron's own, with one module substituted through the spec (its intended extension point):
-the norm. Megatron's ``WrappedTorchNorm`` asserts that sequence parallelism is off; :class:`TorchNorm` builds the
-same torch norm and tags its parameters ``sequence_parallel`` so ``finalize_model_grads`` all-reduces their
-gradients over TP, as it does for TransformerEngine's norms.
+The local spec is Megatron's own, with modules substituted through the spec (its intended extension point):
+
+* norms: Megatron's ``WrappedTorchNorm`` asserts that sequence parallelism is off; :class:`TorchNorm` builds the
+  same torch norm and tags its parameters ``sequence_parallel`` so ``finalize_model_grads`` all-reduces their
+  gradients over TP, as it does for TransformerEngine's norms;
+* core attention: :class:`models.attention.SDPAttention` (packed sequences, context parallelism, MLA);
+* MLA's down projections: replicated ``Linear`` (as in TransformerEngine's spec) instead of column-parallel;
+* routed experts: :class:`models.experts.GroupedExperts` when ``moe_grouped_gemm`` is set.
+
+Dense and MoE layers follow ``moe_layer_freq`` (DeepSeek's first dense layers).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
+from megatron.core.post_training.modelopt.layers import Linear
+from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -24,8 +32,17 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from models.attention import SDPAttention
+from models.experts import GroupedExperts
 
 BACKENDS = ("auto", "local", "te")
+
+if importlib.util.find_spec("transformer_engine") is None:
+    # megatron-core 0.16.1 builds its TE wrappers on a MagicMock when TE is absent, so MLA believes TE is there
+    # and fails on ``isinstance(..., TELinear)`` (multi_latent_attention.py:185; fixed upstream in 0.19).
+    multi_latent_attention.HAVE_TE = False
 
 
 class TorchNorm:
@@ -57,38 +74,76 @@ def _with_norm(spec: ModuleSpec | type, norm: type) -> ModuleSpec | type:
     return spec if spec is IdentityOp else norm
 
 
-def layer_spec(config: TransformerConfig, backend: str) -> ModuleSpec:
-    """The transformer-layer spec for ``config`` on ``backend`` (``local`` or ``te``)."""
-    kwargs = dict(num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm)
-    if backend == "te":
-        return get_gpt_layer_with_transformer_engine_spec(moe_grouped_gemm=config.moe_grouped_gemm, **kwargs)
-    spec = get_gpt_layer_local_spec(normalization=config.normalization, **kwargs)
+def _local_layer(config: TransformerConfig, moe: bool) -> ModuleSpec:
+    """Megatron's local layer spec with :class:`TorchNorm` norms, :class:`SDPAttention` and, when
+    ``config.moe_grouped_gemm``, :class:`GroupedExperts` (the local spec's own grouped path needs a CUDA package)."""
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts if moe else None,
+        moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
+        normalization=config.normalization,
+    )
     layer = spec.submodules
     attention = layer.self_attention.submodules
-    attention = dataclasses.replace(
-        attention,
-        q_layernorm=_with_norm(attention.q_layernorm, TorchNorm),
-        k_layernorm=_with_norm(attention.k_layernorm, TorchNorm),
-    )
+    norms = {
+        f.name: _with_norm(getattr(attention, f.name), TorchNorm)
+        for f in dataclasses.fields(attention)
+        if f.name.endswith("layernorm")  # q/k (or MLA's q/kv latent) norms
+    }
+    attention = dataclasses.replace(attention, core_attention=SDPAttention, **norms)
+    if config.multi_latent_attention:
+        # Replicated down projections, as TransformerEngine's spec has them. The local spec's column-parallel
+        # ones drop the other TP ranks' share of the rotary key's gradient (k_pos_emb is never reduced).
+        attention = dataclasses.replace(attention, linear_q_down_proj=Linear, linear_kv_down_proj=Linear)
+    mlp = layer.mlp
+    if moe and config.moe_grouped_gemm:
+        experts = dataclasses.replace(mlp.submodules.experts, module=GroupedExperts)
+        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
     layer = dataclasses.replace(
         layer,
         input_layernorm=TorchNorm,
         pre_mlp_layernorm=TorchNorm,
         self_attention=dataclasses.replace(layer.self_attention, submodules=attention),
+        mlp=mlp,
     )
     return dataclasses.replace(spec, submodules=layer)
 
 
+def layer_spec(config: TransformerConfig, backend: str, moe: bool) -> ModuleSpec:
+    """The transformer-layer spec on ``backend`` (``local`` or ``te``); ``moe``: routed experts, else dense MLP."""
+    if backend == "te":
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts if moe else None,
+            moe_grouped_gemm=config.moe_grouped_gemm,
+            qk_layernorm=config.qk_layernorm,
+            multi_latent_attention=config.multi_latent_attention,
+        )
+    return _local_layer(config, moe)
+
+
+def moe_layers(config: TransformerConfig) -> list[bool]:
+    """Which of the model's layers are MoE, from ``moe_layer_freq`` (an interval or a 0/1 list, as Megatron)."""
+    if not config.num_moe_experts:
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(config.num_layers)]
+    return [bool(x) for x in freq]
+
+
 def block_spec(config: TransformerConfig, backend: str, vp_stage: int | None) -> ModuleSpec:
     """Spec of this rank's (virtual) pipeline stage: its layers and, on the last stage, the final norm."""
-    layer = layer_spec(config, backend)
     final_norm = TorchNorm
     if backend == "te":
         from megatron.core.extensions.transformer_engine import TENorm
 
         final_norm = TENorm
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    kinds = moe_layers(config)[offset : offset + num_layers]
+    specs = {moe: layer_spec(config, backend, moe) for moe in set(kinds)}
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=final_norm),
+        submodules=TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in kinds], layer_norm=final_norm),
     )

@@ -79,3 +79,27 @@ def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, op: str = "sum") -> t
     if dist.get_world_size(group) > 1:
         dist.all_reduce(tensor, op=ops[op], group=group)
     return tensor
+
+
+class _AllGatherWithGrad(torch.autograd.Function):
+    """Forward: all-gather along a new leading dim; backward: reduce-scatter of the gathered gradient (every
+    rank's use of a shard contributes to that shard's gradient)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        size = dist.get_world_size(group)
+        out = torch.empty((size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def all_gather_with_grad(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Differentiable all-gather: ``[size, *tensor.shape]`` holding every rank's tensor, in rank order."""
+    return _AllGatherWithGrad.apply(tensor, group)

@@ -47,21 +47,56 @@ FAMILIES: dict[str, dict] = {
         norm_topk_prob=True,
         router_aux_loss_coef=0.0,
     ),
+    # MLA at vLLM's CPU MLA kernel's only shape (kv_lora_rank + qk_rope_head_dim = 576) with YaRN; one dense layer
+    # then MoE layers with a shared expert and group-limited routing (4 groups, 2 chosen), as DeepSeek-V3.
+    "DeepseekV3ForCausalLM": dict(
+        config="DeepseekV3Config",
+        tie_word_embeddings=False,
+        num_key_value_heads=4,
+        head_dim=64,  # transformers' rotary embedding reads head_dim (= qk_rope_head_dim)
+        q_lora_rank=64,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=64,
+        v_head_dim=64,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        moe_intermediate_size=64,
+        first_k_dense_replace=1,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=32,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
 }
 
 
-def make_tiny(architecture: str, out_dir: Path, seed: int = 0) -> Path:
-    """Save a random fp32 model of ``architecture`` (non-trivial norms and biases) to ``out_dir``."""
-    spec = dict(FAMILIES[architecture])
+def make_tiny(architecture: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random fp32 model of ``architecture`` (non-trivial norms and biases) to ``out_dir``; ``overrides``
+    change its config."""
+    spec = dict(FAMILIES[architecture]) | overrides
     config_cls = getattr(transformers, spec.pop("config"))
     max_shard_size = spec.pop("max_shard_size", "5GB")
-    config = config_cls(architectures=[architecture], **COMMON, **spec)
+    config = config_cls(architectures=[architecture], **(COMMON | spec))
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).float()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 param.normal_(1.0 if "norm" in name else 0.0, 0.1)  # defaults 1/0 would hide mapping mistakes
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias, zero by default
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     save_char_tokenizer(out_dir)
     return Path(out_dir)

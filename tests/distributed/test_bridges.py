@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from tests.distributed import cases
-from tests.tiny import FAMILIES
+from tests.tiny import FAMILIES, make_tiny
 
 DENSE_LAYOUTS = [
     dict(tp=1, pp=1),
@@ -17,12 +17,12 @@ DENSE_LAYOUTS = [
     dict(tp=1, pp=2, vpp=2),
 ]
 EXPERT_LAYOUTS = [dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)]
-MOE = "Qwen3MoeForCausalLM"
+MOE = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _layouts(arch, layouts):
-    """``layouts`` as ``arch`` can run them, plus the expert-parallel ones for the MoE family."""
-    if arch != MOE:
+    """``layouts`` as ``arch`` can run them, plus the expert-parallel ones for the MoE families."""
+    if arch not in MOE:
         return layouts
     # MoE with TP needs sequence parallelism (a Megatron rule the layout validation enforces).
     return [dict(lay, sequence_parallel=True) if lay.get("tp", 1) > 1 else lay for lay in layouts] + EXPERT_LAYOUTS
@@ -66,7 +66,7 @@ STEP_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", MOE])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", *MOE])
 def test_train_step_matches_single_rank(ranks, tiny_models, arch):
     tokens = torch.randint(0, 100, (8, 17), generator=torch.Generator().manual_seed(2))
     ref_loss, ref_norm = _hf_step_reference(tiny_models[arch], tokens)
@@ -76,3 +76,27 @@ def test_train_step_matches_single_rank(ranks, tiny_models, arch):
         ):
             assert loss == pytest.approx(ref_loss, rel=1e-5), (layout, loss, ref_loss)
             assert norm == pytest.approx(ref_norm, rel=1e-5), (layout, norm, ref_norm)
+
+
+def test_moonlight_shaped_mla_matches_hf(ranks, tmp_path):
+    """DeepSeek-V3's other shape (Moonlight-16B-A3B): no query LoRA, plain RoPE, one expert group; saved with
+    rotate-half rotary rows (rope_interleave=False), which the mappings permute."""
+    hf_dir = make_tiny(
+        "DeepseekV3ForCausalLM",
+        tmp_path / "moonlight",
+        q_lora_rank=None,
+        n_group=1,
+        topk_group=1,
+        rope_interleave=False,
+        rope_parameters=dict(rope_type="default", rope_theta=50000.0),
+    )
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = hf(ids).logits
+    for layout in (dict(tp=2, sequence_parallel=True), dict(ep=2)):
+        for got in ranks.run(cases.logits, hf_dir=str(hf_dir), layout=layout, input_ids=ids):
+            assert (got - reference).abs().max().item() <= 1e-4, layout
+    for layout in (dict(tp=2, ep=2, sequence_parallel=True), dict(pp=2)):
+        counts = ranks.run(cases.roundtrip, hf_dir=str(hf_dir), layout=layout, bucket_bytes=64 << 10)
+        assert len(set(counts)) == 1 and counts[0] > 0, (layout, counts)

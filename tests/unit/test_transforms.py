@@ -36,3 +36,11 @@ def test_pad_vocab_and_errors():
         transforms.pad_vocab(w, 4)
     with pytest.raises(ValueError, match="not divisible by the TP size 2"):
         transforms.shard(torch.ones(3, 2), 0, 0, 2)
+
+
+def test_rope_rows_permute_per_block_and_invert():
+    period, offset, rope = 6, 2, 4  # per head: 2 non-rotary rows, then 4 rotary rows
+    weight = torch.arange(2 * period).float()[:, None].expand(-1, 3)
+    half = transforms.permute_rope_rows(weight, period, offset, rope)
+    assert half[:, 0].tolist() == [0, 1, 2, 4, 3, 5, 6, 7, 8, 10, 9, 11]  # (r0 r1 r2 r3) -> (r0 r2 r1 r3)
+    assert torch.equal(transforms.permute_rope_rows(half, period, offset, rope, inverse=True), weight)

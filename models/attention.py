@@ -1,0 +1,148 @@
+"""Core attention without TransformerEngine: torch ``scaled_dot_product_attention`` for Megatron's layers.
+
+Megatron's local ``DotProductAttention`` supports neither packed sequences, nor context parallelism, nor MLA's
+different query/key and value head sizes. :class:`SDPAttention` replaces it through the layer spec
+(:mod:`models.spec`) and supports all three:
+
+* padded batches (``sbhd``): one causal SDPA call;
+* packed batches (``thd``, ``PackedSeqParams.cu_seqlens_*``): one causal call per sequence, so no token attends
+  across a sequence boundary;
+* context parallelism: each CP rank holds chunks ``r`` and ``2*CP-1-r`` of every sequence (Megatron's
+  load-balanced split, also what its RoPE assumes); keys and values are all-gathered over the CP group (one
+  collective for both) and each query attends to the keys at or before its global position.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from parallel.comm import all_gather_with_grad
+
+CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+
+def load_balanced_positions(length: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions of CP ``rank``'s tokens of a ``length``-token sequence: chunks ``rank`` and ``2cp-1-rank``."""
+    chunk = length // (2 * cp)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([first, second])
+
+
+def _in_global_order(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """Every CP rank's local (two-chunk) tensor, ordered by rank -> the whole sequence in order along ``dim``."""
+    cp = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, part in enumerate(parts):
+        chunks[rank], chunks[2 * cp - 1 - rank] = part.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in core attention (same constructor and forward as Megatron's, TE-style MLA arguments included)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
+        super().__init__(config=config)
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.cp_group = pg_collection.cp
+        self.cp = torch.distributed.get_world_size(self.cp_group)
+        self.attn_mask_type = attn_mask_type
+        head_dim = k_channels or config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """``sbhd`` [s, b, heads, d] -> [s, b, heads*dv]; ``thd`` [t, heads, d] -> [t, heads*dv]."""
+        if attention_bias is not None:
+            raise NotImplementedError("SDPAttention: attention_bias is not supported")
+        mask_type = attn_mask_type or self.attn_mask_type
+        if attention_mask is None and mask_type not in CAUSAL:
+            raise NotImplementedError(f"SDPAttention: mask type {mask_type} without a mask is not supported")
+        if packed_seq_params is not None:
+            if attention_mask is not None:
+                raise NotImplementedError("SDPAttention: packed sequences take no attention_mask")
+            out = self._packed(query, key, value, packed_seq_params)
+            return out.reshape(out.shape[0], -1)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, s, d]
+        if attention_mask is not None:  # Megatron's convention: True = masked out
+            if self.cp > 1:
+                raise NotImplementedError("SDPAttention: explicit attention masks with context parallelism")
+            out = self._sdpa(q, k, v, mask=~attention_mask)
+        else:
+            out = self._causal(q, k, v, seq_dim=2)
+        return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)
+
+    def _packed(self, q, k, v, params: PackedSeqParams) -> torch.Tensor:
+        """One causal call per sequence of the pack; ``cu_seqlens`` are whole-sequence offsets (as under CP)."""
+        bounds = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        local = (bounds // self.cp).tolist()
+        kv = self._gather(k, v)  # the whole pack of every CP rank, gathered once
+        outs = []
+        for start, end in zip(local[:-1], local[1:], strict=True):
+            # [t_i, heads, d] -> [heads, t_i, d]: SDPA's batch-free layout
+            qi = q[start:end].transpose(0, 1)
+            if kv is None:
+                out = self._sdpa(qi, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), causal=True)
+            else:
+                out = self._attend_gathered(qi, [part[start:end].transpose(0, 1) for part in kv], k.shape[-1], 1)
+            outs.append(out.transpose(0, 1))
+        return torch.cat(outs)
+
+    def _causal(self, q, k, v, seq_dim: int) -> torch.Tensor:
+        kv = self._gather(k, v)
+        if kv is None:
+            return self._sdpa(q, k, v, causal=True)
+        return self._attend_gathered(q, list(kv), k.shape[-1], seq_dim)
+
+    def _gather(self, k, v) -> torch.Tensor | None:
+        """[cp, *k.shape[:-1], dk+dv] from every CP rank, or None without CP. Keys and values travel together: one
+        all-gather per layer, whatever their head sizes (MLA)."""
+        return all_gather_with_grad(torch.cat([k, v], dim=-1), self.cp_group) if self.cp > 1 else None
+
+    def _attend_gathered(self, q, kv_parts: list[torch.Tensor], key_dim: int, seq_dim: int) -> torch.Tensor:
+        """Attention of this rank's two query chunks to the keys at or before their global positions."""
+        k, v = _in_global_order(kv_parts, seq_dim).split([key_dim, kv_parts[0].shape[-1] - key_dim], dim=-1)
+        length = k.shape[seq_dim]
+        positions = load_balanced_positions(length, self.cp, torch.distributed.get_rank(self.cp_group), q.device)
+        visible = torch.arange(length, device=q.device) <= positions[:, None]  # [local, length]
+        return self._sdpa(q, k, v, mask=visible)
+
+    def _sdpa(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=q.shape[-3] != k.shape[-3],
+        )

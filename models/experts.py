@@ -1,0 +1,71 @@
+"""Routed experts as grouped matrix multiplies: all local experts in two ``torch.nn.functional.grouped_mm`` calls.
+
+:class:`GroupedExperts` is Megatron's ``SequentialMLP`` with another forward: it keeps the per-expert ``MLP``
+modules, so parameter names, TP/EP sharding, dist-checkpoint keys and HF mappings are the sequential experts'
+(checkpoints and the rollout sync do not care which one ran). The forward stacks the local experts' weights
+(one copy per step, the size of the local expert weights) and runs ``fc1`` and ``fc2`` as one grouped GEMM each
+over the tokens sorted by expert, instead of a Python loop of ``2 * num_local_experts`` small GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+# grouped_mm needs every row stride (hence the output width) to be a multiple of 16 bytes.
+_ALIGN_BYTES = 16
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous: grouped_mm's backward rejects stride-0
+    gradients (as ``.sum()`` produces)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_linear(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows ``offsets[i-1]:offsets[i]`` of ``x`` [T, in] times ``weights[i]``ᵀ ([E, out, in]) -> [T, out]."""
+    return _ContiguousGrad.apply(F.grouped_mm(x, weights.transpose(-2, -1), offs=offsets))
+
+
+class GroupedExperts(SequentialMLP):
+    """``SequentialMLP``'s parameters and state dict; one grouped GEMM per projection."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        super().__init__(num_local_experts, config, submodules, pg_collection)
+        fc1, fc2 = self.local_experts[0].linear_fc1.weight, self.local_experts[0].linear_fc2.weight
+        per_row = _ALIGN_BYTES // fc1.element_size()
+        if fc1.shape[0] % per_row or fc2.shape[0] % per_row or fc2.shape[1] % per_row:
+            raise ValueError(
+                f"grouped experts need hidden_size and moe_ffn_hidden_size/expert-TP (here fc1 {tuple(fc1.shape)}, "
+                f"fc2 {tuple(fc2.shape)}) to be multiples of {per_row} for {fc1.dtype}; use sequential experts "
+                "(moe_grouped_gemm=False)"
+            )
+        if config.glu_linear_offset or config.activation_func_clamp_value is not None:
+            raise ValueError("grouped experts implement plain (gated) activations: no glu offset or clamp")
+        if any(e.linear_fc1.bias is not None or e.linear_fc2.bias is not None for e in self.local_experts):
+            raise ValueError("grouped experts have no bias support; MoE models need add_bias_linear=False")
+
+    def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+        """``hidden`` [T, h] sorted by local expert, ``tokens_per_expert`` [E], ``probs`` [T] -> ([T, h], None)."""
+        if self.config.moe_apply_probs_on_input:
+            hidden = probs.unsqueeze(-1).to(hidden.dtype) * hidden
+            probs = torch.ones_like(probs)
+        offsets = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)
+        fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
+        fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
+        intermediate = grouped_linear(hidden, fc1, offsets)
+        if self.config.gated_linear_unit:
+            gate, linear = intermediate.chunk(2, dim=-1)
+            intermediate = self.config.activation_func(gate) * linear
+        else:
+            intermediate = self.config.activation_func(intermediate)
+        intermediate = (intermediate * probs.unsqueeze(-1)).to(hidden.dtype)
+        return grouped_linear(intermediate, fc2, offsets), None
