@@ -47,7 +47,7 @@ class Qwen3MoeBridge(Bridge):
             moe_router_pre_softmax=not self.hf.get("norm_topk_prob", False),
             moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
             moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=True,
             # Megatron requires it; every layer is MoE, so it only matters when config.json omits it.
             ffn_hidden_size=self.hf.get("intermediate_size", self.hf["moe_intermediate_size"]),
         )

@@ -75,11 +75,10 @@ def _with_norm(spec: ModuleSpec | type, norm: type) -> ModuleSpec | type:
 
 
 def _local_layer(config: TransformerConfig, moe: bool) -> ModuleSpec:
-    """Megatron's local layer spec with :class:`TorchNorm` norms, :class:`SDPAttention` and, when
-    ``config.moe_grouped_gemm``, :class:`GroupedExperts` (the local spec's own grouped path needs a CUDA package)."""
+    """Megatron's local layer spec with :class:`TorchNorm` norms and :class:`SDPAttention`."""
     spec = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts if moe else None,
-        moe_grouped_gemm=False,
+        moe_grouped_gemm=False,  # the local spec's grouped path needs a CUDA package; see _with_grouped_experts
         qk_layernorm=config.qk_layernorm,
         multi_latent_attention=config.multi_latent_attention,
         normalization=config.normalization,
@@ -96,30 +95,36 @@ def _local_layer(config: TransformerConfig, moe: bool) -> ModuleSpec:
         # Replicated down projections, as TransformerEngine's spec has them. The local spec's column-parallel
         # ones drop the other TP ranks' share of the rotary key's gradient (k_pos_emb is never reduced).
         attention = dataclasses.replace(attention, linear_q_down_proj=Linear, linear_kv_down_proj=Linear)
-    mlp = layer.mlp
-    if moe and config.moe_grouped_gemm:
-        experts = dataclasses.replace(mlp.submodules.experts, module=GroupedExperts)
-        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
     layer = dataclasses.replace(
         layer,
         input_layernorm=TorchNorm,
         pre_mlp_layernorm=TorchNorm,
         self_attention=dataclasses.replace(layer.self_attention, submodules=attention),
-        mlp=mlp,
     )
     return dataclasses.replace(spec, submodules=layer)
+
+
+def _with_grouped_experts(spec: ModuleSpec) -> ModuleSpec:
+    """Routed experts as :class:`GroupedExperts` (SequentialMLP's parameters, so one mapping for both backends;
+    TransformerEngine's grouped linear would name the weights per expert index instead)."""
+    mlp = spec.submodules.mlp
+    experts = dataclasses.replace(mlp.submodules.experts, module=GroupedExperts)
+    mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=experts))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
 def layer_spec(config: TransformerConfig, backend: str, moe: bool) -> ModuleSpec:
     """The transformer-layer spec on ``backend`` (``local`` or ``te``); ``moe``: routed experts, else dense MLP."""
     if backend == "te":
-        return get_gpt_layer_with_transformer_engine_spec(
+        spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts if moe else None,
-            moe_grouped_gemm=config.moe_grouped_gemm,
+            moe_grouped_gemm=False,
             qk_layernorm=config.qk_layernorm,
             multi_latent_attention=config.multi_latent_attention,
         )
-    return _local_layer(config, moe)
+    else:
+        spec = _local_layer(config, moe)
+    return _with_grouped_experts(spec) if moe and config.moe_grouped_gemm else spec
 
 
 def moe_layers(config: TransformerConfig) -> list[bool]:

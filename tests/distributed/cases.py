@@ -9,6 +9,7 @@ import zlib
 import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer.moe.experts import SequentialMLP
 
 from converters.hf_io import HFCheckpoint
 from converters.plan import local_params
@@ -16,6 +17,7 @@ from converters.stream import export_hf, load_hf
 from converters.transforms import full_shape, shard
 from mcore_rl.logprobs import token_logprobs
 from mcore_rl.training import MegatronModel, MegatronTrainStep
+from models.experts import GroupedExperts
 from models.registry import get_bridge
 from parallel.config import ParallelConfig
 from parallel.groups import init_parallel
@@ -82,6 +84,46 @@ def train_step(hf_dir: str, layout: dict, tokens: torch.Tensor, micro_batch_size
     result = step.step(microbatches, loss_fn)
     assert result.update_successful
     return result.loss, result.grad_norm
+
+
+def _grads_by_name(chunks) -> dict[str, torch.Tensor]:
+    return {lp.slot: lp.param.grad.clone() for lp in local_params(chunks) if lp.param.grad is not None}
+
+
+def experts_grouped_vs_sequential(hf_dir: str, layout: dict, tokens: torch.Tensor) -> dict[str, float]:
+    """Max |grouped - sequential| of: the loss, every parameter gradient of the whole model (same weights, both
+    expert implementations); and of one experts module called directly with uneven and zero token counts."""
+    runs = []
+    for grouped in (True, False):
+        parallel = ParallelConfig(**layout)
+        groups = init_parallel(parallel)
+        bridge = get_bridge(hf_dir)
+        chunks = bridge.build_model(bridge.transformer_config(parallel, moe_grouped_gemm=grouped))
+        load_hf(chunks, bridge, hf_dir, groups)
+        positions = torch.arange(tokens.shape[1] - 1).expand(tokens.shape[0], -1)
+        loss = -token_logprobs(chunks[0](tokens[:, :-1], positions, None), tokens[:, 1:], bridge.vocab_size).mean()
+        loss.backward()
+        runs.append((loss.detach(), _grads_by_name(chunks)))
+    (loss_g, grads_g), (loss_s, grads_s) = runs
+    assert grads_g.keys() == grads_s.keys() and any("local_experts" in n for n in grads_g)
+    out = {"loss": (loss_g - loss_s).abs().item(), "grads": max((grads_g[n] - grads_s[n]).abs().max().item() for n in grads_g)}
+
+    # The grouped forward against SequentialMLP's on one module (the last model's): zero-token experts included.
+    experts = next(m for m in chunks[0].modules() if isinstance(m, SequentialMLP))
+    counts = torch.zeros(experts.num_local_experts, dtype=torch.long)
+    counts[::2] = torch.arange(1, len(counts[::2]) + 1) * 3  # 3, 0, 6, 0, ...: uneven, with empty experts
+    hidden = torch.randn(int(counts.sum()), experts.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    probs = torch.rand(hidden.shape[0], generator=torch.Generator().manual_seed(4))
+    results = []
+    for forward in (GroupedExperts.forward, SequentialMLP.forward):
+        x = hidden.clone().requires_grad_()
+        for param in experts.parameters():
+            param.grad = None
+        output, _ = forward(experts, x, counts, probs)
+        output.sum().backward()  # a stride-0 gradient, which grouped_mm's backward cannot take directly
+        results.append([output.detach(), x.grad, *[p.grad.clone() for p in experts.parameters()]])
+    out["module"] = max((a - b).abs().max().item() for a, b in zip(*results, strict=True))
+    return out
 
 
 def greedy(hf_dir: str, layout: dict, prompt_ids: list[int], new_tokens: int) -> list[int]:

@@ -100,3 +100,11 @@ def test_moonlight_shaped_mla_matches_hf(ranks, tmp_path):
     for layout in (dict(tp=2, ep=2, sequence_parallel=True), dict(pp=2)):
         counts = ranks.run(cases.roundtrip, hf_dir=str(hf_dir), layout=layout, bucket_bytes=64 << 10)
         assert len(set(counts)) == 1 and counts[0] > 0, (layout, counts)
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_grouped_experts_match_sequential(ranks, tiny_models, arch):
+    tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(5))
+    for layout in (dict(), dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)):
+        for diffs in ranks.run(cases.experts_grouped_vs_sequential, hf_dir=tiny_models[arch], layout=layout, tokens=tokens):
+            assert diffs["loss"] <= 1e-6 and diffs["grads"] <= 1e-6 and diffs["module"] <= 1e-5, (layout, diffs)
