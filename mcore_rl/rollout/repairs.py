@@ -15,6 +15,13 @@ from __future__ import annotations
 import torch
 
 CPU_MOE_EXPERTS = "CPUUnquantizedExperts"
+# Parameters vLLM derives from loaded ones after every (re)load, never loaded themselves: MLA's absorbed
+# key/value up-projections (from kv_b_proj; measured correct after an in-place reload).
+DERIVED_PARAMETERS = ("W_UK_T", "W_UV")
+
+
+def is_derived(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in DERIVED_PARAMETERS
 
 
 def _is_cpu() -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mcore_rl.rollout.repairs import check_reloadable, repair_after_reload
+from mcore_rl.rollout.repairs import check_reloadable, is_derived, repair_after_reload
 from mcore_rl.rollout.transport import BucketHandle, open_bucket
 
 
@@ -26,7 +26,7 @@ class WeightUpdateExtension:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         model = self.model_runner.get_model()
-        self._mcore_rl_expected = {name for name, _ in model.named_parameters()}
+        self._mcore_rl_expected = {name for name, _ in model.named_parameters() if not is_derived(name)}
         self._mcore_rl_loaded: set[str] = set()
         initialize_layerwise_reload(model)
 

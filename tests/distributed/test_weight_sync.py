@@ -21,6 +21,7 @@ CASES = [
     ("LlamaForCausalLM", 2, [dict(pp=2)], [0]),  # the engine's TP workers each take their shard of each bucket
     ("Qwen3MoeForCausalLM", 2, [dict(ep=2)], [0]),
     ("Qwen2ForCausalLM", 1, [dict(tp=2)], [0, 2]),  # two rollout replicas, each synced by its own trainer rank
+    ("DeepseekV3ForCausalLM", 1, MOE_LAYOUTS, [0]),  # MLA (vLLM's CPU MLA kernel), expert bias, shared experts
 ]
 
 
