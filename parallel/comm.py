@@ -89,15 +89,16 @@ class _AllGatherWithGrad(torch.autograd.Function):
     def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
         size = dist.get_world_size(group)
-        out = torch.empty((size, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
-        return out
+        flat = tensor.contiguous().view(-1)
+        out = torch.empty(size * flat.numel(), dtype=tensor.dtype, device=tensor.device)
+        dist.all_gather_into_tensor(out, flat, group=group)
+        return out.view(size, *tensor.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        dist.reduce_scatter_single(out, grad.contiguous(), group=ctx.group)
-        return out, None
+        out = torch.empty(grad[0].numel(), dtype=grad.dtype, device=grad.device)
+        dist.reduce_scatter_single(out, grad.contiguous().view(-1), group=ctx.group)
+        return out.view(grad.shape[1:]), None
 
 
 def all_gather_with_grad(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -20,6 +20,7 @@ tensor_parallel/mappings.py                 current_device() buffers for TP/SP g
 tensor_parallel/layers.py                   current_device() for weights and SP all-gather (:261-1218)
 models/common/embeddings/rotary_pos_embedding.py   inv_freq / positions on current_device (:78, :162, :297)
 models/common/embeddings/yarn_rotary_pos_embedding.py   same, YaRN variant
+models/common/embeddings/rope_utils.py      pinned CP index tensor for the RoPE slice (:63)
 transformer/utils.py                        device="cuda" causal masks (:35, :40)
 utils.py                                    GlobalMemoryBuffer (:631), local l2-norm fallback (:1207)
 pipeline_parallel/schedules.py              device="cuda" token counters (:596, :983, :2138)
@@ -39,7 +40,8 @@ What a module-level proxy cannot reach is patched narrowly:
 
 * ``tensor.type() == 'torch.cuda.FloatTensor'`` checks (clip_grads.py:167, distrib_optimizer.py:361/420/582)
   and ``tensor.cuda()`` (optimizer.py:375/380; language_module.py:244, the tied output layer's copy on the last
-  pipeline stage; distrib_optimizer.py:1089, gathering optimizer state for a checkpoint): the owning functions run under a scoped mode that reports CPU
+  pipeline stage; distrib_optimizer.py:1089, gathering optimizer state for a checkpoint; rope_utils.py:64, the
+  context-parallel RoPE slice): the owning functions run under a scoped mode that reports CPU
   tensors with their CUDA type names and makes ``.cuda()`` the identity.
 * token_dispatcher.py:876-892 converts the alltoall split sizes to numpy only for CUDA tensors; CPU tensors
   reach ``all_to_all_single``, which rejects them. The CPU version converts them too.
@@ -75,6 +77,7 @@ PROXIED_MODULES = (
     "megatron.core.tensor_parallel.layers",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.rope_utils",
     "megatron.core.transformer.utils",
     "megatron.core.utils",
     "megatron.core.pipeline_parallel.schedules",
@@ -98,6 +101,10 @@ _CUDA_TENSOR_CALLERS = (
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._build_model_and_main_param_groups"),
     ("megatron.core.optimizer.optimizer", "MegatronOptimizer.restore_from_cpu"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.get_parameter_state_dp_zero"),
+    # context parallelism's RoPE slice; imported by name by both rotary embeddings
+    ("megatron.core.models.common.embeddings.rope_utils", "get_pos_emb_on_this_cp_rank"),
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
 )
 
 _FACTORIES = (
@@ -135,7 +142,7 @@ def _cpu_factory(fn):
     def wrapped(*args, **kwargs):
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
-            kwargs.pop("pin_memory", None)
+        kwargs.pop("pin_memory", None)  # no pinned-memory allocator without CUDA
         return fn(*args, **kwargs)
 
     return wrapped

@@ -126,6 +126,43 @@ def experts_grouped_vs_sequential(hf_dir: str, layout: dict, tokens: torch.Tenso
     return out
 
 
+def context_parallel_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, packed: bool = False):
+    """Per-token log-probs [b, s-1] of the whole batch and the gradients of their sum, summed over CP ranks.
+
+    Each CP rank feeds its load-balanced two chunks of every sequence (Megatron's split, which its RoPE
+    assumes). ``packed``: the batch goes in as one THD pack with ``cu_seqlens`` (whole-sequence offsets).
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from models.attention import load_balanced_positions
+
+    bridge, _, chunks, groups = _load(hf_dir, layout)
+    cp, cp_rank = torch.distributed.get_world_size(groups.cp), torch.distributed.get_rank(groups.cp)
+    ids, labels = tokens[:, :-1], tokens[:, 1:]
+    batch, length = ids.shape
+    mine = load_balanced_positions(length, cp, cp_rank)
+    if packed:
+        cu = torch.arange(batch + 1, dtype=torch.int32) * length
+        params = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length, max_seqlen_kv=length
+        )
+        output = chunks[0](ids[:, mine].reshape(1, -1), mine.repeat(batch)[None], None, packed_seq_params=params)
+        output = output.reshape(batch, len(mine), -1)
+    else:
+        output = chunks[0](ids[:, mine], mine.expand(batch, -1), None)
+    local = token_logprobs(output, labels[:, mine], bridge.vocab_size)
+    local.sum().backward()
+    parts = [torch.empty_like(local) for _ in range(cp)]
+    torch.distributed.all_gather(parts, local.detach().contiguous(), group=groups.cp)
+    full = torch.empty(batch, length)
+    for rank, part in enumerate(parts):
+        full[:, load_balanced_positions(length, cp, rank)] = part
+    grads = _grads_by_name(chunks)
+    for grad in grads.values():
+        torch.distributed.all_reduce(grad, group=groups.cp)
+    return full, grads
+
+
 def greedy(hf_dir: str, layout: dict, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """Greedy continuation computed by the Megatron model (full re-forward per token, TP logits gathered)."""
     bridge, _, chunks, groups = _load(hf_dir, layout)

@@ -108,3 +108,18 @@ def test_grouped_experts_match_sequential(ranks, tiny_models, arch):
     for layout in (dict(), dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)):
         for diffs in ranks.run(cases.experts_grouped_vs_sequential, hf_dir=tiny_models[arch], layout=layout, tokens=tokens):
             assert diffs["loss"] <= 1e-6 and diffs["grads"] <= 1e-6 and diffs["module"] <= 1e-5, (layout, diffs)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "DeepseekV3ForCausalLM"])  # GQA with qk-norm; MLA
+def test_context_parallel_matches_single_rank(ranks, tiny_models, arch):
+    """CP=2 (load-balanced chunks, K/V all-gathered) equals CP=1: log-probs and gradients; padded and packed."""
+    tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(6))
+    reference, ref_grads = ranks.run(cases.context_parallel_scores, hf_dir=tiny_models[arch], layout={}, tokens=tokens)[0]
+    for layout, packed in ((dict(cp=2), False), (dict(cp=2), True), (dict(cp=4), False), (dict(cp=4), True)):
+        for logp, grads in ranks.run(
+            cases.context_parallel_scores, hf_dir=tiny_models[arch], layout=layout, tokens=tokens, packed=packed
+        ):
+            assert (logp - reference).abs().max().item() <= 1e-5, (layout, packed)
+            assert grads.keys() == ref_grads.keys()
+            worst = max((grads[n] - ref_grads[n]).abs().max().item() for n in grads)
+            assert worst <= 1e-5, (layout, packed, worst)
