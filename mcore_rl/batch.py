@@ -27,7 +27,8 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]], texts
 
 def training_batch(samples: list[Sample], rewards: list[float], group_size: int, normalize_std: bool) -> dict:
     """Right-padded tensors of prompt + response: ``tokens`` [N, L]; per next-token position ([N, L-1]) the
-    response ``mask`` and the engine's ``rollout_logp``; per sample ``advantages`` and ``rewards``."""
+    response ``mask`` and the engine's ``rollout_logp``; per sample ``lengths`` (real tokens), ``advantages`` and
+    ``rewards``."""
     sequences = [s.prompt.token_ids + s.completion.token_ids for s in samples]
     length = max(map(len, sequences))
     n = len(samples)
@@ -41,7 +42,14 @@ def training_batch(samples: list[Sample], rewards: list[float], group_size: int,
         rollout_logp[i, start : start + count] = torch.tensor(sample.completion.logprobs)
     reward_t = torch.tensor(rewards, dtype=torch.float32)
     advantages = group_advantages(reward_t, group_size, normalize_std)
-    return {"tokens": tokens, "mask": mask, "rollout_logp": rollout_logp, "advantages": advantages, "rewards": reward_t}
+    return {
+        "tokens": tokens,
+        "lengths": torch.tensor([len(seq) for seq in sequences]),
+        "mask": mask,
+        "rollout_logp": rollout_logp,
+        "advantages": advantages,
+        "rewards": reward_t,
+    }
 
 
 def partition_groups(samples: list[Sample], rewards: list[float], group_size: int):

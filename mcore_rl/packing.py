@@ -1,4 +1,4 @@
-"""Sequence-packing plan: which samples go to which data-parallel rank and micro-batch.
+"""Sequence packing: which samples go to which data-parallel rank and micro-batch, and THD micro-batches.
 
 Two constraints shape it. Every rank must run the same number of micro-batches (Megatron's schedule steps all
 ranks together), and micro-batches share one shape across pipeline stages, so the longest micro-batch sets the
@@ -10,8 +10,12 @@ token budget), and uses as few micro-batches as the budget allows.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 
 @dataclass(frozen=True)
@@ -77,3 +81,60 @@ def plan_packing(lengths: list[int], max_tokens: int, dp: int, align: int = 1) -
         if all(f is not None for f in filled):
             return PackingPlan(filled, aligned, sum(lengths))
         count += 1
+
+
+@dataclass(frozen=True)
+class Unpack:
+    """Where each position of a packed [1, T] tensor sits in the micro-batch's rows [n, width]."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    shape: tuple[int, int]
+
+    def __call__(self, packed: torch.Tensor) -> torch.Tensor:
+        out = packed.new_zeros(self.shape)
+        out[self.rows, self.cols] = packed[0]
+        return out
+
+
+def pack_rows(tokens: torch.Tensor, lengths: list[int], indices: list[int], align: int, **extra) -> dict:
+    """A THD micro-batch of samples ``indices``: their next-token inputs/labels back to back, [1, T].
+
+    Each sample (``lengths[i]`` real tokens of ``tokens`` [N, S]) contributes ``lengths[i] - 1`` next-token
+    positions, padded to a multiple of ``align`` (a kernel's alignment, e.g. TP for sequence parallelism; the
+    padding follows the sample, so causal attention keeps it out of the sample's scores). ``cu_seqlens`` keep
+    samples from attending to each other. ``extra`` tensors stay per sample: per-token ones ([N, S-1]) cut or
+    padded to the longest sample's width, and ``batch["unpack"]`` maps packed model outputs to those rows.
+    """
+    spans = [math.ceil((lengths[i] - 1) / align) * align for i in indices]
+    width = max(spans)
+    ids, labels, rows, cols = [], [], [], []
+    for row, (i, span) in enumerate(zip(indices, spans, strict=True)):
+        seq = torch.nn.functional.pad(tokens[i, : lengths[i]], (0, span + 1 - lengths[i]))
+        ids.append(seq[:-1])
+        labels.append(seq[1:])
+        rows.append(torch.full((span,), row))
+        cols.append(torch.arange(span))
+    offsets = torch.tensor([0, *itertools.accumulate(spans)], dtype=torch.int32)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets, max_seqlen_q=width, max_seqlen_kv=width
+    )
+    positions = torch.cat(cols)
+    batch = {
+        "input_ids": torch.cat(ids)[None],
+        "labels": torch.cat(labels)[None],
+        "position_ids": positions[None],
+        "packed_seq_params": params,
+        "unpack": Unpack(torch.cat(rows), positions, (len(indices), width)),
+    }
+    for name, value in extra.items():
+        value = value[indices]
+        if value.dim() == 2:
+            value = torch.nn.functional.pad(value, (0, max(0, width - value.shape[1])))[:, :width]
+        batch[name] = value
+    return batch
+
+
+def rows_of(batch: dict, values: torch.Tensor) -> torch.Tensor:
+    """Per-token model outputs in the micro-batch's row layout (identity for padded micro-batches)."""
+    return batch["unpack"](values) if "unpack" in batch else values

@@ -97,6 +97,7 @@ class System:
             PolicyTrainer, self.placement, n, f"{name}/policy_trainer",
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
             optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
+            max_token_in_packing=trainer.max_token_in_packing,
         )  # fmt: skip
         self._stops.append(self.trainer.kill)
         if self.use_ref:

@@ -69,13 +69,18 @@ class MegatronModel:
     @classmethod
     def _forward(cls, loss_fn: LossFn, data_iterator, model):
         batch = next(data_iterator)
-        output = model(batch["input_ids"], batch["position_ids"], None)
+        output = model(
+            batch["input_ids"], batch["position_ids"], None, packed_seq_params=batch.get("packed_seq_params")
+        )
         return output, partial(cls._loss, loss_fn, batch)
 
     def _schedule(self, microbatches: list[dict], loss_fn: LossFn, forward_only: bool) -> list[dict]:
-        """Megatron's pipeline schedule over equally-shaped micro-batches; metrics exist on the last stage only."""
+        """Megatron's pipeline schedule over the micro-batches; metrics exist on the last stage only. Packed
+        micro-batches differ in length: pipeline stages then exchange shapes first (``variable_seq_lengths``)."""
         batch_size, seq_length = microbatches[0]["input_ids"].shape
         data = [iter(microbatches) for _ in self.model]
+        config = self.model[0].config
+        config.variable_seq_lengths = "packed_seq_params" in microbatches[0]
         return get_forward_backward_func()(
             forward_step_func=partial(self._forward, loss_fn),
             data_iterator=data if len(data) > 1 else data[0],

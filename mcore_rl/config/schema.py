@@ -67,6 +67,9 @@ class TrainerConfig:
     advantage_std_norm: bool = True  # False: Dr.GRPO advantages
     dynamic_sampling: bool = False  # drop prompt groups with constant rewards and refill
     offload: bool = True  # GPU: weights, grads and optimizer state leave the device while the engines roll out
+    # > 0: pack samples (THD, no padding to the longest) into micro-batches of at most this many tokens, balanced
+    # over data-parallel ranks; micro_batch_size is then unused. 0: padded micro-batches of micro_batch_size.
+    max_token_in_packing: int = 0
 
 
 @dataclass
@@ -158,6 +161,18 @@ class RunConfig:
                 f"models.policy.max_prompt_tokens + max_new_tokens = {longest} exceeds "
                 f"models.policy.rollout.max_model_len={m.policy.rollout.max_model_len}; raise it or shorten either"
             )
+        packing = m.policy_trainer.max_token_in_packing
+        if packing and packing < longest:
+            raise ConfigError(
+                f"models.policy_trainer.max_token_in_packing={packing} is below the longest sample ({longest} "
+                "tokens: max_prompt_tokens + max_new_tokens); raise it, or set 0 to train without packing"
+            )
+        for role in ("policy_trainer", "ref_policy"):
+            if getattr(m, role).parallel.cp > 1:
+                raise ConfigError(
+                    f"models.{role}.parallel.cp={getattr(m, role).parallel.cp}: the RL loop does not split "
+                    "sequences over context-parallel ranks yet (the model layers support it); set cp=1"
+                )
         self._validate_layouts()
         if m.policy_trainer.optimizer.lr_decay_style not in ("constant", "cosine", "linear"):
             raise ConfigError(

@@ -19,6 +19,7 @@ from mcore_rl.algorithms.grpo import PolicyLossConfig, policy_loss
 from mcore_rl.logprobs import token_entropy, token_logprobs
 from mcore_rl.offload import StorageOffloader
 from mcore_rl.sync import SyncConfig, WeightSync
+from mcore_rl.packing import pack_rows, plan_packing, rows_of
 from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches
 from models.registry import get_bridge
 from parallel.comm import all_gather_bucket, all_reduce_scalar
@@ -111,6 +112,7 @@ class PolicyTrainer(MegatronRank):
         optimizer: dict,
         loss: PolicyLossConfig,
         total_steps: int,
+        max_token_in_packing: int = 0,
     ):
         super().__init__(rank, world, master, hf_dir, parallel, seed)
         from megatron.core.optimizer import OptimizerConfig
@@ -136,13 +138,14 @@ class PolicyTrainer(MegatronRank):
             wd_incr_style="constant",
         )
         self.loss = loss
+        self.max_token_in_packing = max_token_in_packing
         self.sync: WeightSync | None = None
 
     # ---- training -----------------------------------------------------------------------------------------
     def _loss_fn(self, batch: dict, output: torch.Tensor):
         vocab = self.bridge.vocab_size
-        logp = token_logprobs(output, batch["labels"], vocab)
-        entropy = token_entropy(output, vocab, self.groups.tp)
+        logp = rows_of(batch, token_logprobs(output, batch["labels"], vocab))
+        entropy = rows_of(batch, token_entropy(output, vocab, self.groups.tp))
         if not self.loss.entropy_coef:
             entropy = entropy.detach()  # logged, not optimised
         loss, metrics = policy_loss(
@@ -163,13 +166,19 @@ class PolicyTrainer(MegatronRank):
         per_token = ("mask", "old_logp", "rollout_logp", "ref_logp")
         results = []
         for start in range(0, batch["tokens"].shape[0], global_batch_size):
-            rows = {k: v[start : start + global_batch_size].chunk(size)[rank].to(self.device) for k, v in batch.items()}
-            extra = {k: rows[k] for k in (*per_token, "advantages") if k in rows}
-            mbs = microbatches(rows["tokens"], micro_batch_size, self._tp(), **extra)
+            step = {k: v[start : start + global_batch_size] for k, v in batch.items()}
+            names = [k for k in (*per_token, "advantages") if k in step]
+            if self.max_token_in_packing:
+                mbs, packing = self._packed(step, names, size, rank)
+            else:
+                rows = {k: v.chunk(size)[rank].to(self.device) for k, v in step.items()}
+                mbs = microbatches(rows["tokens"], micro_batch_size, self._tp(), **{k: rows[k] for k in names})
+                packing = {}
             result = self.model.step(mbs, self._loss_fn)
             self.scheduler.step(increment=1)
             results.append(
                 result.metrics
+                | packing
                 | {
                     "loss": result.loss,
                     "grad_norm": result.grad_norm,
@@ -178,6 +187,14 @@ class PolicyTrainer(MegatronRank):
                 }
             )
         return results
+
+    def _packed(self, step: dict, names: list[str], size: int, rank: int) -> tuple[list[dict], dict]:
+        """This rank's THD micro-batches of a global batch, token-balanced over DP ranks and micro-batches."""
+        lengths = step["lengths"].tolist()
+        plan = plan_packing([n - 1 for n in lengths], self.max_token_in_packing, size, align=self._tp())
+        rows = {k: step[k].to(self.device) for k in ("tokens", *names)}
+        mbs = [pack_rows(rows["tokens"], lengths, mb, self._tp(), **{k: rows[k] for k in names}) for mb in plan.ranks[rank]]
+        return mbs, {"packing/utilization": plan.utilization, "packing/micro_batches": float(len(mbs))}
 
     def _offloadable(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         keep, discard = [], []

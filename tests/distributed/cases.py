@@ -163,6 +163,39 @@ def context_parallel_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, pac
     return full, grads
 
 
+def packed_vs_padded_step(hf_dir: str, layout: dict, tokens: torch.Tensor, lengths: list[int], packed: bool):
+    """One Adam step on samples of different ``lengths`` (rows of ``tokens``), as padded micro-batches or as THD
+    packs planned by :func:`plan_packing`; the loss sums masked log-probs, so it and the gradient do not depend
+    on how samples are grouped. Returns (loss, grad norm, token utilisation of the plan)."""
+    from mcore_rl.packing import pack_rows, plan_packing, rows_of
+    from mcore_rl.training import microbatches
+
+    bridge, config, chunks, groups = _load(hf_dir, layout)
+    optimizer = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, use_distributed_optimizer=True)
+    step = MegatronTrainStep(chunks, config, optimizer, groups)
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    mask = (torch.arange(tokens.shape[1] - 1)[None] < torch.tensor(lengths)[:, None] - 1).float()
+    utilization = 1.0
+    if packed:
+        plan = plan_packing([n - 1 for n in lengths], max_tokens=64, dp=dp, align=tp)
+        mbs = [pack_rows(tokens, lengths, mb, tp, mask=mask) for mb in plan.ranks[dp_rank]]
+        utilization = plan.utilization
+    else:
+        per_rank = tokens.shape[0] // dp
+        rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+        mbs = microbatches(tokens[rows], per_rank, tp, mask=mask[rows])
+
+    def loss_fn(batch, output):
+        logp = rows_of(batch, token_logprobs(output, batch["labels"], bridge.vocab_size))
+        loss = -(logp * batch["mask"]).sum() / 8
+        return loss, {"loss": loss.detach()}
+
+    result = step.step(mbs, loss_fn)
+    assert result.update_successful
+    return len(mbs), result.loss, result.grad_norm, utilization
+
+
 def greedy(hf_dir: str, layout: dict, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """Greedy continuation computed by the Megatron model (full re-forward per token, TP logits gathered)."""
     bridge, _, chunks, groups = _load(hf_dir, layout)
