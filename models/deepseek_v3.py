@@ -111,7 +111,9 @@ class DeepseekV3Bridge(Bridge):
         groups = hf.get("n_group") or 1
         rope = {"rope_type": "rope", "rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}
         if self.rope_type == "yarn":
-            rope = {"rope_type": "yarn"} | {mcore: self.rope_scaling[key] for key, mcore in YARN if key in self.rope_scaling}
+            rope = {"rope_type": "yarn"} | {
+                mcore: self.rope_scaling[key] for key, mcore in YARN if key in self.rope_scaling
+            }
         shared = hf.get("n_shared_experts") or 0
         return rope | dict(
             num_query_groups=hf["num_attention_heads"],
@@ -142,7 +144,9 @@ class DeepseekV3Bridge(Bridge):
         nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
         kv_lora = hf["kv_lora_rank"]
         out = [
-            self._rope_rows(_A + "linear_kv_down_proj.weight", _HA + "kv_a_proj_with_mqa.weight", kv_lora + rope, kv_lora),
+            self._rope_rows(
+                _A + "linear_kv_down_proj.weight", _HA + "kv_a_proj_with_mqa.weight", kv_lora + rope, kv_lora
+            ),
             Direct(_A + "kv_layernorm.weight", _HA + "kv_a_layernorm.weight"),
             Direct(_A + "linear_kv_up_proj.weight", _HA + "kv_b_proj.weight", tp_axis=0),
             # TransformerEngine fuses the latent norms into the up projections.

@@ -118,3 +118,11 @@ def save_char_tokenizer(out_dir: Path) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] not in FAMILIES:
+        sys.exit(f"usage: python -m tests.tiny ARCHITECTURE OUT_DIR  (ARCHITECTURE: one of {sorted(FAMILIES)})")
+    print(make_tiny(sys.argv[1], Path(sys.argv[2])))

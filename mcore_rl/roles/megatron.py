@@ -18,8 +18,8 @@ from converters.stream import load_hf
 from mcore_rl.algorithms.grpo import PolicyLossConfig, policy_loss
 from mcore_rl.logprobs import token_entropy, token_logprobs
 from mcore_rl.offload import StorageOffloader
-from mcore_rl.sync import SyncConfig, WeightSync
 from mcore_rl.packing import pack_rows, plan_packing, rows_of
+from mcore_rl.sync import SyncConfig, WeightSync
 from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches
 from models.registry import get_bridge
 from parallel.comm import all_gather_bucket, all_reduce_scalar
@@ -193,7 +193,9 @@ class PolicyTrainer(MegatronRank):
         lengths = step["lengths"].tolist()
         plan = plan_packing([n - 1 for n in lengths], self.max_token_in_packing, size, align=self._tp())
         rows = {k: step[k].to(self.device) for k in ("tokens", *names)}
-        mbs = [pack_rows(rows["tokens"], lengths, mb, self._tp(), **{k: rows[k] for k in names}) for mb in plan.ranks[rank]]
+        mbs = [
+            pack_rows(rows["tokens"], lengths, mb, self._tp(), **{k: rows[k] for k in names}) for mb in plan.ranks[rank]
+        ]
         return mbs, {"packing/utilization": plan.utilization, "packing/micro_batches": float(len(mbs))}
 
     def _offloadable(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -106,7 +106,10 @@ def experts_grouped_vs_sequential(hf_dir: str, layout: dict, tokens: torch.Tenso
         runs.append((loss.detach(), _grads_by_name(chunks)))
     (loss_g, grads_g), (loss_s, grads_s) = runs
     assert grads_g.keys() == grads_s.keys() and any("local_experts" in n for n in grads_g)
-    out = {"loss": (loss_g - loss_s).abs().item(), "grads": max((grads_g[n] - grads_s[n]).abs().max().item() for n in grads_g)}
+    out = {
+        "loss": (loss_g - loss_s).abs().item(),
+        "grads": max((grads_g[n] - grads_s[n]).abs().max().item() for n in grads_g),
+    }
 
     # The grouped forward against SequentialMLP's on one module (the last model's): zero-token experts included.
     experts = next(m for m in chunks[0].modules() if isinstance(m, SequentialMLP))

@@ -106,7 +106,9 @@ def test_moonlight_shaped_mla_matches_hf(ranks, tmp_path):
 def test_grouped_experts_match_sequential(ranks, tiny_models, arch):
     tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(5))
     for layout in (dict(), dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)):
-        for diffs in ranks.run(cases.experts_grouped_vs_sequential, hf_dir=tiny_models[arch], layout=layout, tokens=tokens):
+        for diffs in ranks.run(
+            cases.experts_grouped_vs_sequential, hf_dir=tiny_models[arch], layout=layout, tokens=tokens
+        ):
             assert diffs["loss"] <= 1e-6 and diffs["grads"] <= 1e-6 and diffs["module"] <= 1e-5, (layout, diffs)
 
 
@@ -114,7 +116,9 @@ def test_grouped_experts_match_sequential(ranks, tiny_models, arch):
 def test_context_parallel_matches_single_rank(ranks, tiny_models, arch):
     """CP=2 (load-balanced chunks, K/V all-gathered) equals CP=1: log-probs and gradients; padded and packed."""
     tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(6))
-    reference, ref_grads = ranks.run(cases.context_parallel_scores, hf_dir=tiny_models[arch], layout={}, tokens=tokens)[0]
+    reference, ref_grads = ranks.run(cases.context_parallel_scores, hf_dir=tiny_models[arch], layout={}, tokens=tokens)[
+        0
+    ]
     for layout, packed in ((dict(cp=2), False), (dict(cp=2), True), (dict(cp=4), False), (dict(cp=4), True)):
         for logp, grads in ranks.run(
             cases.context_parallel_scores, hf_dir=tiny_models[arch], layout=layout, tokens=tokens, packed=packed
@@ -134,10 +138,20 @@ def test_packed_training_matches_padded(ranks, tiny_models, arch):
     tokens[torch.arange(17)[None] >= torch.tensor(lengths)[:, None]] = 0
     for layout in _layouts(arch, [dict(tp=2), dict(pp=2)]):
         (count, loss, norm, _), *_ = ranks.run(
-            cases.packed_vs_padded_step, hf_dir=tiny_models[arch], layout=layout, tokens=tokens, lengths=lengths, packed=False
+            cases.packed_vs_padded_step,
+            hf_dir=tiny_models[arch],
+            layout=layout,
+            tokens=tokens,
+            lengths=lengths,
+            packed=False,
         )
         for packed_count, packed_loss, packed_norm, utilization in ranks.run(
-            cases.packed_vs_padded_step, hf_dir=tiny_models[arch], layout=layout, tokens=tokens, lengths=lengths, packed=True
+            cases.packed_vs_padded_step,
+            hf_dir=tiny_models[arch],
+            layout=layout,
+            tokens=tokens,
+            lengths=lengths,
+            packed=True,
         ):
             assert packed_loss == pytest.approx(loss, rel=1e-5) and packed_norm == pytest.approx(norm, rel=1e-5), layout
             assert packed_count == count and utilization > 0.8, (layout, packed_count, utilization)

@@ -195,3 +195,25 @@ def test_bad_command_line_fails_before_any_actor_and_keeps_the_output_dir(tiny_m
         assert message in capsys.readouterr().err
     assert (out / "metrics.jsonl").read_text() == '{"episode": 1}\n'
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+
+def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models, ray_address, tmp_path, monkeypatch):
+    """scripts/configs/tiny_deepseek_v3_grpo.yaml as shipped (EP=2, packing, grouped experts, vLLM's CPU MLA
+    kernel), shortened to two episodes: the rollout matches the trainer and the packs are nearly full."""
+    monkeypatch.setenv("MCORE_RL_MODEL", tiny_models["DeepseekV3ForCausalLM"])
+    overrides = [
+        f"runtime_args.output_dir={tmp_path}/run",
+        "runtime_args.num_episode=2",
+        "runtime_args.eval_episode_interval=0",
+        "runtime_args.save_episode_interval=2",
+        f"models.reward.fn={REPO}/scripts/rewards/vowel_fraction.py",
+    ]
+    out = run(load_run_config(REPO / "scripts/configs/tiny_deepseek_v3_grpo.yaml", overrides))
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["episode"] for r in records] == [1, 2]
+    first = records[0]
+    assert first["train/first_step_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    for record in records:
+        assert record["train/rollout_logp_abs_diff"] < 1e-4 and record["sync/probe_max_abs_diff"] < 1e-4
+        assert record["train/packing/utilization"] >= 0.9 and record["train/update_successful"] == 1.0
+    assert checkpoint.latest_complete(out / "checkpoints")[0] == 2

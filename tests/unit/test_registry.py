@@ -1,6 +1,7 @@
 """Bridge registry, config translation both ways, and clear errors on bad checkpoints."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,10 @@ def _config(tiny_models, arch) -> dict:
 
 
 def test_unknown_architecture_lists_supported():
-    with pytest.raises(ValueError, match=r"'GPTNeoXForCausalLM' is not supported; supported: \['LlamaForCausalLM'"):
+    with pytest.raises(
+        ValueError,
+        match=r"'GPTNeoXForCausalLM' is not supported; supported: \['DeepseekV3ForCausalLM', 'LlamaForCausalLM'",
+    ):
         get_bridge({"architectures": ["GPTNeoXForCausalLM"]})
     with pytest.raises(ValueError, match="no 'architectures' entry"):
         get_bridge({})
@@ -60,3 +64,23 @@ def test_layout_is_checked_against_model(tiny_models):
 def test_vocab_padding_is_tp_multiple(tiny_models):
     bridge = get_bridge(tiny_models["LlamaForCausalLM"])
     assert bridge.padded_vocab_size(1) == 128 and bridge.padded_vocab_size(2) == 256
+
+
+def test_deepseek_routing_it_cannot_translate_is_refused(tiny_models):
+    cfg = _config(tiny_models, "DeepseekV3ForCausalLM")
+    with pytest.raises(ValueError, match="n_group=4 needs num_experts_per_tok == 2 \\* topk_group"):
+        get_bridge(cfg | {"topk_group": 1})
+    with pytest.raises(ValueError, match="norm_topk_prob=False is not supported"):
+        get_bridge(cfg | {"norm_topk_prob": False})
+    with pytest.raises(ValueError, match="scoring_func='sigmoid'"):
+        get_bridge(cfg | {"scoring_func": "softmax"})
+
+
+def test_deepseek_skips_multi_token_prediction_layers(tiny_models):
+    """Released checkpoints append num_nextn_predict_layers MTP layers after the decoder's; they are not loaded."""
+    bridge = get_bridge(_config(tiny_models, "DeepseekV3ForCausalLM") | {"num_nextn_predict_layers": 1})
+    ignored = [re.compile(p) for p in bridge.ignored_hf_tensors()]
+    assert any(rx.search("model.layers.4.enorm.weight") for rx in ignored)
+    assert not any(rx.search("model.layers.3.mlp.gate.weight") for rx in ignored)
+    config = bridge.transformer_config(ParallelConfig())
+    assert config.moe_layer_freq == [0, 1, 1, 1] and config.moe_router_score_function == "sigmoid"
