@@ -1,8 +1,8 @@
 """Sequence packing: which samples go to which data-parallel rank and micro-batch, and THD micro-batches.
 
 Two constraints shape it. Every rank must run the same number of micro-batches (Megatron's schedule steps all
-ranks together), and micro-batches share one shape across pipeline stages, so the longest micro-batch sets the
-compute of all. The plan therefore balances tokens twice: across ranks (longest-processing-time first, which
+ranks together), and pipeline stages and ranks advance micro-batch by micro-batch, so the longest one paces
+all. The plan therefore balances tokens twice: across ranks (longest-processing-time first, which
 bounds the spread by the longest sample) and across each rank's micro-batches (worst-fit decreasing under the
 token budget), and uses as few micro-batches as the budget allows.
 """

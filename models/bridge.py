@@ -21,21 +21,30 @@ from models.spec import block_spec, resolve_backend
 from parallel.config import ParallelConfig
 
 # (HF config.json key, TransformerConfig attribute): read one way on load, the other way on export.
-DENSE_CONFIG: tuple[tuple[str, str], ...] = (
+# Every family's decoder fields; DENSE_CONFIG adds grouped-query attention's (MLA families add their own).
+DECODER_CONFIG: tuple[tuple[str, str], ...] = (
     ("num_hidden_layers", "num_layers"),
     ("hidden_size", "hidden_size"),
     ("num_attention_heads", "num_attention_heads"),
-    ("num_key_value_heads", "num_query_groups"),
-    ("head_dim", "kv_channels"),
     ("intermediate_size", "ffn_hidden_size"),
     ("rms_norm_eps", "layernorm_epsilon"),
     ("initializer_range", "init_method_std"),
 )
+DENSE_CONFIG = DECODER_CONFIG + (("num_key_value_heads", "num_query_groups"), ("head_dim", "kv_channels"))
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
 _L = "decoder.layers.*."
 _HL = "model.layers.*."
+_E = _L + "mlp.experts.local_experts.*."
+_HE = _HL + "mlp.experts.*."
+
+# A routed MoE's router and gated experts, named alike by every MoE family's checkpoints.
+ROUTED_EXPERTS: tuple[Mapping, ...] = (
+    Direct(_L + "mlp.router.weight", _HL + "mlp.gate.weight"),
+    GatedMLP(_E + "linear_fc1.weight", (_HE + "gate_proj.weight", _HE + "up_proj.weight")),
+    Direct(_E + "linear_fc2.weight", _HE + "down_proj.weight", tp_axis=1),
+)
 
 
 class Bridge:
@@ -49,9 +58,14 @@ class Bridge:
     rope_types: ClassVar[tuple[str, ...]] = ("default",)
     # None: read HF's ``attention_bias``; a bool: the family's fixed choice (Qwen2 always has q/k/v biases).
     qkv_bias: ClassVar[bool | None] = None
+    # config.json keys that another transformers version writes under another name -> this family's name.
+    config_aliases: ClassVar[dict[str, str]] = {}
 
     def __init__(self, hf_config: dict):
         self.hf = dict(hf_config)
+        for alias, key in self.config_aliases.items():
+            if key not in self.hf and alias in self.hf:
+                self.hf[key] = self.hf.pop(alias)
         self.hf.setdefault("head_dim", self.hf["hidden_size"] // self.hf["num_attention_heads"])
         self.hf.setdefault("num_key_value_heads", self.hf["num_attention_heads"])
         self.check_supported()

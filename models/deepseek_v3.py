@@ -7,8 +7,8 @@
 * MoE: sigmoid scores, expert bias for selection only (``noaux_tc``: ``e_score_correction_bias`` <-> the router's
   ``expert_bias``), group-limited top-k, top-k renormalised and scaled by ``routed_scaling_factor``, shared
   experts, and ``first_k_dense_replace`` dense layers first.
-* RL defaults: no load-balancing loss and no expert-bias updates (the router stays the checkpoint's); the
-  trainer's ``moe`` settings turn them on.
+* RL defaults: no load-balancing loss and no expert-bias updates (the router stays the checkpoint's); they are
+  not configurable yet.
 * Multi-token-prediction layers of released checkpoints (``model.layers.{num_hidden_layers}..``) are not trained
   here: they are skipped on load, with a log line saying so.
 """
@@ -20,17 +20,11 @@ import logging
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from converters.mapping import Direct, GatedMLP, Mapping, RopeRows
-from models.bridge import _HL, _L, Bridge
+from models.bridge import _HL, _L, DECODER_CONFIG, ROUTED_EXPERTS, Bridge
 
 log = logging.getLogger(__name__)
 
-MLA_CONFIG = (
-    ("num_hidden_layers", "num_layers"),
-    ("hidden_size", "hidden_size"),
-    ("num_attention_heads", "num_attention_heads"),
-    ("intermediate_size", "ffn_hidden_size"),
-    ("rms_norm_eps", "layernorm_epsilon"),
-    ("initializer_range", "init_method_std"),
+MLA_CONFIG = DECODER_CONFIG + (
     ("q_lora_rank", "q_lora_rank"),
     ("kv_lora_rank", "kv_lora_rank"),
     ("qk_nope_head_dim", "qk_head_dim"),
@@ -54,8 +48,6 @@ YARN = (
 
 _A = _L + "self_attention."
 _HA = _HL + "self_attn."
-_E = _L + "mlp.experts.local_experts.*."
-_HE = _HL + "mlp.experts.*."
 
 
 class DeepseekV3Bridge(Bridge):
@@ -65,12 +57,9 @@ class DeepseekV3Bridge(Bridge):
     config_table = MLA_CONFIG
     qk_norm = True  # MLA's latent norms (q_a_layernorm, kv_a_layernorm)
     rope_types = ("default", "yarn")
+    config_aliases = {"num_local_experts": "n_routed_experts"}  # transformers 5's name; released checkpoints differ
 
     def __init__(self, hf_config: dict):
-        hf_config = dict(hf_config)
-        # transformers 5 writes num_local_experts; released checkpoints say n_routed_experts.
-        if "n_routed_experts" not in hf_config and "num_local_experts" in hf_config:
-            hf_config["n_routed_experts"] = hf_config.pop("num_local_experts")
         super().__init__(hf_config)
         mtp = self.num_mtp_layers
         if mtp:
@@ -165,10 +154,8 @@ class DeepseekV3Bridge(Bridge):
         shared = _L + "mlp.shared_experts."
         return [
             *super().mlp_mappings(),  # the first_k_dense_replace dense layers
-            Direct(_L + "mlp.router.weight", _HL + "mlp.gate.weight"),
+            *ROUTED_EXPERTS,
             Direct(_L + "mlp.router.expert_bias", _HL + "mlp.gate.e_score_correction_bias"),
-            GatedMLP(_E + "linear_fc1.weight", (_HE + "gate_proj.weight", _HE + "up_proj.weight")),
-            Direct(_E + "linear_fc2.weight", _HE + "down_proj.weight", tp_axis=1),
             GatedMLP(
                 shared + "linear_fc1.weight",
                 (_HL + "mlp.shared_experts.gate_proj.weight", _HL + "mlp.shared_experts.up_proj.weight"),

@@ -5,8 +5,8 @@ that is top-k first, then softmax over the chosen (``moe_router_pre_softmax=Fals
 it is softmax first (``pre_softmax=True``).
 """
 
-from converters.mapping import Direct, GatedMLP, Mapping
-from models.bridge import _HL, _L, DENSE_CONFIG, Bridge
+from converters.mapping import Direct, Mapping
+from models.bridge import _HL, _L, DENSE_CONFIG, ROUTED_EXPERTS, Bridge
 
 MOE_CONFIG = (
     ("num_experts", "num_moe_experts"),
@@ -15,22 +15,13 @@ MOE_CONFIG = (
     ("router_aux_loss_coef", "moe_aux_loss_coeff"),
 )
 
-_E = _L + "mlp.experts.local_experts.*."
-_HE = _HL + "mlp.experts.*."
-
 
 class Qwen3MoeBridge(Bridge):
     architecture = "Qwen3MoeForCausalLM"
     model_type = "qwen3_moe"
     qk_norm = True
     config_table = DENSE_CONFIG + MOE_CONFIG
-
-    def __init__(self, hf_config: dict):
-        hf_config = dict(hf_config)
-        # transformers 5 writes num_local_experts; released checkpoints say num_experts.
-        if "num_experts" not in hf_config and "num_local_experts" in hf_config:
-            hf_config["num_experts"] = hf_config.pop("num_local_experts")
-        super().__init__(hf_config)
+    config_aliases = {"num_local_experts": "num_experts"}  # transformers 5's name; released checkpoints differ
 
     @property
     def num_experts(self) -> int:
@@ -55,7 +46,5 @@ class Qwen3MoeBridge(Bridge):
     def mlp_mappings(self) -> list[Mapping]:
         return [
             Direct(_L + "pre_mlp_layernorm.weight", _HL + "post_attention_layernorm.weight"),
-            Direct(_L + "mlp.router.weight", _HL + "mlp.gate.weight"),
-            GatedMLP(_E + "linear_fc1.weight", (_HE + "gate_proj.weight", _HE + "up_proj.weight")),
-            Direct(_E + "linear_fc2.weight", _HE + "down_proj.weight", tp_axis=1),
+            *ROUTED_EXPERTS,
         ]

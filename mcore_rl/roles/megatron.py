@@ -190,12 +190,10 @@ class PolicyTrainer(MegatronRank):
 
     def _packed(self, step: dict, names: list[str], size: int, rank: int) -> tuple[list[dict], dict]:
         """This rank's THD micro-batches of a global batch, token-balanced over DP ranks and micro-batches."""
-        lengths = step["lengths"].tolist()
-        plan = plan_packing([n - 1 for n in lengths], self.max_token_in_packing, size, align=self._tp())
+        lengths, tp = step["lengths"].tolist(), self._tp()
+        plan = plan_packing([n - 1 for n in lengths], self.max_token_in_packing, size, align=tp)
         rows = {k: step[k].to(self.device) for k in ("tokens", *names)}
-        mbs = [
-            pack_rows(rows["tokens"], lengths, mb, self._tp(), **{k: rows[k] for k in names}) for mb in plan.ranks[rank]
-        ]
+        mbs = [pack_rows(rows["tokens"], lengths, mb, tp, **{k: rows[k] for k in names}) for mb in plan.ranks[rank]]
         return mbs, {"packing/utilization": plan.utilization, "packing/micro_batches": float(len(mbs))}
 
     def _offloadable(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -137,21 +137,18 @@ def test_packed_training_matches_padded(ranks, tiny_models, arch):
     tokens = torch.randint(4, 100, (8, 17), generator=generator)
     tokens[torch.arange(17)[None] >= torch.tensor(lengths)[:, None]] = 0
     for layout in _layouts(arch, [dict(tp=2), dict(pp=2)]):
-        (count, loss, norm, _), *_ = ranks.run(
-            cases.packed_vs_padded_step,
-            hf_dir=tiny_models[arch],
-            layout=layout,
-            tokens=tokens,
-            lengths=lengths,
-            packed=False,
+        padded, packed = (
+            ranks.run(
+                cases.packed_vs_padded_step,
+                hf_dir=tiny_models[arch],
+                layout=layout,
+                tokens=tokens,
+                lengths=lengths,
+                packed=p,
+            )
+            for p in (False, True)
         )
-        for packed_count, packed_loss, packed_norm, utilization in ranks.run(
-            cases.packed_vs_padded_step,
-            hf_dir=tiny_models[arch],
-            layout=layout,
-            tokens=tokens,
-            lengths=lengths,
-            packed=True,
-        ):
+        count, loss, norm, _ = padded[0]
+        for packed_count, packed_loss, packed_norm, utilization in packed:
             assert packed_loss == pytest.approx(loss, rel=1e-5) and packed_norm == pytest.approx(norm, rel=1e-5), layout
             assert packed_count == count and utilization > 0.8, (layout, packed_count, utilization)
