@@ -7,6 +7,8 @@ import json
 import logging
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
 
 BAR_KEYS = {"reward/mean": "reward", "eval/accuracy": "eval_acc", "train/kl": "kl", "time/episode": "s/ep"}
@@ -27,13 +29,19 @@ class MetricsLogger:
         self.bar = tqdm(total=total, initial=start, desc="episodes", dynamic_ncols=True)
         self.last: dict[str, float] = {}
 
-    def log(self, episode: int, metrics: dict[str, float], advance: bool = True) -> None:
-        metrics = {k: float(v) for k, v in metrics.items() if v is not None}
+    def log(self, episode: int, metrics: dict[str, float | list[float]], advance: bool = True) -> None:
+        """Scalars, and lists (e.g. tokens per expert) that TensorBoard shows as histograms."""
+        metrics = {
+            k: [float(x) for x in v] if isinstance(v, list) else float(v) for k, v in metrics.items() if v is not None
+        }
         with self.jsonl.open("a") as f:
             f.write(json.dumps({"episode": episode, **metrics}) + "\n")
         if self.writer is not None:
             for key, value in metrics.items():
-                self.writer.add_scalar(key, value, episode)
+                if isinstance(value, list):
+                    self.writer.add_histogram(key, torch.tensor(value), episode)
+                else:
+                    self.writer.add_scalar(key, value, episode)
             self.writer.flush()
         self.last.update(metrics)
         self.bar.set_postfix({short: f"{self.last[k]:.3g}" for k, short in BAR_KEYS.items() if k in self.last})

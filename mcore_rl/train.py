@@ -97,7 +97,7 @@ class System:
             PolicyTrainer, self.placement, n, f"{name}/policy_trainer",
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
             optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
-            max_token_in_packing=trainer.max_token_in_packing,
+            max_token_in_packing=trainer.max_token_in_packing, moe=trainer.moe,
         )  # fmt: skip
         self._stops.append(self.trainer.kill)
         if self.use_ref:
@@ -246,6 +246,7 @@ def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsL
     steps = system.trainer.call("train", batch, rt.train_global_batch_size, m.policy_trainer.micro_batch_size)[0]
     phase("train")
     memory = system.trainer.call("memory_bytes")[0]
+    router = system.trainer.call("router_metrics")[0]
     sync = system.trainer.call("sync_weights")[0]
     offloaded = sum(system.trainer.call("offload")) if m.policy_trainer.offload else 0  # 0 on CPU: nowhere to go
     phase("sync")
@@ -253,7 +254,7 @@ def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsL
     metrics = rollout_stats(samples, rewards, m.policy.num_inference_per_prompt)
     metrics |= {f"train/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
     metrics |= {f"train/first_step_{k}": steps[0][k] for k in ("ratio_mean", "kl") if k in steps[0]}
-    metrics |= {f"sync/{k}": v for k, v in sync.items()} | timings
+    metrics |= {f"sync/{k}": v for k, v in sync.items()} | router | timings
     metrics |= {
         "time/episode": sum(timings.values()),
         "throughput/response_tokens_per_s": tokens / sum(timings.values()),

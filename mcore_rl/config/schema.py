@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
+from mcore_rl.moe import MoEConfig
 from mcore_rl.rollout.engine import RolloutConfig
 from mcore_rl.sync import SyncConfig
 from models.registry import get_bridge
@@ -70,6 +71,7 @@ class TrainerConfig:
     # > 0: pack samples (THD, no padding to the longest) into micro-batches of at most this many tokens, balanced
     # over data-parallel ranks; micro_batch_size is then unused. 0: padded micro-batches of micro_batch_size.
     max_token_in_packing: int = 0
+    moe: MoEConfig = field(default_factory=MoEConfig)  # load balancing and router metrics (MoE models only)
 
 
 @dataclass
@@ -190,6 +192,7 @@ class RunConfig:
                 get_bridge(role.load).validate_layout(role.parallel)
             except ValueError as err:
                 raise ConfigError(f"{key}.parallel: {err}") from None
+        m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
         for key in ("runtime_args.data_path", "runtime_args.eval_data_path"):
             path = self._get(key)
             if path != BUILTIN_DATA and not Path(path).is_file():

@@ -17,6 +17,7 @@ import torch
 from converters.stream import load_hf
 from mcore_rl.algorithms.grpo import PolicyLossConfig, policy_loss
 from mcore_rl.logprobs import token_entropy, token_logprobs
+from mcore_rl.moe import MoEConfig, RouterLoad
 from mcore_rl.offload import StorageOffloader
 from mcore_rl.packing import pack_rows, plan_packing, rows_of
 from mcore_rl.sync import SyncConfig, WeightSync
@@ -41,7 +42,14 @@ class MegatronRank:
     """One rank of a Megatron model loaded from an HF directory, scoring sequences (the reference policy)."""
 
     def __init__(
-        self, rank: int, world: int, master: tuple[str, int], hf_dir: str, parallel: ParallelConfig, seed: int
+        self,
+        rank: int,
+        world: int,
+        master: tuple[str, int],
+        hf_dir: str,
+        parallel: ParallelConfig,
+        seed: int,
+        overrides: dict | None = None,
     ):
         os.environ.update(
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0"
@@ -51,7 +59,7 @@ class MegatronRank:
         self.rank, self.parallel = rank, parallel
         self.groups = init_parallel(parallel, seed=seed)
         self.bridge = get_bridge(hf_dir)
-        self.config = self.bridge.transformer_config(parallel)
+        self.config = self.bridge.transformer_config(parallel, **(overrides or {}))
         self.chunks = self.bridge.build_model(self.config)
         load_hf(self.chunks, self.bridge, hf_dir, self.groups)
         self.device = next(self.chunks[0].parameters()).device
@@ -113,8 +121,10 @@ class PolicyTrainer(MegatronRank):
         loss: PolicyLossConfig,
         total_steps: int,
         max_token_in_packing: int = 0,
+        moe: MoEConfig | None = None,
     ):
-        super().__init__(rank, world, master, hf_dir, parallel, seed)
+        moe = moe or MoEConfig()
+        super().__init__(rank, world, master, hf_dir, parallel, seed, moe.overrides(get_bridge(hf_dir)))
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -139,6 +149,11 @@ class PolicyTrainer(MegatronRank):
         )
         self.loss = loss
         self.max_token_in_packing = max_token_in_packing
+        self.router_load = (
+            RouterLoad(self.chunks, self.groups, parallel.sequence_parallel)
+            if moe.router_metrics and self.bridge.num_experts
+            else None
+        )
         self.sync: WeightSync | None = None
 
     # ---- training -----------------------------------------------------------------------------------------
@@ -187,6 +202,10 @@ class PolicyTrainer(MegatronRank):
                 }
             )
         return results
+
+    def router_metrics(self) -> dict:
+        """Router load over the training steps since the last call (:class:`RouterLoad`); {} for dense models."""
+        return self.router_load.collect() if self.router_load is not None else {}
 
     def _packed(self, step: dict, names: list[str], size: int, rank: int) -> tuple[list[dict], dict]:
         """This rank's THD micro-batches of a global batch, token-balanced over DP ranks and micro-batches."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import traceback
 import zlib
@@ -393,3 +394,47 @@ def policy_trainer_episodes(hf_dir: str, layout: dict, offload: bool) -> dict:
             freed = offloader.offload()
             offloader.onload()
     return dict(steps=steps, freed=freed)
+
+
+def _expert_biases(chunks, groups) -> dict[int, list[float]]:
+    """Every MoE layer's expert bias (by layer number), from all pipeline stages, on every rank."""
+    from mcore_rl.moe import routers
+    from parallel.comm import all_gather_objects
+
+    local = {n: r.expert_bias.tolist() for n, r in routers(chunks).items() if r.expert_bias is not None}
+    return {n: b for stage in all_gather_objects(local, groups.pp) for n, b in stage.items()}
+
+
+def moe_balancing_step(hf_dir: str, layout: dict, moe: dict, checkpoint_dir: str) -> dict:
+    """One GRPO step of the policy-trainer role with the load-balancing settings ``moe``; its router metrics; the
+    expert biases after the step, and as a fresh trainer loads them back from the step's checkpoint."""
+    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.moe import MoEConfig
+    from mcore_rl.roles.megatron import PolicyTrainer
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
+
+    def trainer():
+        args = (rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 4)
+        return PolicyTrainer(*args, moe=MoEConfig(**moe))
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(4, 100, (8, 13), generator=generator)
+    mask = torch.zeros(8, 12)  # 12 positions: no padding for TP=2
+    mask[:, 5:] = 1
+    batch = {"tokens": tokens, "mask": mask, "advantages": torch.randn(8, generator=generator)}
+    first = trainer()
+    initial = _expert_biases(first.chunks, first.groups)
+    batch["old_logp"] = batch["rollout_logp"] = first.logprobs(batch, micro_batch_size=2) * mask
+    step = first.train(batch, global_batch_size=8, micro_batch_size=2)[0]
+    result = dict(step=step, router=first.router_metrics(), initial=initial)
+    result["trained"] = _expert_biases(first.chunks, first.groups)
+    if torch.distributed.get_rank() == 0:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+    torch.distributed.barrier()
+    first.save(checkpoint_dir)
+    second = trainer()
+    second.load(checkpoint_dir)
+    result["loaded"] = _expert_biases(second.chunks, second.groups)
+    return result

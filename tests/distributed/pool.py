@@ -68,8 +68,10 @@ class RankPool:
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
         port = _free_port()
+        # Not daemonic: Megatron's checkpoint writer starts a multiprocessing manager, which daemons may not.
+        # ``close`` (the session fixture's teardown) ends them.
         self.procs = [
-            ctx.Process(target=_worker, args=(r, self.world_size, port, repo, self.tasks[r], self.results), daemon=True)
+            ctx.Process(target=_worker, args=(r, self.world_size, port, repo, self.tasks[r], self.results))
             for r in range(self.world_size)
         ]
         for p in self.procs:

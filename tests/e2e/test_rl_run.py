@@ -199,7 +199,8 @@ def test_bad_command_line_fails_before_any_actor_and_keeps_the_output_dir(tiny_m
 
 def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models, ray_address, tmp_path, monkeypatch):
     """scripts/configs/tiny_deepseek_v3_grpo.yaml as shipped (EP=2, packing, grouped experts, vLLM's CPU MLA
-    kernel), shortened to two episodes: the rollout matches the trainer and the packs are nearly full."""
+    kernel, expert-bias updates), shortened to two episodes: the rollout matches the trainer (the moved expert
+    bias included), the packs are nearly full, and the router load is logged."""
     monkeypatch.setenv("MCORE_RL_MODEL", tiny_models["DeepseekV3ForCausalLM"])
     overrides = [
         f"runtime_args.output_dir={tmp_path}/run",
@@ -216,4 +217,7 @@ def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models,
     for record in records:
         assert record["train/rollout_logp_abs_diff"] < 1e-4 and record["sync/probe_max_abs_diff"] < 1e-4
         assert record["train/packing/utilization"] >= 0.9 and record["train/update_successful"] == 1.0
+        # Router load of the three MoE layers (layer 1 is dense): all 8 experts, top-4 of every packed token.
+        loads = [record[f"moe/layer{n:03d}/tokens_per_expert"] for n in (2, 3, 4)]
+        assert all(len(load) == 8 and sum(load) % 4 == 0 for load in loads) and record["moe/max_over_mean"] >= 1
     assert checkpoint.latest_complete(out / "checkpoints")[0] == 2

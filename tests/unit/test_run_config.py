@@ -47,8 +47,23 @@ def test_a_valid_config_resolves_references(run_yaml, tmp_path):
         ("models.policy.rollout.train.top_p=0", r"rollout.train.top_p=0"),
         ("models.policy_trainer.parallel.tp=0", r"models.policy_trainer.parallel: "),
         ("models.reward.fnn=math", r"models.reward.fnn: unknown key; did you mean 'fn'\?"),
+        ("models.policy_trainer.moe.aux_loss_coeff=0.01", r"moe.aux_loss_coeff=0.01: LlamaForCausalLM has no experts"),
     ],
 )
 def test_bad_configs_are_refused_with_the_key(run_yaml, override, message):
     with pytest.raises(ConfigError, match=message):
         load_run_config(run_yaml, [override])
+
+
+def test_expert_bias_updates_need_routers_with_a_bias(tmp_path):
+    from mcore_rl.moe import MoEConfig
+    from models.registry import get_bridge
+    from tests.tiny import make_tiny
+
+    qwen3_moe = get_bridge(make_tiny("Qwen3MoeForCausalLM", tmp_path / "qwen3_moe"))
+    deepseek = get_bridge(make_tiny("DeepseekV3ForCausalLM", tmp_path / "deepseek"))
+    with pytest.raises(ValueError, match=r"moe.expert_bias_update_rate=0.001: Qwen3MoeForCausalLM's routers have no"):
+        MoEConfig(expert_bias_update_rate=1e-3).validate("moe", qwen3_moe)
+    MoEConfig(expert_bias_update_rate=1e-3).validate("moe", deepseek)
+    assert MoEConfig().overrides(qwen3_moe) == dict(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    assert MoEConfig(expert_bias_update_rate=1e-3).overrides(deepseek)["moe_router_bias_update_rate"] == 1e-3
