@@ -59,12 +59,13 @@ def _fill(items: list[tuple[int, int]], bins: int, budget: int) -> list[list[int
     return out
 
 
-def plan_packing(lengths: list[int], max_tokens: int, dp: int, align: int = 1) -> PackingPlan:
+def plan_packing(lengths: list[int], max_tokens: int, dp: int, align: int = 1, multiple: int = 1) -> PackingPlan:
     """Assign samples of ``lengths`` tokens to ``dp`` ranks x the fewest equal-count micro-batches of at most
     ``max_tokens`` tokens. ``align``: each sample is padded to a multiple of it (2 x TP x CP for sequence and
-    context parallelism)."""
-    if dp < 1 or align < 1:
-        raise ValueError(f"dp={dp} and align={align} must be at least 1")
+    context parallelism). ``multiple``: the micro-batch count is a multiple of it (the interleaved pipeline
+    schedule runs micro-batches in groups of PP)."""
+    if dp < 1 or align < 1 or multiple < 1:
+        raise ValueError(f"dp={dp}, align={align} and multiple={multiple} must be at least 1")
     aligned = [math.ceil(n / align) * align for n in lengths]
     for i, n in enumerate(aligned):
         if n > max_tokens:
@@ -76,11 +77,17 @@ def plan_packing(lengths: list[int], max_tokens: int, dp: int, align: int = 1) -
     ranks = _lpt(items, dp)
     per_rank = [sorted(((aligned[i], i) for i in rank), reverse=True) for rank in ranks]
     count = max(1, max(math.ceil(sum(n for n, _ in rank) / max_tokens) for rank in per_rank))
+    count = math.ceil(count / multiple) * multiple
     while True:  # terminates: with one micro-batch per sample everything fits
+        if count > min(len(rank) for rank in per_rank):
+            raise ValueError(
+                f"{len(lengths)} samples over {dp} data-parallel ranks fill fewer than the {count} micro-batches "
+                f"each rank needs (a multiple of {multiple}); give each rank more samples"
+            )
         filled = [_fill(rank, count, max_tokens) for rank in per_rank]
         if all(f is not None for f in filled):
             return PackingPlan(filled, aligned, sum(lengths))
-        count += 1
+        count += multiple
 
 
 @dataclass(frozen=True)
@@ -136,5 +143,8 @@ def pack_rows(tokens: torch.Tensor, lengths: list[int], indices: list[int], alig
 
 
 def rows_of(batch: dict, values: torch.Tensor) -> torch.Tensor:
-    """Per-token model outputs in the micro-batch's row layout (identity for padded micro-batches)."""
+    """Per-token model outputs in the micro-batch's row layout: whole sequences gathered from the context-parallel
+    ranks (see :mod:`parallel.context`), THD packs unpacked to sample rows; identity for plain padded batches."""
+    if "context_shard" in batch:
+        values = batch["context_shard"].gather(values)
     return batch["unpack"](values) if "unpack" in batch else values

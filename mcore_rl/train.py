@@ -104,7 +104,7 @@ class System:
             ref = m.ref_policy
             self.ref = ActorGroup(
                 MegatronRank, self.placement, n, f"{name}/ref_policy",
-                hf_dir=ref.load, parallel=ref.parallel, seed=rt.seed,
+                hf_dir=ref.load, parallel=ref.parallel, seed=rt.seed, max_token_in_packing=ref.max_token_in_packing,
             )  # fmt: skip
             self._stops.append(self.ref.kill)
         self.rollout = RolloutGroup(m.policy.load, m.policy.rollout, self.placement, n, f"{name}/policy")

@@ -18,7 +18,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.logprobs import token_logprobs
+from mcore_rl.packing import pack_rows, plan_packing, rows_of
 from parallel.comm import all_gather_objects, all_reduce_, broadcast_bucket
+from parallel.context import shard_micro_batch
 
 # loss_fn(batch, logits) -> (scalar loss to differentiate, {metric name: detached value})
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -32,15 +34,15 @@ class StepResult:
     metrics: dict[str, float]  # the loss function's metrics, averaged like ``loss``
 
 
-def microbatches(tokens: torch.Tensor, micro_batch_size: int, tp: int, **extra: torch.Tensor) -> list[dict]:
+def microbatches(tokens: torch.Tensor, micro_batch_size: int, align: int, **extra: torch.Tensor) -> list[dict]:
     """Split ``tokens`` [b, s] into next-token micro-batches: input_ids/labels/position_ids [mb, s-1+pad].
 
     ``extra`` tensors are split along the batch too; per-token ones ([b, s-1], aligned with labels) are right
-    padded with zeros like the labels. The padding makes the length divisible by ``tp`` (sequence parallelism
-    splits the sequence); causal scores of the real positions do not change.
+    padded with zeros like the labels. The padding makes the length divisible by ``align`` (see
+    ``MegatronModel.align``); causal scores of the real positions do not change.
     """
     length = tokens.shape[1] - 1
-    pad = -length % tp
+    pad = -length % align
     padded = torch.nn.functional.pad(tokens, (0, pad))
     positions = torch.arange(length + pad, device=tokens.device)
     extra = {k: torch.nn.functional.pad(v, (0, pad)) if v.dim() == 2 else v for k, v in extra.items()}
@@ -59,25 +61,31 @@ class MegatronModel:
     def __init__(self, chunks: list[torch.nn.Module], groups: ProcessGroupCollection):
         self.model = chunks
         self.groups = groups
+        self.cp = torch.distributed.get_world_size(groups.cp)
+        # Sequence lengths must split over TP (sequence parallelism) and into 2 x CP chunks (context parallelism).
+        self.align = torch.distributed.get_world_size(groups.tp) * (2 * self.cp if self.cp > 1 else 1)
 
-    @staticmethod
-    def _loss(loss_fn: LossFn, batch: dict, output: torch.Tensor):
+    def _loss(self, loss_fn: LossFn, batch: dict, output: torch.Tensor):
         loss, metrics = loss_fn(batch, output)
-        # Megatron's schedule divides the returned loss in place; metrics must not alias it.
-        return loss, {name: value.detach().clone() for name, value in metrics.items()}
+        # Under CP the loss function sees whole sequences (gathered by ``rows_of``), the same loss on every CP
+        # rank; Megatron's schedule multiplies by CP, expecting each rank's share of it, so the loss is divided
+        # here. (Megatron also divides the returned loss in place; metrics must not alias it.)
+        return loss / self.cp, {name: value.detach().clone() for name, value in metrics.items()}
 
-    @classmethod
-    def _forward(cls, loss_fn: LossFn, data_iterator, model):
+    def _forward(self, loss_fn: LossFn, data_iterator, model):
         batch = next(data_iterator)
+        if self.cp > 1:
+            batch = shard_micro_batch(batch, self.groups.cp)
         output = model(
             batch["input_ids"], batch["position_ids"], None, packed_seq_params=batch.get("packed_seq_params")
         )
-        return output, partial(cls._loss, loss_fn, batch)
+        return output, partial(self._loss, loss_fn, batch)
 
     def _schedule(self, microbatches: list[dict], loss_fn: LossFn, forward_only: bool) -> list[dict]:
         """Megatron's pipeline schedule over the micro-batches; metrics exist on the last stage only. Packed
-        micro-batches differ in length: pipeline stages then exchange shapes first (``variable_seq_lengths``)."""
-        batch_size, seq_length = microbatches[0]["input_ids"].shape
+        micro-batches differ in length: pipeline stages then exchange shapes first (``variable_seq_lengths``).
+        Under CP each rank computes its share of the whole sequences given here (``shard_micro_batch``)."""
+        batch_size, seq_length = microbatches[0]["input_ids"].shape  # Megatron divides by CP itself
         data = [iter(microbatches) for _ in self.model]
         config = self.model[0].config
         config.variable_seq_lengths = "packed_seq_params" in microbatches[0]
@@ -92,21 +100,39 @@ class MegatronModel:
         )
 
     @torch.no_grad()
-    def logprobs(self, tokens: torch.Tensor, vocab_size: int, micro_batch_size: int) -> torch.Tensor:
+    def logprobs(
+        self,
+        tokens: torch.Tensor,
+        vocab_size: int,
+        micro_batch_size: int,
+        lengths: list[int] | None = None,
+        max_tokens: int = 0,
+    ) -> torch.Tensor:
         """log p(tokens[:, i] | tokens[:, :i]) for i >= 1, shape [b, s-1], on every rank (fp32).
 
-        Under interleaved pipelining Megatron's schedule needs at least PP micro-batches, so a batch given as one
-        micro-batch (the post-sync probe) is split further: into the largest equal size that makes PP of them.
+        ``max_tokens`` > 0: the rows (``lengths`` real tokens each) are scored in THD packs of at most that many
+        tokens (:mod:`mcore_rl.packing`) instead of padded micro-batches; positions past a row's length are not the sample's (callers mask them).
+        Under interleaved pipelining Megatron's schedule needs a multiple of PP micro-batches, so a batch given as
+        one micro-batch (the post-sync probe) is split further: into the largest equal size that makes PP of them.
         """
-        length = tokens.shape[1] - 1
+        length, align = tokens.shape[1] - 1, self.align
         pp = torch.distributed.get_world_size(self.groups.pp)
-        if len(self.model) > 1:
-            limit = max(1, min(micro_batch_size, tokens.shape[0] // pp))
-            micro_batch_size = max(d for d in range(1, limit + 1) if tokens.shape[0] % d == 0)
-        batches = microbatches(tokens, micro_batch_size, torch.distributed.get_world_size(self.groups.tp))
+        interleaved = len(self.model) > 1
+        order = list(range(tokens.shape[0]))
+        if max_tokens:
+            multiple = pp if interleaved else 1
+            plan = plan_packing([n - 1 for n in lengths], max_tokens, 1, align=align, multiple=multiple)
+            batches = [pack_rows(tokens, lengths, mb, align) for mb in plan.ranks[0]]
+            order = [i for mb in plan.ranks[0] for i in mb]
+        else:
+            if interleaved:
+                limit = max(1, min(micro_batch_size, tokens.shape[0] // pp))
+                micro_batch_size = max(d for d in range(1, limit + 1) if tokens.shape[0] % d == 0)
+            batches = microbatches(tokens, micro_batch_size, align)
 
         def score(batch, output):
-            logprobs = token_logprobs(output, batch["labels"], vocab_size)
+            logprobs = rows_of(batch, token_logprobs(output, batch["labels"], vocab_size))
+            logprobs = torch.nn.functional.pad(logprobs, (0, max(0, length - logprobs.shape[1])))
             return logprobs.sum() * 0, {"logprobs": logprobs[:, :length]}
 
         for chunk in self.model:
@@ -117,7 +143,10 @@ class MegatronModel:
             for chunk in self.model:
                 chunk.train()
         is_last = torch.distributed.get_rank(self.groups.pp) == pp - 1
-        local = [torch.cat([o["logprobs"] for o in outputs])] if is_last else None
+        local = None
+        if is_last:
+            local = [torch.empty(len(order), length, device=tokens.device)]
+            local[0][order] = torch.cat([o["logprobs"] for o in outputs])
         shape = torch.Size([tokens.shape[0], length])
         return broadcast_bucket(local, [shape], torch.float32, pp - 1, self.groups.pp, tokens.device)[0]
 

@@ -23,16 +23,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from parallel.comm import all_gather_with_grad
+from parallel.context import load_balanced_positions
 
 CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
-
-
-def load_balanced_positions(length: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """Global positions of CP ``rank``'s tokens of a ``length``-token sequence: chunks ``rank`` and ``2cp-1-rank``."""
-    chunk = length // (2 * cp)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
-    return torch.cat([first, second])
 
 
 def _in_global_order(parts: list[torch.Tensor], dim: int) -> torch.Tensor:

@@ -75,21 +75,42 @@ def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+@dataclass(frozen=True)
+class Share:
+    """A training batch's response tokens and sequences divided by (micro-batches x data-parallel ranks).
+
+    Megatron averages micro-batch losses over micro-batches and ranks. Dividing each micro-batch's sums by these
+    shares, instead of by its own counts, makes that average the exact mean over the whole batch: the loss and
+    its gradient then do not depend on how samples are grouped (micro-batch size, packing, parallel layout).
+    """
+
+    tokens: float
+    sequences: float
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, micro_batches: int, ranks: int) -> Share:
+        parts = micro_batches * ranks
+        return cls(tokens=max(float(mask.sum()), 1.0) / parts, sequences=mask.shape[0] / parts)
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, share: Share | None = None) -> torch.Tensor:
     """Reduce per-token ``values`` over response tokens.
 
     token-mean: mean over all tokens of the batch (long responses weigh more);
     seq-mean-token-sum: per-sequence sum, then mean over sequences (Dr.GRPO);
     seq-mean-token-mean: per-sequence mean, then mean over sequences (the original GRPO).
+    Means are over ``values`` alone, or, given the batch's ``share``, the micro-batch's part of the batch mean.
     """
     mask = mask.to(values.dtype)
+    tokens = share.tokens if share else mask.sum().clamp(min=1)
+    sequences = share.sequences if share else mask.shape[0]
     if mode == "token-mean":
-        return (values * mask).sum() / mask.sum().clamp(min=1)
+        return (values * mask).sum() / tokens
     per_seq = (values * mask).sum(dim=-1)
     if mode == "seq-mean-token-sum":
-        return per_seq.mean()
+        return per_seq.sum() / sequences
     if mode == "seq-mean-token-mean":
-        return (per_seq / mask.sum(dim=-1).clamp(min=1)).mean()
+        return (per_seq / mask.sum(dim=-1).clamp(min=1)).sum() / sequences
     raise ValueError(f"loss aggregation {mode!r}: expected token-mean, seq-mean-token-sum or seq-mean-token-mean")
 
 
@@ -124,8 +145,10 @@ def policy_loss(
     ref_logp: torch.Tensor | None = None,
     rollout_logp: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    share: Share | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO/GSPO objective for one micro-batch; returns (loss, detached metrics)."""
+    """The GRPO/GSPO objective for one micro-batch; returns (loss, detached metrics). Loss and metrics are means
+    over the micro-batch, or its part of the batch means given the batch's ``share`` (see :class:`Share`)."""
     mask = mask.to(logp.dtype)
     if config.algorithm == "gspo":
         ratio = sequence_ratio(logp, old_logp, mask)
@@ -136,18 +159,18 @@ def policy_loss(
     if config.tis and rollout_logp is not None:
         weight = tis_weight(old_logp, rollout_logp, config.tis_cap)
         per_token = per_token * weight
-        metrics["tis_weight_mean"] = aggregate(weight, mask, "token-mean")
-        metrics["rollout_logp_abs_diff"] = aggregate((old_logp - rollout_logp).abs(), mask, "token-mean")
-    loss = aggregate(per_token, mask, config.loss_agg)
+        metrics["tis_weight_mean"] = aggregate(weight, mask, "token-mean", share)
+        metrics["rollout_logp_abs_diff"] = aggregate((old_logp - rollout_logp).abs(), mask, "token-mean", share)
+    loss = aggregate(per_token, mask, config.loss_agg, share)
     if config.kl_coef and ref_logp is not None:
-        kl = aggregate(kl_k3(logp, ref_logp), mask, config.loss_agg)
+        kl = aggregate(kl_k3(logp, ref_logp), mask, config.loss_agg, share)
         loss = loss + config.kl_coef * kl
         metrics["kl"] = kl
     if entropy is not None:
-        ent = aggregate(entropy, mask, config.loss_agg)
+        ent = aggregate(entropy, mask, config.loss_agg, share)
         loss = loss - config.entropy_coef * ent
         metrics["entropy"] = ent
-    metrics["ratio_mean"] = aggregate(ratio, mask, "token-mean")
-    metrics["clip_fraction"] = aggregate(clipped.to(logp.dtype), mask, "token-mean")
+    metrics["ratio_mean"] = aggregate(ratio, mask, "token-mean", share)
+    metrics["clip_fraction"] = aggregate(clipped.to(logp.dtype), mask, "token-mean", share)
     metrics["policy_loss"] = loss
     return loss, {name: value.detach() for name, value in metrics.items()}

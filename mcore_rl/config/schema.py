@@ -79,6 +79,7 @@ class ReferenceConfig:
     load: str = "${models.policy_trainer.load}"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     micro_batch_size: int = 2
+    max_token_in_packing: int = "${models.policy_trainer.max_token_in_packing}"  # as the trainer's; 0: padded
 
 
 @dataclass
@@ -163,17 +164,12 @@ class RunConfig:
                 f"models.policy.max_prompt_tokens + max_new_tokens = {longest} exceeds "
                 f"models.policy.rollout.max_model_len={m.policy.rollout.max_model_len}; raise it or shorten either"
             )
-        packing = m.policy_trainer.max_token_in_packing
-        if packing and packing < longest:
-            raise ConfigError(
-                f"models.policy_trainer.max_token_in_packing={packing} is below the longest sample ({longest} "
-                "tokens: max_prompt_tokens + max_new_tokens); raise it, or set 0 to train without packing"
-            )
         for role in ("policy_trainer", "ref_policy"):
-            if getattr(m, role).parallel.cp > 1:
+            packing = getattr(m, role).max_token_in_packing
+            if packing and packing < longest:
                 raise ConfigError(
-                    f"models.{role}.parallel.cp={getattr(m, role).parallel.cp}: the RL loop does not split "
-                    "sequences over context-parallel ranks yet (the model layers support it); set cp=1"
+                    f"models.{role}.max_token_in_packing={packing} is below the longest sample ({longest} tokens: "
+                    "max_prompt_tokens + max_new_tokens); raise it, or set 0 for padded micro-batches"
                 )
         self._validate_layouts()
         if m.policy_trainer.optimizer.lr_decay_style not in ("constant", "cosine", "linear"):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from converters.stream import load_hf
-from mcore_rl.algorithms.grpo import PolicyLossConfig, policy_loss
+from mcore_rl.algorithms.grpo import PolicyLossConfig, Share, policy_loss
 from mcore_rl.logprobs import token_entropy, token_logprobs
 from mcore_rl.moe import MoEConfig, RouterLoad
 from mcore_rl.offload import StorageOffloader
@@ -49,6 +49,7 @@ class MegatronRank:
         hf_dir: str,
         parallel: ParallelConfig,
         seed: int,
+        max_token_in_packing: int = 0,
         overrides: dict | None = None,
     ):
         os.environ.update(
@@ -57,6 +58,7 @@ class MegatronRank:
         if not torch.cuda.is_available():  # colocated roles take turns, so each may use its device's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         self.rank, self.parallel = rank, parallel
+        self.max_token_in_packing = max_token_in_packing  # > 0: THD packs instead of padded micro-batches
         self.groups = init_parallel(parallel, seed=seed)
         self.bridge = get_bridge(hf_dir)
         self.config = self.bridge.transformer_config(parallel, **(overrides or {}))
@@ -68,18 +70,17 @@ class MegatronRank:
 
     @property
     def dp(self) -> tuple[int, int]:
-        group = self.groups.dp_cp
+        """Data-parallel size and rank: how the rows of a batch are shared (CP ranks of one DP rank share rows)."""
+        group = self.groups.dp
         return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
-
-    def _tp(self) -> int:
-        return torch.distributed.get_world_size(self.groups.tp)
 
     def logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         """Log-probs [N, L-1] of ``batch["tokens"]``; each DP rank scores its share, every rank gets all rows."""
         size, rank = self.dp
         mine = batch["tokens"].chunk(size)[rank].to(self.device)
-        local = self.model.logprobs(mine, self.bridge.vocab_size, micro_batch_size)
-        return torch.cat([shards[0] for shards in all_gather_bucket([local], self.groups.dp_cp)]).cpu()
+        lengths = batch["lengths"].chunk(size)[rank].tolist() if self.max_token_in_packing else None
+        local = self.model.logprobs(mine, self.bridge.vocab_size, micro_batch_size, lengths, self.max_token_in_packing)
+        return torch.cat([shards[0] for shards in all_gather_bucket([local], self.groups.dp)]).cpu()
 
     def memory_bytes(self) -> int:
         """Device memory in use by this process (CUDA), or its resident set size (CPU)."""
@@ -124,7 +125,8 @@ class PolicyTrainer(MegatronRank):
         moe: MoEConfig | None = None,
     ):
         moe = moe or MoEConfig()
-        super().__init__(rank, world, master, hf_dir, parallel, seed, moe.overrides(get_bridge(hf_dir)))
+        overrides = moe.overrides(get_bridge(hf_dir))
+        super().__init__(rank, world, master, hf_dir, parallel, seed, max_token_in_packing, overrides)
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -148,7 +150,6 @@ class PolicyTrainer(MegatronRank):
             wd_incr_style="constant",
         )
         self.loss = loss
-        self.max_token_in_packing = max_token_in_packing
         self.router_load = (
             RouterLoad(self.chunks, self.groups, parallel.sequence_parallel)
             if moe.router_metrics and self.bridge.num_experts
@@ -172,6 +173,7 @@ class PolicyTrainer(MegatronRank):
             ref_logp=batch.get("ref_logp"),
             rollout_logp=batch["rollout_logp"],
             entropy=entropy,
+            share=batch["share"],
         )
         return loss, metrics | {"loss": loss.detach()}
 
@@ -187,9 +189,10 @@ class PolicyTrainer(MegatronRank):
                 mbs, packing = self._packed(step, names, size, rank)
             else:
                 rows = {k: v.chunk(size)[rank].to(self.device) for k, v in step.items()}
-                mbs = microbatches(rows["tokens"], micro_batch_size, self._tp(), **{k: rows[k] for k in names})
+                mbs = microbatches(rows["tokens"], micro_batch_size, self.model.align, **{k: rows[k] for k in names})
                 packing = {}
-            result = self.model.step(mbs, self._loss_fn)
+            share = Share.of(step["mask"], len(mbs), size)  # batch means, whatever the micro-batches
+            result = self.model.step([mb | {"share": share} for mb in mbs], self._loss_fn)
             self.scheduler.step(increment=1)
             results.append(
                 result.metrics
@@ -209,10 +212,12 @@ class PolicyTrainer(MegatronRank):
 
     def _packed(self, step: dict, names: list[str], size: int, rank: int) -> tuple[list[dict], dict]:
         """This rank's THD micro-batches of a global batch, token-balanced over DP ranks and micro-batches."""
-        lengths, tp = step["lengths"].tolist(), self._tp()
-        plan = plan_packing([n - 1 for n in lengths], self.max_token_in_packing, size, align=tp)
+        lengths, align = step["lengths"].tolist(), self.model.align
+        multiple = self.parallel.pp if self.parallel.vpp > 1 else 1
+        plan = plan_packing([n - 1 for n in lengths], self.max_token_in_packing, size, align=align, multiple=multiple)
         rows = {k: step[k].to(self.device) for k in ("tokens", *names)}
-        mbs = [pack_rows(rows["tokens"], lengths, mb, tp, **{k: rows[k] for k in names}) for mb in plan.ranks[rank]]
+        extra = {k: rows[k] for k in names}
+        mbs = [pack_rows(rows["tokens"], lengths, mb, align, **extra) for mb in plan.ranks[rank]]
         return mbs, {"packing/utilization": plan.utilization, "packing/micro_batches": float(len(mbs))}
 
     def _offloadable(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

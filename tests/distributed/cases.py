@@ -138,7 +138,7 @@ def context_parallel_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, pac
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from models.attention import load_balanced_positions
+    from parallel.context import load_balanced_positions
 
     bridge, _, chunks, groups = _load(hf_dir, layout)
     cp, cp_rank = torch.distributed.get_world_size(groups.cp), torch.distributed.get_rank(groups.cp)
@@ -368,9 +368,10 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, tp: int) -> tu
     return entropy.detach(), _full_vocab(local.grad, groups, vocab_size)
 
 
-def policy_trainer_episodes(hf_dir: str, layout: dict, offload: bool) -> dict:
-    """Two GRPO episodes of the policy-trainer role, its device memory freed and restored between them when
-    ``offload``; returns each optimizer step's metrics and the bytes the offload freed."""
+def policy_trainer_episodes(hf_dir: str, layout: dict, offload: bool = False, max_token_in_packing: int = 0) -> dict:
+    """Two GRPO episodes of the policy-trainer role (responses of different lengths), its device memory freed and
+    restored between them when ``offload``; returns each episode's old log-probs, each optimizer step's metrics
+    and the bytes the offload freed."""
     from mcore_rl.algorithms.grpo import PolicyLossConfig
     from mcore_rl.offload import StorageOffloader
     from mcore_rl.roles.megatron import PolicyTrainer
@@ -378,22 +379,26 @@ def policy_trainer_episodes(hf_dir: str, layout: dict, offload: bool) -> dict:
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
     trainer = PolicyTrainer(
-        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 4
-    )
+        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 4,
+        max_token_in_packing=max_token_in_packing,
+    )  # fmt: skip
     generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([12, 9, 7, 12, 10, 8, 11, 6])
     tokens = torch.randint(4, 100, (8, 12), generator=generator)
-    mask = torch.zeros(8, 11)
-    mask[:, 5:] = 1
-    batch = {"tokens": tokens, "mask": mask, "advantages": torch.randn(8, generator=generator)}
-    steps, freed = [], 0
+    tokens[torch.arange(12)[None] >= lengths[:, None]] = 0
+    positions = torch.arange(11)[None]
+    mask = ((positions >= 4) & (positions < lengths[:, None] - 1)).float()  # 4-token prompts
+    batch = {"tokens": tokens, "lengths": lengths, "mask": mask, "advantages": torch.randn(8, generator=generator)}
+    logprobs, steps, freed = [], [], 0
     for _ in range(2):
         batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=2) * mask
+        logprobs.append(batch["old_logp"])
         steps += trainer.train(batch, global_batch_size=4, micro_batch_size=2)
         if offload:
             offloader = StorageOffloader(*trainer._offloadable())  # on CPU the role itself never offloads
             freed = offloader.offload()
             offloader.onload()
-    return dict(steps=steps, freed=freed)
+    return dict(logprobs=logprobs, steps=steps, freed=freed)
 
 
 def _expert_biases(chunks, groups) -> dict[int, list[float]]:
@@ -438,3 +443,14 @@ def moe_balancing_step(hf_dir: str, layout: dict, moe: dict, checkpoint_dir: str
     second.load(checkpoint_dir)
     result["loaded"] = _expert_biases(second.chunks, second.groups)
     return result
+
+
+def packed_vs_padded_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, lengths: list[int]):
+    """Log-probs of rows of different ``lengths`` scored in padded micro-batches and in THD packs (this rank's
+    share of the rows, as a role scores them), each masked to the rows' real positions."""
+    bridge, _, chunks, groups = _load(hf_dir, layout)
+    model = MegatronModel(chunks, groups)
+    mask = torch.arange(tokens.shape[1] - 1)[None] < torch.tensor(lengths)[:, None] - 1
+    padded = model.logprobs(tokens, bridge.vocab_size, micro_batch_size=2)
+    packed = model.logprobs(tokens, bridge.vocab_size, 2, lengths=lengths, max_tokens=32)
+    return padded * mask, packed * mask

@@ -152,3 +152,17 @@ def test_packed_training_matches_padded(ranks, tiny_models, arch):
         for packed_count, packed_loss, packed_norm, utilization in packed:
             assert packed_loss == pytest.approx(loss, rel=1e-5) and packed_norm == pytest.approx(norm, rel=1e-5), layout
             assert packed_count == count and utilization > 0.8, (layout, packed_count, utilization)
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM"])
+def test_packed_scoring_matches_padded(ranks, tiny_models, arch):
+    """Reference/old log-probs scored in THD packs equal padded micro-batches' at every real position; under
+    interleaved pipelining the packs come in a multiple of PP."""
+    lengths = [17, 5, 12, 9, 16, 3, 8, 14]
+    tokens = torch.randint(4, 100, (8, 17), generator=torch.Generator().manual_seed(8))
+    tokens[torch.arange(17)[None] >= torch.tensor(lengths)[:, None]] = 0
+    for layout in _layouts(arch, [dict(tp=2), dict(pp=2, vpp=2)]):
+        for padded, packed in ranks.run(
+            cases.packed_vs_padded_scores, hf_dir=tiny_models[arch], layout=layout, tokens=tokens, lengths=lengths
+        ):
+            assert padded.abs().sum() > 0 and (packed - padded).abs().max().item() <= 1e-5, layout

@@ -1,6 +1,8 @@
 """The policy-trainer role on a TP=2 x DP=2 layout: first-step invariants, and offload/onload between episodes
 changes nothing (parameters, gradients' buffers and Adam state come back bit-identical)."""
 
+import pytest
+
 from tests.distributed import cases
 
 
@@ -16,3 +18,35 @@ def test_offload_between_episodes_is_exact_and_first_ratio_is_one(ranks, tiny_mo
     # Two optimizer steps per episode: the second sees the first's update; the next episode re-scores old log-probs.
     assert plain["steps"][1]["ratio_mean"] != 1
     assert abs(plain["steps"][2]["ratio_mean"] - 1) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "arch, layouts",
+    [
+        ("Qwen3ForCausalLM", [dict(cp=2), dict(cp=4), dict(cp=2, tp=2, sequence_parallel=True)]),
+        ("DeepseekV3ForCausalLM", [dict(cp=2, ep=2), dict(cp=2, pp=2)]),
+    ],
+)
+def test_context_parallel_episodes_match_single_rank(ranks, tiny_models, arch, layouts):
+    """The role under context parallelism (rows shared by the CP ranks of a DP rank, sequences split over them,
+    per-token outputs gathered for the loss): old log-probs and every step's metrics equal the CP=1 run's, for
+    padded and packed micro-batches; and packed equals padded (the loss is a batch mean, whatever the grouping)."""
+    references = {}
+    for packing in (0, 24):
+        references[packing] = reference = ranks.run(
+            cases.policy_trainer_episodes, hf_dir=tiny_models[arch], layout={}, max_token_in_packing=packing
+        )[0]
+        for step, padded in zip(reference["steps"], references[0]["steps"], strict=True):
+            assert step["loss"] == pytest.approx(padded["loss"], rel=1e-5)
+            assert step["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-5)
+        for layout in layouts:
+            for result in ranks.run(
+                cases.policy_trainer_episodes, hf_dir=tiny_models[arch], layout=layout, max_token_in_packing=packing
+            ):
+                for logp, expected in zip(result["logprobs"], reference["logprobs"], strict=True):
+                    assert (logp - expected).abs().max().item() <= 1e-5, (layout, packing)
+                for step, expected in zip(result["steps"], reference["steps"], strict=True):
+                    assert step.keys() == expected.keys()
+                    for key in ("loss", "grad_norm", "ratio_mean", "kl", "entropy"):
+                        if key in expected:
+                            assert step[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (layout, key)

@@ -9,6 +9,7 @@ import torch
 
 from mcore_rl.algorithms.grpo import (
     PolicyLossConfig,
+    Share,
     aggregate,
     clipped_surrogate,
     constant_groups,
@@ -75,6 +76,22 @@ def test_aggregation_modes():
     assert aggregate(values, mask, "seq-mean-token-mean").item() == pytest.approx(3.0)
     with pytest.raises(ValueError, match="loss aggregation 'sum'"):
         aggregate(values, mask, "sum")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_batch_share_makes_any_grouping_give_the_batch_mean(mode):
+    """Averaged over micro-batches (as Megatron does), the micro-batches' shares of the batch mean add up to the
+    batch mean for any grouping; each micro-batch's own mean would not (responses differ in length)."""
+    generator = torch.Generator().manual_seed(1)
+    values = torch.randn(6, 5, generator=generator)
+    mask = (torch.arange(5)[None] < torch.tensor([5, 1, 3, 2, 4, 0])[:, None]).float()
+    whole = aggregate(values, mask, mode)
+    for groups in ([[0, 1], [2, 3], [4, 5]], [[0, 5], [1, 2, 3, 4]], [[3], [0, 1, 2, 4, 5]]):
+        share = Share.of(mask, micro_batches=len(groups), ranks=1)
+        parts = [aggregate(values[g], mask[g], mode, share) for g in groups]
+        assert torch.stack(parts).mean().item() == pytest.approx(whole.item(), rel=1e-6)
+    uneven = [aggregate(values[g], mask[g], mode) for g in ([3], [0, 1, 2, 4, 5])]
+    assert torch.stack(uneven).mean().item() != pytest.approx(whole.item(), rel=1e-3)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "gspo"])

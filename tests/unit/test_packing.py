@@ -33,6 +33,9 @@ def test_fewest_micro_batches_and_edge_cases():
     plan = plan_packing([9, 9, 9, 1], max_tokens=10, dp=1)  # 28 tokens but 9s cannot share: 3 micro-batches
     _check(plan, [9, 9, 9, 1], 10, 1)
     assert len(plan.ranks[0]) == 3
-    _check(plan_packing([3], max_tokens=10, dp=2), [3], 10, 2)  # a rank may get an empty micro-batch
+    with pytest.raises(ValueError, match="2 data-parallel ranks fill fewer than the 1 micro-batches"):
+        plan_packing([3], max_tokens=10, dp=2)  # an empty micro-batch cannot run
+    plan = plan_packing([5, 5, 5, 5], max_tokens=10, dp=1, multiple=4)  # interleaved PP=4: groups of 4
+    assert [len(mb) for mb in plan.ranks[0]] == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="sample 1 has 11 tokens .* more than max_tokens=10"):
         plan_packing([4, 11], max_tokens=10, dp=1)

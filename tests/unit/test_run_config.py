@@ -24,7 +24,10 @@ def run_yaml(tmp_path) -> Path:
 
 
 def test_a_valid_config_resolves_references(run_yaml, tmp_path):
-    config = load_run_config(run_yaml, ["models.policy.rollout.train.temperature=0.8"])
+    config = load_run_config(
+        run_yaml, ["models.policy.rollout.train.temperature=0.8", "models.policy_trainer.max_token_in_packing=1024"]
+    )
+    assert config.models.ref_policy.max_token_in_packing == 1024  # the reference scores in the trainer's packs
     assert config.runtime_args.output_dir == f"{tmp_path}/t"
     assert config.models.ref_policy.load == config.models.policy.load == str(default_model_dir())
     assert config.models.policy.rollout.train.temperature == 0.8
