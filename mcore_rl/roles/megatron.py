@@ -68,6 +68,14 @@ class MegatronRank:
         self.model = MegatronModel(self.chunks, self.groups)
         self.offloader: StorageOffloader | None = None
 
+    def _routing(self, batch: dict) -> tuple[str, ...]:
+        """The rollout's routing, as a batch key to pass to the model, where this model replays it."""
+        if not self.config.moe_enable_routing_replay:
+            return ()
+        if "routed_experts" not in batch:
+            raise ValueError("routing replay is on, but the batch has no routed_experts from the rollout engine")
+        return ("routed_experts",)
+
     @property
     def dp(self) -> tuple[int, int]:
         """Data-parallel size and rank: how the rows of a batch are shared (CP ranks of one DP rank share rows)."""
@@ -77,9 +85,12 @@ class MegatronRank:
     def logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         """Log-probs [N, L-1] of ``batch["tokens"]``; each DP rank scores its share, every rank gets all rows."""
         size, rank = self.dp
-        mine = batch["tokens"].chunk(size)[rank].to(self.device)
+        mine = {k: batch[k].chunk(size)[rank].to(self.device) for k in ("tokens", *self._routing(batch))}
         lengths = batch["lengths"].chunk(size)[rank].tolist() if self.max_token_in_packing else None
-        local = self.model.logprobs(mine, self.bridge.vocab_size, micro_batch_size, lengths, self.max_token_in_packing)
+        tokens = mine.pop("tokens")
+        local = self.model.logprobs(
+            tokens, self.bridge.vocab_size, micro_batch_size, lengths, self.max_token_in_packing, **mine
+        )
         return torch.cat([shards[0] for shards in all_gather_bucket([local], self.groups.dp)]).cpu()
 
     def memory_bytes(self) -> int:
@@ -180,7 +191,7 @@ class PolicyTrainer(MegatronRank):
     def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
         """Optimizer steps over ``batch`` in global batches of ``global_batch_size`` rows; metrics per step."""
         size, rank = self.dp
-        per_token = ("mask", "old_logp", "rollout_logp", "ref_logp")
+        per_token = ("mask", "old_logp", "rollout_logp", "ref_logp", *self._routing(batch))
         results = []
         for start in range(0, batch["tokens"].shape[0], global_batch_size):
             step = {k: v[start : start + global_batch_size] for k, v in batch.items()}

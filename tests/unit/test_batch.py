@@ -38,3 +38,28 @@ def test_dynamic_sampling_drops_constant_groups_and_stats_report_them():
     stats = rollout_stats(samples, rewards, 2)
     assert stats["reward/constant_group_fraction"] == 0.5
     assert stats["response/length_mean"] == 7 / 4 and stats["response/truncated_fraction"] == 0.25
+
+
+def test_routed_experts_are_kept_per_input_position_and_checked():
+    import dataclasses
+
+    import numpy as np
+    import pytest
+
+    samples = _samples()
+    lengths = [4, 3, 6, 5]  # prompt + response tokens
+    routed = [np.arange(n * 3 * 2).reshape(n, 3, 2).astype(np.uint8) for n in lengths]  # vLLM: one row per token
+    with_routing = [
+        dataclasses.replace(s, completion=dataclasses.replace(s.completion, routed_experts=r))
+        for s, r in zip(samples, routed, strict=True)
+    ]
+    batch = training_batch(with_routing, [1.0, 0.0, 0.5, 0.5], group_size=2, normalize_std=False)
+    assert batch["routed_experts"].shape == (4, 5, 3, 2)  # [samples, input positions, layers, top-k]
+    assert torch.equal(batch["routed_experts"][0, :3], torch.from_numpy(routed[0][:3].astype("int16")))
+    assert batch["routed_experts"][1, 2:].abs().sum() == 0  # padding past the sample's 2 input positions
+    short = list(with_routing)
+    short[2] = dataclasses.replace(
+        short[2], completion=dataclasses.replace(short[2].completion, routed_experts=routed[2][:3])
+    )
+    with pytest.raises(ValueError, match=r"sample p1/0: the engine's routed experts have shape \(3, 3, 2\); expected"):
+        training_batch(short, [1.0, 0.0, 0.5, 0.5], group_size=2, normalize_std=False)
