@@ -30,6 +30,7 @@ setup(
     entry_points={
         "console_scripts": [
             "mcore-rl-gguf2hf=converters.gguf2hf:main",
+            "mcore-rl-plan=mcore_rl.planner.__main__:main",
         ]
     },
 )

@@ -105,11 +105,19 @@ class _Task:
         return full_shape(torch.Size(self.shape), self.tp_axis, tp).numel() * self.dtype.itemsize * ep
 
 
-def _plan(mine: dict[str, LocalParam], table: MappingTable, groups, num_local: int) -> list[_Task]:
-    """The same ordered task list on every rank of a pipeline group (one all_gather of names and shapes)."""
-    meta = [(s, tuple(lp.param.shape), lp.param.dtype, lp.is_expert, lp.tp_axis) for s, lp in mine.items()]
+StageMeta = list[tuple[str, tuple[int, ...], torch.dtype, bool, int | None]]  # slot, shape, dtype, expert, axis
+
+
+def stage_meta(mine: dict[str, LocalParam]) -> StageMeta:
+    """What one pipeline rank holds, as the export plan needs it (names, local shapes, dtypes, sharding)."""
+    return [(s, tuple(lp.param.shape), lp.param.dtype, lp.is_expert, lp.tp_axis) for s, lp in mine.items()]
+
+
+def export_plan(stages: list[StageMeta], table: MappingTable, num_local: int) -> list[_Task]:
+    """The ordered export tasks of a model whose pipeline ranks hold ``stages`` (pure: the dry run plans
+    full-size models with it, from meta tensors)."""
     tasks = []
-    for owner, stage in enumerate(all_gather_objects(meta, groups.pp)):
+    for owner, stage in enumerate(stages):
         for slot, shape, dtype, is_expert, axis in stage:
             mapping, _ = table.resolve(global_expert_name(slot, 0, num_local) if is_expert else slot)
             _check_axis(mapping, slot, axis)
@@ -118,7 +126,8 @@ def _plan(mine: dict[str, LocalParam], table: MappingTable, groups, num_local: i
     return sorted(tasks, key=lambda t: (t.owner, t.slot))
 
 
-def _buckets(tasks: list[_Task], budget: int, tp: int, etp: int, ep: int) -> Iterator[list[_Task]]:
+def buckets(tasks: list[_Task], budget: int, tp: int, etp: int, ep: int) -> Iterator[list[_Task]]:
+    """Consecutive tasks of one pipeline owner and dtype, up to ``budget`` bytes of full tensors each."""
     bucket, size = [], 0
     for task in tasks:
         nbytes = task.nbytes(etp, ep) if task.is_expert else task.nbytes(tp, 1)
@@ -129,6 +138,20 @@ def _buckets(tasks: list[_Task], budget: int, tp: int, etp: int, ep: int) -> Ite
         size += nbytes
     if bucket:
         yield bucket
+
+
+def bucket_layout(
+    bucket: list[_Task], num_local: int, tp: int, etp: int, ep: int
+) -> tuple[list[tuple[str, int]], list[torch.Size]]:
+    """The full tensors a bucket gathers, in order: (global Megatron name, TP size it was split over) and shape.
+    An expert slot stands for the same local expert on every EP rank."""
+    names, shapes = [], []
+    for t in bucket:
+        split_over = etp if t.is_expert else tp
+        slots = [global_expert_name(t.slot, r, num_local) for r in range(ep)] if t.is_expert else [t.slot]
+        names += [(slot, split_over) for slot in slots]
+        shapes += [full_shape(torch.Size(t.shape), t.tp_axis, split_over)] * len(slots)
+    return names, shapes
 
 
 def _gather_tp(tasks: list[_Task], mine: dict[str, LocalParam], group) -> dict[str, torch.Tensor]:
@@ -161,18 +184,9 @@ def export_hf(
     num_local = _num_local_experts(chunks, ep)
     mine = {lp.slot: lp for lp in local_params(chunks)}
     device = next(iter(mine.values())).param.device
-    for bucket in _buckets(_plan(mine, table, groups, num_local), bucket_bytes, tp, etp, ep):
-        names = []  # (global Megatron name, TP size it was split over)
-        for t in bucket:
-            if t.is_expert:
-                names += [(global_expert_name(t.slot, r, num_local), etp) for r in range(ep)]
-            else:
-                names.append((t.slot, tp))
-        shapes = [
-            full_shape(torch.Size(t.shape), t.tp_axis, etp if t.is_expert else tp)
-            for t in bucket
-            for _ in range(ep if t.is_expert else 1)
-        ]
+    tasks = export_plan(all_gather_objects(stage_meta(mine), groups.pp), table, num_local)
+    for bucket in buckets(tasks, bucket_bytes, tp, etp, ep):
+        names, shapes = bucket_layout(bucket, num_local, tp, etp, ep)
         tensors = None
         if pp_rank == bucket[0].owner:
             dense = [t for t in bucket if not t.is_expert]

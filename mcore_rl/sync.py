@@ -78,7 +78,8 @@ def probe_tokens(vocab_size: int, config: SyncConfig) -> torch.Tensor:
     return torch.randint(0, vocab_size, (config.probe_sequences, config.probe_length), generator=generator)
 
 
-def _send_buckets(named: Iterator[tuple[str, torch.Tensor]], budget: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def send_buckets(named: Iterator[tuple[str, torch.Tensor]], budget: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The exported HF tensors grouped into what the engine loads at once: at most ``budget`` bytes (or one)."""
     bucket, size = [], 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
@@ -141,7 +142,7 @@ class WeightSync:
                 pass
         else:
             ray.get(self.engine.begin_weight_update.remote())
-            for i, bucket in enumerate(_send_buckets(exported, self.config.bucket_bytes)):
+            for i, bucket in enumerate(send_buckets(exported, self.config.bucket_bytes)):
                 slot = i % 2
                 if pending[slot] is not None:
                     wait += _waited(pending[slot])  # the engine is done with this buffer

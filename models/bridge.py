@@ -8,6 +8,7 @@ mappings that :mod:`converters.stream` uses in both directions.
 
 from __future__ import annotations
 
+import contextlib
 from typing import ClassVar
 
 import torch
@@ -157,6 +158,8 @@ class Bridge:
             expert_model_parallel_size=parallel.ep,
             expert_tensor_parallel_size=parallel.expert_tp,
             sequence_parallel=parallel.sequence_parallel,
+            num_layers_in_first_pipeline_stage=parallel.first_stage_layers,
+            num_layers_in_last_pipeline_stage=parallel.last_stage_layers,
             # Interleaved PP=2 with batched p2p swaps the two directions' messages between the same pair of
             # ranks (wrong losses on gloo); separate, overlapped send/recv is exact (tests/distributed).
             overlap_p2p_comm=interleaved,
@@ -184,29 +187,40 @@ class Bridge:
         *,
         backend: str = "auto",
         max_sequence_length: int | None = None,
+        meta: bool = False,
     ) -> list[GPTModel]:
-        """This rank's model chunks (one per virtual pipeline stage), on the current device, weights initialised."""
+        """This rank's model chunks (one per virtual pipeline stage), on the current device, weights initialised;
+        ``meta``: on the meta device instead (shapes without memory, for full-size dry runs)."""
         backend = resolve_backend(backend)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         vpp = config.virtual_pipeline_model_parallel_size or 1
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        if meta:
+            device = torch.device("meta")
+        elif torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
         chunks = []
         for stage in range(vpp):
             vp_stage = stage if vpp > 1 else None
-            model = GPTModel(
-                config=config,
-                transformer_layer_spec=block_spec(config, backend, vp_stage),
-                vocab_size=self.padded_vocab_size(tp),
-                max_sequence_length=max_sequence_length or self.hf.get("max_position_embeddings", 4096),
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                share_embeddings_and_output_weights=self.tie_word_embeddings,
-                position_embedding_type="rope",
-                rotary_base=self.rope_theta,
-                vp_stage=vp_stage,
-            )
+            with device if meta else contextlib.nullcontext():
+                model = self._gpt_model(config, backend, vp_stage, tp, max_sequence_length)
             chunks.append(model.to(device=device, dtype=config.params_dtype))
         return chunks
+
+    def _gpt_model(self, config, backend, vp_stage, tp, max_sequence_length) -> GPTModel:
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(config, backend, vp_stage),
+            vocab_size=self.padded_vocab_size(tp),
+            max_sequence_length=max_sequence_length or self.hf.get("max_position_embeddings", 4096),
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=self.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=self.rope_theta,
+            vp_stage=vp_stage,
+        )
 
     # ---- parameter mappings -------------------------------------------------------------------------------
     def mappings(self) -> list[Mapping]:

@@ -21,6 +21,9 @@ class ParallelConfig:
         etp: expert tensor-parallel size; ``None`` means the same as ``tp``.
         cp: context-parallel size (the sequence is split over it).
         sequence_parallel: shard activations of norms/dropout along the sequence over the TP group.
+        first_stage_layers / last_stage_layers: layers on the first / last pipeline stage when the layer count
+            does not split evenly (DeepSeek-V3's 61 over PP=8: ``last_stage_layers=5``, 8 on each other stage);
+            ``None``: an even share. The remaining layers split evenly over the other stages.
     """
 
     tp: int = 1
@@ -30,6 +33,8 @@ class ParallelConfig:
     etp: int | None = None
     cp: int = 1
     sequence_parallel: bool = False
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "ep", "cp"):
@@ -42,6 +47,14 @@ class ParallelConfig:
             raise ValueError(f"parallel.vpp={self.vpp} needs parallel.pp > 1; set vpp=1 or raise pp")
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("parallel.sequence_parallel=True needs parallel.tp > 1; set it to False")
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"parallel.{name}={value!r}: expected a positive integer or None (an even share)")
+            if self.pp == 1 or self.vpp > 1:
+                raise ValueError(f"parallel.{name} needs pp > 1 and vpp = 1 (uneven stages are not interleaved)")
 
     @property
     def expert_tp(self) -> int:
@@ -81,12 +94,7 @@ class ParallelConfig:
         num_experts: int | None = None,
     ) -> None:
         """Check that the model's shapes split evenly over this layout."""
-        stages = self.pp * self.vpp
-        if num_layers % stages:
-            raise ValueError(
-                f"num_layers={num_layers} is not divisible by pp*vpp = {self.pp}*{self.vpp} = {stages}; "
-                f"choose pp/vpp whose product divides {num_layers}"
-            )
+        self._validate_stages(num_layers)
         if num_attention_heads % self.tp:
             raise ValueError(
                 f"num_attention_heads={num_attention_heads} is not divisible by tp={self.tp}; "
@@ -108,6 +116,34 @@ class ParallelConfig:
             )
         if num_experts is not None and self.tp > 1 and not self.sequence_parallel:
             raise ValueError("MoE models with tp > 1 need parallel.sequence_parallel=True (Megatron requirement)")
+
+    def _validate_stages(self, num_layers: int) -> None:
+        uneven = [n for n in (self.first_stage_layers, self.last_stage_layers) if n is not None]
+        rest, stages = num_layers - sum(uneven), (self.pp - len(uneven)) * self.vpp
+        if not uneven and rest % stages:
+            raise ValueError(
+                f"num_layers={num_layers} is not divisible by pp*vpp = {self.pp}*{self.vpp} = {stages}; "
+                f"choose pp/vpp whose product divides {num_layers}, or set parallel.first_stage_layers/"
+                "last_stage_layers"
+            )
+        if uneven and (rest < stages or (rest % stages if stages else rest)):
+            raise ValueError(
+                f"num_layers={num_layers}: first_stage_layers={self.first_stage_layers}, last_stage_layers="
+                f"{self.last_stage_layers} leave {rest} layers for the other {stages} stage(s), which must split "
+                "them evenly (at least one each)"
+            )
+
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers on each pipeline stage (all virtual stages of a rank together)."""
+        self._validate_stages(num_layers)
+        uneven = [n for n in (self.first_stage_layers, self.last_stage_layers) if n is not None]
+        even = (num_layers - sum(uneven)) // max(1, self.pp - len(uneven))
+        out = [even] * self.pp
+        if self.first_stage_layers is not None:
+            out[0] = self.first_stage_layers
+        if self.last_stage_layers is not None:
+            out[-1] = self.last_stage_layers
+        return out
 
 
 def _divisors(n: int) -> list[int]:

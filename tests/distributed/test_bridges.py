@@ -15,6 +15,7 @@ DENSE_LAYOUTS = [
     dict(tp=1, pp=2),
     dict(tp=2, pp=2),
     dict(tp=1, pp=2, vpp=2),
+    dict(pp=2, last_stage_layers=1),
 ]
 EXPERT_LAYOUTS = [dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)]
 MOE = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM")
@@ -61,6 +62,7 @@ def _hf_step_reference(hf_dir, tokens):
 STEP_LAYOUTS = [
     dict(tp=2, sequence_parallel=True),
     dict(pp=2),
+    dict(pp=2, first_stage_layers=3),
     dict(pp=2, vpp=2),
     dict(tp=2, pp=2),
 ]

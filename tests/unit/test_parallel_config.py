@@ -43,3 +43,18 @@ def test_world_size_must_fit_layout():
 def test_model_must_split_over_layout(layout, model, match):
     with pytest.raises(ValueError, match=match):
         ParallelConfig(**layout).validate_model(**{**MODEL, **model})
+
+
+def test_uneven_pipeline_stages():
+    """DeepSeek-V3's 61 layers over PP=8: 5 on the last stage, 8 on each other."""
+    assert ParallelConfig(pp=8, last_stage_layers=5).stage_layers(61) == [8] * 7 + [5]
+    assert ParallelConfig(pp=4, first_stage_layers=1, last_stage_layers=1).stage_layers(10) == [1, 4, 4, 1]
+    assert ParallelConfig(pp=2, vpp=2).stage_layers(8) == [4, 4]
+    with pytest.raises(ValueError, match=r"leave 56 layers for the other 6 stage\(s\), which must split them evenly"):
+        ParallelConfig(pp=8, first_stage_layers=2, last_stage_layers=3).stage_layers(61)
+    with pytest.raises(ValueError, match=r"num_layers=61 is not divisible by pp\*vpp = 8\*1 = 8; .*last_stage_layers"):
+        ParallelConfig(pp=8).stage_layers(61)
+    with pytest.raises(ValueError, match=r"parallel.last_stage_layers needs pp > 1 and vpp = 1"):
+        ParallelConfig(pp=2, vpp=2, last_stage_layers=1)
+    with pytest.raises(ValueError, match=r"parallel.first_stage_layers=0: expected a positive integer"):
+        ParallelConfig(pp=2, first_stage_layers=0)

@@ -1,0 +1,102 @@
+"""Dry run of a training config at full size, on any machine: ``python -m mcore_rl.planner RUN.yaml [overrides]``.
+
+Validates the config as a run would, builds every pipeline stage of the trainer (and of the reference, when its
+layout differs) on the meta device at ``runtime_args.num_devices``, checks the whole HF <-> Megatron mapping
+against transformers' model, and plans the rollout sync. Exit status 2: bad config; 1: the mapping check found
+errors (each printed); 0: the report (also written as JSON with ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mcore_rl.config.loader import ConfigError
+from mcore_rl.config.schema import load_run_config
+from mcore_rl.planner.check import check_mappings, sync_plan
+from mcore_rl.planner.meta import hf_tensors, pipeline_stages
+from models.registry import get_bridge
+
+GB = 1e9
+
+
+def plan_role(bridge, parallel, world: int, bucket_bytes: int, hf: dict[str, torch.Size]) -> dict:
+    """Mapping check and sync plan of one Megatron role's layout (bf16 weights, as trained on GPUs)."""
+    start = time.perf_counter()
+    stages = pipeline_stages(bridge, parallel, world)
+    report = check_mappings(bridge, parallel, stages, hf)
+    sync = sync_plan(bridge, parallel, stages, bucket_bytes)
+    return {
+        "layout": dataclasses.asdict(parallel),
+        "data_parallel": parallel.dp(world),
+        "stage_layers": parallel.stage_layers(bridge.hf["num_hidden_layers"]),
+        "stage_params": report.stage_params,
+        "stage_expert_params": report.stage_expert_params,
+        "hf_params": report.hf_params,
+        "exported_params": report.exported_params,
+        "errors": report.errors,
+        "sync": dataclasses.asdict(sync),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def _print(name: str, role: dict) -> None:
+    layout = ", ".join(f"{k}={v}" for k, v in role["layout"].items() if v not in (None, False, 1))
+    print(f"{name}: {layout or 'single device'}, data parallel {role['data_parallel']} ({role['seconds']} s)")
+    for i, (layers, params, experts) in enumerate(
+        zip(role["stage_layers"], role["stage_params"], role["stage_expert_params"], strict=True)
+    ):
+        print(
+            f"  stage {i}: {layers} layers, {params / GB:.3f} B params per device "
+            f"({experts / GB:.3f} B expert), {2 * params / GB:.2f} GB bf16 weights"
+        )
+    sync = role["sync"]
+    print(
+        f"  rollout sync: {sync['total_bytes'] / GB:.1f} GB per engine in {sync['send_buckets']} loads "
+        f"(tensors per load min/median/max {sync['tensors_per_send_bucket']}, largest "
+        f"{sync['largest_send_bytes'] / GB:.2f} GB), {sync['gather_buckets']} gather rounds"
+    )
+    for error in role["errors"]:
+        print(f"  error: {error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", help="run YAML (as for python -m mcore_rl.train)")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    parser.add_argument("--json", type=Path, help="also write the report here")
+    args = parser.parse_args(argv)
+    try:
+        config = load_run_config(args.config, args.overrides)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    m, world = config.models, config.runtime_args.num_devices
+    bridge = get_bridge(m.policy_trainer.load)
+    hf = hf_tensors(bridge.hf)
+    print(
+        f"{bridge.architecture} from {m.policy_trainer.load}: {sum(s.numel() for s in hf.values()) / GB:.2f} B params"
+    )
+    print(f"{world} devices, rollout tensor parallel {m.policy.rollout.tensor_parallel_size}")
+    report = {"model": m.policy_trainer.load, "devices": world, "hf_tensors": len(hf), "roles": {}}
+    bucket = m.policy.sync.bucket_bytes
+    report["roles"]["policy_trainer"] = plan_role(bridge, m.policy_trainer.parallel, world, bucket, hf)
+    if m.policy_trainer.algorithm.kl_coef and m.ref_policy.parallel != m.policy_trainer.parallel:
+        report["roles"]["ref_policy"] = plan_role(
+            get_bridge(m.ref_policy.load), m.ref_policy.parallel, world, bucket, hf
+        )
+    for name, role in report["roles"].items():
+        _print(name, role)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if any(role["errors"] for role in report["roles"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

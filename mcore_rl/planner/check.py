@@ -1,0 +1,129 @@
+"""The full mapping of a model at a layout, checked on meta tensors: every Megatron shard of every rank resolves
+to exactly one mapping, its HF tensors exist in transformers' model with the shapes the mapping produces, and
+every HF tensor comes from exactly one Megatron parameter. Then the rollout sync's plan for the same layout:
+the gather buckets of :func:`converters.stream.export_hf` and the send buckets of :mod:`mcore_rl.sync`, by
+the same functions the real sync runs."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from converters.mapping import MappingTable
+from converters.plan import LocalParam, global_expert_name
+from converters.stream import bucket_layout, buckets, export_plan, stage_meta
+from converters.transforms import full_shape
+from mcore_rl.sync import send_buckets
+from parallel.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class MappingReport:
+    hf_params: int  # elements of every HF tensor (tied copies once)
+    exported_params: int  # elements of the HF tensors the Megatron model exports (equals hf_params when complete)
+    stage_params: list[int]  # elements one device of each pipeline stage holds (its shards, tied copies included)
+    stage_expert_params: list[int]  # of which expert weights (sharded over EP x expert-TP)
+    errors: list[str]
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    gather_buckets: int  # collective rounds of the export (per pipeline owner and dtype)
+    send_buckets: int  # loads into the engine
+    tensors_per_send_bucket: tuple[int, int, int]  # min, median, max
+    largest_send_bytes: int
+    total_bytes: int  # what each engine receives per sync (HF tensors, full size)
+
+
+def _sizes(parallel: ParallelConfig, lp: LocalParam) -> int:
+    return parallel.expert_tp if lp.is_expert else parallel.tp
+
+
+def _num_local(bridge, parallel: ParallelConfig) -> int:
+    return (bridge.num_experts or 0) // parallel.ep
+
+
+def check_mappings(
+    bridge, parallel: ParallelConfig, stages: list[list[LocalParam]], hf: dict[str, torch.Size]
+) -> MappingReport:
+    """Resolve every Megatron parameter of every rank against ``hf`` (:func:`mcore_rl.planner.meta.hf_tensors`)."""
+    table = MappingTable(bridge.mappings())
+    num_local = _num_local(bridge, parallel)
+    errors: list[str] = []
+    sources: dict[str, list[str]] = defaultdict(list)  # HF name -> Megatron names exporting it
+    exported_params = 0
+    for lp in (lp for stage in stages for lp in stage):
+        split_over = _sizes(parallel, lp)
+        want = full_shape(lp.param.shape, lp.tp_axis, split_over)
+        names = [global_expert_name(lp.slot, r, num_local) for r in range(parallel.ep)] if lp.is_expert else [lp.slot]
+        for name in names:
+            try:
+                mapping, captures = table.resolve(name)
+            except KeyError as err:
+                errors.append(str(err.args[0]))
+                continue
+            if mapping.tp_axis != lp.tp_axis:
+                errors.append(f"{name}: mapping TP axis {mapping.tp_axis}, Megatron partitions dim {lp.tp_axis}")
+            hf_names = mapping.hf_names(captures)
+            missing = [n for n in hf_names if n not in hf]
+            if missing:
+                errors.append(f"{name} maps to {missing}, which transformers' model does not have")
+                continue
+            made = mapping.to_hf(torch.empty(want, dtype=lp.param.dtype, device="meta"), split_over)
+            for hf_name, tensor in zip(hf_names, made, strict=True):
+                if tensor.shape != hf[hf_name]:
+                    errors.append(f"{name} -> {hf_name}: shape {tuple(tensor.shape)}, HF has {tuple(hf[hf_name])}")
+            back = mapping.to_megatron([torch.empty(hf[n], device="meta") for n in hf_names], split_over, want)
+            if back.shape != want:
+                errors.append(f"{hf_names} -> {name}: shape {tuple(back.shape)}, Megatron has {tuple(want)}")
+            if mapping.export:
+                exported_params += sum(t.numel() for t in made)
+                for hf_name in hf_names:
+                    sources[hf_name].append(name)
+    ignored = [re.compile(p) for p in bridge.ignored_hf_tensors()]
+    for hf_name in sorted(hf):
+        if not sources.get(hf_name) and not any(rx.search(hf_name) for rx in ignored):
+            errors.append(f"HF tensor {hf_name} {tuple(hf[hf_name])} has no Megatron parameter")
+    errors += [
+        f"HF tensor {n} is exported by several parameters: {s}" for n, s in sorted(sources.items()) if len(s) > 1
+    ]
+    return MappingReport(
+        hf_params=sum(shape.numel() for n, shape in hf.items() if not any(rx.search(n) for rx in ignored)),
+        exported_params=exported_params,
+        stage_params=[sum(lp.param.numel() for lp in stage if _is_param(lp)) for stage in stages],
+        stage_expert_params=[sum(lp.param.numel() for lp in stage if lp.is_expert) for stage in stages],
+        errors=errors,
+    )
+
+
+def _is_param(lp: LocalParam) -> bool:
+    return isinstance(lp.param, torch.nn.Parameter)
+
+
+def sync_plan(bridge, parallel: ParallelConfig, stages: list[list[LocalParam]], bucket_bytes: int) -> SyncPlan:
+    """How the rollout sync moves this model: the export's buckets and the engine loads, on meta tensors."""
+    table = MappingTable(bridge.mappings())
+    num_local = _num_local(bridge, parallel)
+    tasks = export_plan([stage_meta({lp.slot: lp for lp in stage}) for stage in stages], table, num_local)
+    gathers = list(buckets(tasks, bucket_bytes, parallel.tp, parallel.expert_tp, parallel.ep))
+
+    def exported():
+        for bucket in gathers:
+            names, shapes = bucket_layout(bucket, num_local, parallel.tp, parallel.expert_tp, parallel.ep)
+            for (name, split_over), shape in zip(names, shapes, strict=True):
+                mapping, captures = table.resolve(name)
+                full = torch.empty(shape, dtype=bucket[0].dtype, device="meta")
+                yield from zip(mapping.hf_names(captures), mapping.to_hf(full, split_over), strict=True)
+
+    sends = [[t.numel() * t.element_size() for _, t in b] for b in send_buckets(exported(), bucket_bytes)]
+    counts = sorted(len(b) for b in sends)
+    return SyncPlan(
+        gather_buckets=len(gathers),
+        send_buckets=len(sends),
+        tensors_per_send_bucket=(counts[0], counts[len(counts) // 2], counts[-1]),
+        largest_send_bytes=max(sum(b) for b in sends),
+        total_bytes=sum(sum(b) for b in sends),
+    )

@@ -1,0 +1,69 @@
+"""Full-size models on the meta device: shapes without memory, so a 671B layout is checked on a laptop.
+
+Megatron's side: every pipeline rank's parameters, built by the bridge under a fake process group of the run's
+world size (collectives are no-ops; Megatron's parallel state is real). TP, CP, EP and DP peers of a pipeline
+rank hold same-shaped shards, so rank 0 of each is built and the others are named from it
+(:func:`converters.plan.global_expert_name`). HF's side: transformers' own model for the same config.json, the
+independent account of what a checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import transformers
+from megatron.core import parallel_state
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from transformers.core_model_loading import revert_weight_conversion
+
+from converters.plan import LocalParam, local_params
+from parallel.config import ParallelConfig
+from parallel.groups import destroy_parallel, init_parallel
+
+# config.json keys that make transformers build something other than the bf16 architecture: FP8 checkpoints
+# (DeepSeek-V3's quantization_config) hold the same tensor names and shapes plus scales.
+_NOT_ARCHITECTURE = ("quantization_config", "auto_map")
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """torch.distributed as ``rank`` of ``world_size`` with no-op collectives; torn down on exit."""
+    if dist.is_initialized():
+        raise RuntimeError("a fake world needs a process without torch.distributed (run the planner on its own)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        destroy_parallel()
+        dist.destroy_process_group()
+
+
+def pipeline_stages(
+    bridge, parallel: ParallelConfig, world_size: int, dtype: torch.dtype = torch.bfloat16
+) -> list[list[LocalParam]]:
+    """Per pipeline rank: the parameters one of its devices holds (under global layer names), on meta."""
+    stages = []
+    per_stage = world_size // parallel.pp
+    for pp_rank in range(parallel.pp):
+        with fake_world(world_size, pp_rank * per_stage):
+            init_parallel(parallel)
+            if parallel_state.get_pipeline_model_parallel_rank() != pp_rank:
+                raise RuntimeError(f"rank {pp_rank * per_stage} is not on pipeline stage {pp_rank}")
+            config = bridge.transformer_config(parallel, params_dtype=dtype)
+            stages.append(local_params(bridge.build_model(config, backend="local", meta=True)))
+    return stages
+
+
+def hf_tensors(hf_config: dict) -> dict[str, torch.Size]:
+    """Name and shape of every tensor a checkpoint of ``hf_config`` (a config.json's dict) holds, as
+    transformers saves its model: in the checkpoint layout (per-expert tensors, not transformers 5's fused
+    in-memory experts)."""
+    fields = {k: v for k, v in hf_config.items() if k not in _NOT_ARCHITECTURE}
+    config = transformers.AutoConfig.for_model(**fields)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    saved = revert_weight_conversion(model, model.state_dict())
+    return {name: tensor.shape for name, tensor in saved.items()}
