@@ -65,6 +65,8 @@ class MegatronModel:
         self.cp = torch.distributed.get_world_size(groups.cp)
         # Sequence lengths must split over TP (sequence parallelism) and into 2 x CP chunks (context parallelism).
         self.align = torch.distributed.get_world_size(groups.tp) * (2 * self.cp if self.cp > 1 else 1)
+        # Megatron's interleaved (VPP) schedule runs micro-batches in groups of PP.
+        self.micro_batch_multiple = torch.distributed.get_world_size(groups.pp) if len(chunks) > 1 else 1
 
     def _loss(self, loss_fn: LossFn, batch: dict, output: torch.Tensor):
         loss, metrics = loss_fn(batch, output)
@@ -120,23 +122,21 @@ class MegatronModel:
         """log p(tokens[:, i] | tokens[:, :i]) for i >= 1, shape [b, s-1], on every rank (fp32).
 
         ``max_tokens`` > 0: the rows (``lengths`` real tokens each) are scored in THD packs of at most that many
-        tokens (:mod:`mcore_rl.packing`) instead of padded micro-batches; positions past a row's length are not the sample's (callers mask them).
-        Under interleaved pipelining Megatron's schedule needs a multiple of PP micro-batches, so a batch given as
+        tokens (:mod:`mcore_rl.packing`) instead of padded micro-batches; positions past a row's length are not
+        the sample's (callers mask them). Under interleaved pipelining Megatron's schedule needs a multiple of PP micro-batches, so a batch given as
         one micro-batch (the post-sync probe) is split further: into the largest equal size that makes PP of them.
         ``extra``: per-row model inputs besides the tokens (``routed_experts`` to replay).
         """
-        length, align = tokens.shape[1] - 1, self.align
+        length, align, multiple = tokens.shape[1] - 1, self.align, self.micro_batch_multiple
         pp = torch.distributed.get_world_size(self.groups.pp)
-        interleaved = len(self.model) > 1
         order = list(range(tokens.shape[0]))
         if max_tokens:
-            multiple = pp if interleaved else 1
             plan = plan_packing([n - 1 for n in lengths], max_tokens, 1, align=align, multiple=multiple)
             batches = [pack_rows(tokens, lengths, mb, align, **extra) for mb in plan.ranks[0]]
             order = [i for mb in plan.ranks[0] for i in mb]
         else:
-            if interleaved:
-                limit = max(1, min(micro_batch_size, tokens.shape[0] // pp))
+            if multiple > 1:
+                limit = max(1, min(micro_batch_size, tokens.shape[0] // multiple))
                 micro_batch_size = max(d for d in range(1, limit + 1) if tokens.shape[0] % d == 0)
             batches = microbatches(tokens, micro_batch_size, align, **extra)
 

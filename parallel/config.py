@@ -94,7 +94,7 @@ class ParallelConfig:
         num_experts: int | None = None,
     ) -> None:
         """Check that the model's shapes split evenly over this layout."""
-        self._validate_stages(num_layers)
+        self.stage_layers(num_layers)
         if num_attention_heads % self.tp:
             raise ValueError(
                 f"num_attention_heads={num_attention_heads} is not divisible by tp={self.tp}; "
@@ -117,33 +117,26 @@ class ParallelConfig:
         if num_experts is not None and self.tp > 1 and not self.sequence_parallel:
             raise ValueError("MoE models with tp > 1 need parallel.sequence_parallel=True (Megatron requirement)")
 
-    def _validate_stages(self, num_layers: int) -> None:
-        uneven = [n for n in (self.first_stage_layers, self.last_stage_layers) if n is not None]
-        rest, stages = num_layers - sum(uneven), (self.pp - len(uneven)) * self.vpp
-        if not uneven and rest % stages:
+    def stage_layers(self, num_layers: int) -> list[int]:
+        """Layers on each pipeline stage (all virtual stages of a rank together); raises if they do not split."""
+        fixed = {
+            i: n for i, n in ((0, self.first_stage_layers), (self.pp - 1, self.last_stage_layers)) if n is not None
+        }
+        rest, stages = num_layers - sum(fixed.values()), (self.pp - len(fixed)) * self.vpp
+        if not fixed and rest % stages:
             raise ValueError(
                 f"num_layers={num_layers} is not divisible by pp*vpp = {self.pp}*{self.vpp} = {stages}; "
                 f"choose pp/vpp whose product divides {num_layers}, or set parallel.first_stage_layers/"
                 "last_stage_layers"
             )
-        if uneven and (rest < stages or (rest % stages if stages else rest)):
+        if fixed and not (rest >= stages and (rest % stages == 0 if stages else rest == 0)):
             raise ValueError(
                 f"num_layers={num_layers}: first_stage_layers={self.first_stage_layers}, last_stage_layers="
                 f"{self.last_stage_layers} leave {rest} layers for the other {stages} stage(s), which must split "
                 "them evenly (at least one each)"
             )
-
-    def stage_layers(self, num_layers: int) -> list[int]:
-        """Layers on each pipeline stage (all virtual stages of a rank together)."""
-        self._validate_stages(num_layers)
-        uneven = [n for n in (self.first_stage_layers, self.last_stage_layers) if n is not None]
-        even = (num_layers - sum(uneven)) // max(1, self.pp - len(uneven))
-        out = [even] * self.pp
-        if self.first_stage_layers is not None:
-            out[0] = self.first_stage_layers
-        if self.last_stage_layers is not None:
-            out[-1] = self.last_stage_layers
-        return out
+        per_rank = rest // stages * self.vpp if stages else 0
+        return [fixed.get(i, per_rank) for i in range(self.pp)]
 
 
 def _divisors(n: int) -> list[int]:

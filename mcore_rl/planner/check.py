@@ -38,7 +38,7 @@ class SyncPlan:
     total_bytes: int  # what each engine receives per sync (HF tensors, full size)
 
 
-def _sizes(parallel: ParallelConfig, lp: LocalParam) -> int:
+def _split_over(parallel: ParallelConfig, lp: LocalParam) -> int:
     return parallel.expert_tp if lp.is_expert else parallel.tp
 
 
@@ -56,7 +56,7 @@ def check_mappings(
     sources: dict[str, list[str]] = defaultdict(list)  # HF name -> Megatron names exporting it
     exported_params = 0
     for lp in (lp for stage in stages for lp in stage):
-        split_over = _sizes(parallel, lp)
+        split_over = _split_over(parallel, lp)
         want = full_shape(lp.param.shape, lp.tp_axis, split_over)
         names = [global_expert_name(lp.slot, r, num_local) for r in range(parallel.ep)] if lp.is_expert else [lp.slot]
         for name in names:

@@ -224,7 +224,7 @@ class PolicyTrainer(MegatronRank):
     def _packed(self, step: dict, names: list[str], size: int, rank: int) -> tuple[list[dict], dict]:
         """This rank's THD micro-batches of a global batch, token-balanced over DP ranks and micro-batches."""
         lengths, align = step["lengths"].tolist(), self.model.align
-        multiple = self.parallel.pp if self.parallel.vpp > 1 else 1
+        multiple = self.model.micro_batch_multiple
         plan = plan_packing([n - 1 for n in lengths], self.max_token_in_packing, size, align=align, multiple=multiple)
         rows = {k: step[k].to(self.device) for k in ("tokens", *names)}
         extra = {k: rows[k] for k in names}
