@@ -30,6 +30,9 @@ setup(
     entry_points={
         "console_scripts": [
             "mcore-rl-gguf2hf=converters.gguf2hf:main",
+            "mcore-rl-hf2mcore=converters.hf2mcore:main",
+            "mcore-rl-mcore2hf=converters.mcore2hf:main",
+            "mcore-rl-mcore2mcore=converters.mcore2mcore:main",
             "mcore-rl-plan=mcore_rl.planner.__main__:main",
         ]
     },

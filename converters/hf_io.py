@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import shutil
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +46,7 @@ class HFCheckpoint:
     def names(self) -> set[str]:
         return set(self.weight_map)
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         file = self.weight_map.get(name)
         if file is None:
             raise KeyError(f"{self.dir}: tensor {name!r} is not in the checkpoint")
@@ -50,4 +55,125 @@ class HFCheckpoint:
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: listed in {INDEX_FILE} for {name!r} but missing")
             self._handles[file] = safe_open(path, framework="pt")
-        return self._handles[file].get_tensor(name)
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """From the file's header: no data is read."""
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPE_OF_NAME[self._handle(name).get_slice(name).get_dtype()]
+
+
+# Files of a model directory that are not weights (config, tokenizer, generation settings): copied along.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json", ".distcp")
+
+
+def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy ``src``'s top-level non-weight files (config.json, tokenizer files, ...) into ``dst``."""
+    copied = []
+    for path in sorted(Path(src).iterdir()):
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, Path(dst) / path.name)
+            copied.append(path.name)
+    return copied
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_DTYPE_OF_NAME = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def shard_files(entries: list[TensorEntry], max_shard_bytes: int) -> list[tuple[str, list[TensorEntry]]]:
+    """HF's sharding: consecutive tensors up to ``max_shard_bytes`` per file (a larger tensor gets its own)."""
+    shards: list[list[TensorEntry]] = [[]]
+    size = 0
+    for entry in entries:
+        if shards[-1] and size + entry.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry.nbytes
+    if len(shards) == 1:
+        return [(SINGLE_FILE, shards[0])]
+    n = len(shards)
+    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", shard) for i, shard in enumerate(shards)]
+
+
+class SafetensorsWriter:
+    """HF safetensors shards (plus the index when there are several) written tensor by tensor, in a planned order.
+
+    The safetensors header lists every tensor's offsets, so it is written from the plan before any data: memory
+    holds one tensor at a time, never a shard.
+    """
+
+    def __init__(self, directory: str | Path, entries: list[TensorEntry], max_shard_bytes: int):
+        self.dir = Path(directory)
+        self.shards = shard_files(entries, max_shard_bytes)
+        self.queue = iter([(file, e) for file, shard in self.shards for e in shard])
+        self.file = None
+        self.current = ""
+
+    def _close_file(self) -> None:
+        if self.file:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            self.file.close()
+            self.file = None
+
+    def _open(self, name: str, shard: list[TensorEntry]) -> None:
+        self._close_file()
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for e in shard:
+            header[e.name] = {"dtype": SAFETENSORS_DTYPES[e.dtype], "shape": list(e.shape)}
+            header[e.name]["data_offsets"] = [offset, offset + e.nbytes]
+            offset += e.nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the format aligns data to 8 bytes
+        self.file = open(self.dir / name, "wb")  # noqa: SIM115 - open across calls, closed in _open/close
+        self.file.write(struct.pack("<Q", len(text)) + text)
+        self.current = name
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        file, entry = next(self.queue, (None, None))
+        if entry is None or entry.name != name or entry.dtype != tensor.dtype or entry.shape != tuple(tensor.shape):
+            raise ValueError(f"tensor {name} {tensor.dtype} {tuple(tensor.shape)} out of plan (expected {entry})")
+        if file != self.current:
+            self._open(file, next(shard for f, shard in self.shards if f == file))
+        self.file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    def close(self) -> None:
+        if next(self.queue, None) is not None:
+            raise ValueError(f"{self.dir}: closed before every planned tensor was written")
+        self._close_file()
+        if len(self.shards) > 1:
+            total = sum(e.nbytes for _, shard in self.shards for e in shard)
+            weight_map = {e.name: file for file, shard in self.shards for e in shard}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

@@ -18,6 +18,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from converters.hf_io import HFCheckpoint
 from converters.mapping import Mapping, MappingTable
 from converters.plan import LocalParam, global_expert_name, local_params
+from converters.torch_dist import find_megatron, load_model
 from converters.transforms import full_shape, shard
 from parallel.comm import all_gather_bucket, all_gather_objects, broadcast_bucket
 
@@ -90,6 +91,15 @@ def load_hf(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path, groups: P
         problems.append(f"unexpected tensor(s) with no Megatron parameter: {unexpected[:20]}")
     if problems:
         raise ValueError(f"{hf_dir}: checkpoint does not match {bridge.architecture}:\n  " + "\n  ".join(problems))
+
+
+def load_weights(chunks: list[torch.nn.Module], bridge, directory: str | Path, groups: ProcessGroupCollection) -> None:
+    """This rank's shards from an HF directory or from a Megatron checkpoint (converted, or saved by training)."""
+    megatron = find_megatron(directory)
+    if megatron is None:
+        load_hf(chunks, bridge, directory, groups)
+    else:
+        load_model(chunks, megatron)
 
 
 @dataclass(frozen=True)

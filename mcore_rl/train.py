@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from converters.hf_io import copy_model_files
 from mcore_rl import checkpoint
 from mcore_rl.batch import partition_groups, rollout_stats, samples_of, training_batch
 from mcore_rl.config.loader import ConfigError, to_dict
@@ -218,6 +219,7 @@ def run(config: RunConfig) -> Path:
             if rt.save_episode_interval and (episode % rt.save_episode_interval == 0 or episode == rt.num_episode):
                 partial = checkpoint.partial_dir(ckpt_root, episode)
                 system.trainer.call("save", str(partial))
+                copy_model_files(config.models.policy_trainer.load, partial)  # mcore-rl-mcore2hf needs no more
                 meta = {"data_position": position, "optimizer": system.trainer.call("optimizer_digest")[0]}
                 logger.event("checkpoint", path=str(checkpoint.commit(ckpt_root, episode, meta)), **meta)
                 checkpoint.prune(ckpt_root, rt.keep_checkpoints)

@@ -188,11 +188,13 @@ class Bridge:
         backend: str = "auto",
         max_sequence_length: int | None = None,
         meta: bool = False,
+        padded_vocab_size: int | None = None,
     ) -> list[GPTModel]:
         """This rank's model chunks (one per virtual pipeline stage), on the current device, weights initialised;
-        ``meta``: on the meta device instead (shapes without memory, for full-size dry runs)."""
+        ``meta``: on the meta device instead (shapes without memory, for full-size dry runs);
+        ``padded_vocab_size``: instead of this layout's padding (a checkpoint converted for another TP size)."""
         backend = resolve_backend(backend)
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        vocab = padded_vocab_size or self.padded_vocab_size(parallel_state.get_tensor_model_parallel_world_size())
         vpp = config.virtual_pipeline_model_parallel_size or 1
         if meta:
             device = torch.device("meta")
@@ -204,15 +206,15 @@ class Bridge:
         for stage in range(vpp):
             vp_stage = stage if vpp > 1 else None
             with device if meta else contextlib.nullcontext():
-                model = self._gpt_model(config, backend, vp_stage, tp, max_sequence_length)
+                model = self._gpt_model(config, backend, vp_stage, vocab, max_sequence_length)
             chunks.append(model.to(device=device, dtype=config.params_dtype))
         return chunks
 
-    def _gpt_model(self, config, backend, vp_stage, tp, max_sequence_length) -> GPTModel:
+    def _gpt_model(self, config, backend, vp_stage, vocab_size, max_sequence_length) -> GPTModel:
         return GPTModel(
             config=config,
             transformer_layer_spec=block_spec(config, backend, vp_stage),
-            vocab_size=self.padded_vocab_size(tp),
+            vocab_size=vocab_size,
             max_sequence_length=max_sequence_length or self.hf.get("max_position_embeddings", 4096),
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),

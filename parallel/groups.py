@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -10,6 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from parallel.config import ParallelConfig
 from parallel.cpu import install_cpu_compat
@@ -67,3 +70,18 @@ def destroy_parallel() -> None:
     parallel_state.destroy_model_parallel()
     for group in groups:
         dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """torch.distributed as ``rank`` of ``world_size`` with no-op collectives; torn down on exit."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a fake world needs a process without torch.distributed (run meta builds in a process of their own)"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        destroy_parallel()
+        dist.destroy_process_group()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from converters.torch_dist import find_megatron
 from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.moe import MoEConfig
@@ -182,6 +183,11 @@ class RunConfig:
         m.policy.sync.validate()
         for key in ("models.policy_trainer.load", "models.ref_policy.load", "models.policy.load"):
             _check_model_dir(key, self._get(key))
+        if find_megatron(m.policy.load):
+            raise ConfigError(
+                f"models.policy.load={m.policy.load!r}: a Megatron checkpoint, but the rollout engine loads HF "
+                "weights; set it to the HF directory (the trainer and reference may load the Megatron checkpoint)"
+            )
         for key in ("models.policy_trainer", "models.ref_policy"):
             role = self._get(key)
             try:
@@ -230,7 +236,9 @@ def _check_model_dir(key: str, path: str) -> None:
     if not path:
         raise ConfigError(f"{key}: no model directory given (an HF directory with config.json)")
     if not (Path(path) / "config.json").is_file():
-        raise ConfigError(f"{key}={path!r}: not an HF model directory (no config.json)")
+        raise ConfigError(
+            f"{key}={path!r}: no config.json; expected an HF model directory or a converted Megatron checkpoint"
+        )
 
 
 def load_run_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

@@ -9,36 +9,18 @@ independent account of what a checkpoint holds.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
-import torch.distributed as dist
 import transformers
 from megatron.core import parallel_state
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers.core_model_loading import revert_weight_conversion
 
 from converters.plan import LocalParam, local_params
 from parallel.config import ParallelConfig
-from parallel.groups import destroy_parallel, init_parallel
+from parallel.groups import fake_world, init_parallel
 
 # config.json keys that make transformers build something other than the bf16 architecture: FP8 checkpoints
 # (DeepSeek-V3's quantization_config) hold the same tensor names and shapes plus scales.
 _NOT_ARCHITECTURE = ("quantization_config", "auto_map")
-
-
-@contextlib.contextmanager
-def fake_world(world_size: int, rank: int) -> Iterator[None]:
-    """torch.distributed as ``rank`` of ``world_size`` with no-op collectives; torn down on exit."""
-    if dist.is_initialized():
-        raise RuntimeError("a fake world needs a process without torch.distributed (run the planner on its own)")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        destroy_parallel()
-        dist.destroy_process_group()
 
 
 def pipeline_stages(

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from converters.stream import load_hf
+from converters.stream import load_weights
+from converters.torch_dist import model_state
 from mcore_rl.algorithms.grpo import PolicyLossConfig, Share, policy_loss
 from mcore_rl.logprobs import token_entropy, token_logprobs
 from mcore_rl.moe import MoEConfig, RouterLoad
@@ -63,7 +64,7 @@ class MegatronRank:
         self.bridge = get_bridge(hf_dir)
         self.config = self.bridge.transformer_config(parallel, **(overrides or {}))
         self.chunks = self.bridge.build_model(self.config)
-        load_hf(self.chunks, self.bridge, hf_dir, self.groups)
+        load_weights(self.chunks, self.bridge, hf_dir, self.groups)
         self.device = next(self.chunks[0].parameters()).device
         self.model = MegatronModel(self.chunks, self.groups)
         self.offloader: StorageOffloader | None = None
@@ -274,7 +275,7 @@ class PolicyTrainer(MegatronRank):
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def _sharded_state(self, is_loading: bool) -> dict:
-        model = {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(self.model.model)}
+        model = model_state(self.chunks)
         # Resharding-friendly optimizer layout: a checkpoint saved under one layout loads under another.
         metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
         optimizer = self.model.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
@@ -299,8 +300,8 @@ class PolicyTrainer(MegatronRank):
             if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()  # Adam's state exists only after a step otherwise
         state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(Path(directory) / "policy"))
-        for i, chunk in enumerate(self.model.model):
-            chunk.module.load_state_dict(state[f"model{i}"])
+        for i, chunk in enumerate(self.chunks):
+            chunk.load_state_dict(state[f"model{i}"])
         self.model.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         rng = torch.load(Path(directory) / f"rng_rank{self.rank}.pt", weights_only=False)

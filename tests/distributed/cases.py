@@ -14,7 +14,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from converters.hf_io import HFCheckpoint
 from converters.plan import local_params
-from converters.stream import export_hf, load_hf
+from converters.stream import export_hf, load_weights
 from converters.transforms import full_shape, shard
 from mcore_rl.logprobs import token_logprobs
 from mcore_rl.training import MegatronModel, MegatronTrainStep
@@ -30,14 +30,15 @@ def _load(hf_dir: str, layout: dict):
     bridge = get_bridge(hf_dir)
     config = bridge.transformer_config(parallel)
     chunks = bridge.build_model(config)
-    load_hf(chunks, bridge, hf_dir, groups)
+    load_weights(chunks, bridge, hf_dir, groups)
     return bridge, config, chunks, groups
 
 
-def roundtrip(hf_dir: str, layout: dict, bucket_bytes: int) -> int:
-    """HF -> Megatron(layout) -> HF on every rank; asserts every tensor is bit-identical; returns the count."""
+def roundtrip(hf_dir: str, layout: dict, bucket_bytes: int, reference: str | None = None) -> int:
+    """HF (or a converted Megatron checkpoint) -> Megatron(layout) -> HF on every rank; asserts every tensor is
+    bit-identical to ``reference`` (default: ``hf_dir``'s); returns the count."""
     bridge, _, chunks, groups = _load(hf_dir, layout)
-    ckpt = HFCheckpoint(hf_dir)
+    ckpt = HFCheckpoint(reference or hf_dir)
     ignored = [re.compile(p) for p in bridge.ignored_hf_tensors()]
     expected = {n for n in ckpt.names() if not any(rx.search(n) for rx in ignored)}
     seen = set()
@@ -100,7 +101,7 @@ def experts_grouped_vs_sequential(hf_dir: str, layout: dict, tokens: torch.Tenso
         groups = init_parallel(parallel)
         bridge = get_bridge(hf_dir)
         chunks = bridge.build_model(bridge.transformer_config(parallel, moe_grouped_gemm=grouped))
-        load_hf(chunks, bridge, hf_dir, groups)
+        load_weights(chunks, bridge, hf_dir, groups)
         positions = torch.arange(tokens.shape[1] - 1).expand(tokens.shape[0], -1)
         loss = -token_logprobs(chunks[0](tokens[:, :-1], positions, None), tokens[:, 1:], bridge.vocab_size).mean()
         loss.backward()
@@ -470,6 +471,32 @@ def moe_balancing_step(hf_dir: str, layout: dict, moe: dict, checkpoint_dir: str
     second.load(checkpoint_dir)
     result["loaded"] = _expert_biases(second.chunks, second.groups)
     return result
+
+
+def trained_checkpoint(hf_dir: str, layout: dict, checkpoint_dir: str, reference_file: str) -> None:
+    """One GRPO step of the policy trainer at ``layout``, then its checkpoint (model, optimizer, schedule) saved as
+    in training and its weights exported to ``reference_file`` (safetensors), the expected conversion."""
+    from safetensors.torch import save_file
+
+    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.roles.megatron import PolicyTrainer
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    optimizer = dict(lr=1e-2, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
+    args = (rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 4)
+    trainer = PolicyTrainer(*args)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(4, 100, (8, 13), generator=generator)
+    mask = torch.ones(8, 12)
+    batch = {"tokens": tokens, "mask": mask, "advantages": torch.randn(8, generator=generator)}
+    batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=2) * mask
+    trainer.train(batch, global_batch_size=8, micro_batch_size=2)
+    exported = {name: t.clone() for name, t in export_hf(trainer.chunks, trainer.bridge, trainer.groups)}
+    if rank == 0:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        save_file(exported, reference_file)
+    torch.distributed.barrier()
+    trainer.save(checkpoint_dir)
 
 
 def packed_vs_padded_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, lengths: list[int]):

@@ -186,7 +186,7 @@ def test_bad_command_line_fails_before_any_actor_and_keeps_the_output_dir(tiny_m
     cases = [
         (["runtime_args.num_devices=3"], "models.policy_trainer.parallel"),
         (["models.policy_trainer.micro_batch_size=five"], "micro_batch_size"),
-        (["models.policy.load=/nowhere"], "models.policy.load='/nowhere': not an HF model directory"),
+        (["models.policy.load=/nowhere"], "models.policy.load='/nowhere': no config.json"),
         (["runtime_args.data_path=/nowhere.jsonl"], "runtime_args.data_path"),
         ([f"models.reward.fn={tmp_path}/missing.py"], "missing.py not found"),
     ]

@@ -1,6 +1,6 @@
-"""Full-size dry runs on meta tensors: every train config's layout, its whole HF <-> Megatron mapping and its
-rollout-sync plan, checked against transformers' own model of the public config.json. Each run is a subprocess
-(a fake process group of the config's device count)."""
+"""Full-size dry runs on meta tensors: every train script's ``--dry-run`` (its config's layout, the whole HF <->
+Megatron mapping and the rollout-sync plan, checked against transformers' own model of the public config.json).
+Each run is a subprocess (a fake process group of the config's device count)."""
 
 import json
 import os
@@ -21,16 +21,22 @@ CONFIGS = [
 ]
 
 
-def _python(args: list[str], model: str = "") -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), MCORE_RL_MODEL=model)
-    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_DIR", "NNODES", "GPUS_PER_NODE")}
+    return subprocess.run(
+        args, cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=900
+    )
+
+
+def _python(args: list[str]) -> subprocess.CompletedProcess:
+    return _run([sys.executable, *args])
 
 
 @pytest.mark.parametrize(("config", "model"), [pytest.param(c, m, marks=k) for c, m, k in CONFIGS])
-def test_train_config_maps_every_tensor_at_full_size(config, model, tmp_path):
+def test_train_script_dry_run_maps_every_tensor_at_full_size(config, model, tmp_path):
     out = tmp_path / "plan.json"
     model_dir = REPO / "models" / "configs" / model
-    run = _python(["-m", "mcore_rl.planner", f"scripts/configs/{config}.yaml", "--json", str(out)], str(model_dir))
+    run = _run(["bash", f"scripts/train_{config}.sh", "--dry-run", "--json", str(out)])
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads(out.read_text())
     hf_config = json.loads((model_dir / "config.json").read_text())
@@ -75,3 +81,17 @@ def test_a_broken_mapping_is_reported_by_name():
     assert any(
         e.startswith("HF tensor model.layers.7.mlp.up_proj.weight is exported by several parameters") for e in errors
     )
+
+
+def test_every_train_script_is_dry_run_here():
+    scripts = {p.name for p in (REPO / "scripts").glob("train_*.sh")}
+    tested = {f"train_{c}.sh" for c, _, _ in CONFIGS} | {"train_smollm2_135m_grpo.sh", "train_tiny_deepseek_v3_grpo.sh"}
+    assert scripts == tested
+
+
+def test_main_job_dry_run_and_a_real_run_without_weights():
+    for script in ("train_smollm2_135m_grpo.sh", "train_tiny_deepseek_v3_grpo.sh"):
+        run = _run(["bash", f"scripts/{script}", "--dry-run"])
+        assert run.returncode == 0 and "rollout sync" in run.stdout, run.stdout + run.stderr
+    run = _run(["bash", "scripts/train_qwen3_8b_grpo.sh"])
+    assert run.returncode == 2 and "set MODEL_DIR to the HF checkpoint of qwen3_8b" in run.stderr

@@ -43,7 +43,7 @@ def test_a_valid_config_resolves_references(run_yaml, tmp_path):
         ("models.ref_policy.parallel.ep=3", r"models.ref_policy.parallel: .*expert"),
         ("models.ref_policy.parallel.pp=2", r"models.ref_policy.parallel"),
         ("models.policy.rollout.tensor_parallel_size=2", r"tensor_parallel_size=2 does not divide .*num_devices=3"),
-        ("models.policy_trainer.load=/nowhere", r"models.policy_trainer.load='/nowhere': not an HF model directory"),
+        ("models.policy_trainer.load=/nowhere", r"models.policy_trainer.load='/nowhere': no config.json"),
         ("runtime_args.data_path=/nowhere.jsonl", r"runtime_args.data_path='/nowhere.jsonl': file not found"),
         ("runtime_args.colocation=[policy,critic]", r"unknown role 'critic'"),
         ("models.policy_trainer.algorithm.loss_agg=mean", r"models.policy_trainer.algorithm.loss_agg='mean'"),
@@ -70,3 +70,16 @@ def test_expert_bias_updates_need_routers_with_a_bias(tmp_path):
     MoEConfig(expert_bias_update_rate=1e-3).validate("moe", deepseek)
     assert MoEConfig().overrides(qwen3_moe) == dict(moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
     assert MoEConfig(expert_bias_update_rate=1e-3).overrides(deepseek)["moe_router_bias_update_rate"] == 1e-3
+
+
+def test_the_engine_must_load_hf_weights_the_trainer_may_load_megatron(run_yaml, tmp_path):
+    converted = tmp_path / "converted"  # what mcore-rl-hf2mcore leaves: config files beside model/ (torch_dist)
+    (converted / "model").mkdir(parents=True)
+    (converted / "config.json").write_bytes((default_model_dir() / "config.json").read_bytes())
+    (converted / "model" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    config = load_run_config(
+        run_yaml, [f"models.policy_trainer.load={converted}", f"models.policy.load={default_model_dir()}"]
+    )
+    assert config.models.ref_policy.load == str(converted)
+    with pytest.raises(ConfigError, match=r"models.policy.load=.*a Megatron checkpoint.*set it to the HF directory"):
+        load_run_config(run_yaml, [f"models.policy_trainer.load={converted}"])

@@ -1,0 +1,321 @@
+"""Megatron distributed checkpoints (``torch_dist``) written and read by one process, one tensor group at a time.
+
+Megatron stores a model under layout-free keys: TP shards are chunks of the full tensor, layers and experts are
+offsets along prepended axes (``decoder.layers.mlp.experts.experts.linear_fc1.weight`` of shape
+``(layers, experts, 2F, H)``), VPP chunks and PP stages fill offsets of the same keys. So a checkpoint written
+as whole tensors loads under any TP/PP/VPP/EP/ETP layout (only the padded vocabulary depends on TP), and any
+layout's checkpoint reads back as whole tensors. The :class:`Schema` says where each Megatron parameter lives in
+those keys; it comes from Megatron's own ``sharded_state_dict`` of the model built on the meta device, so it is
+exactly what Megatron saves and loads.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories, is_main_replica
+from megatron.core.dist_checkpointing.state_dict_utils import extract_sharded_base
+from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+from megatron.core.dist_checkpointing.utils import extract_nonpersistent
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from converters.plan import local_params
+from parallel.config import ParallelConfig
+from parallel.groups import fake_world, init_parallel
+
+EMBEDDING_KEY = "embedding.word_embeddings.weight"
+CONFIG_FILE = "metadata.json"  # Megatron's marker of a distributed checkpoint and its backend
+MODEL_SUBDIR = "model"  # a converted checkpoint: <dir>/config.json, tokenizer files, <dir>/model (torch_dist)
+TRAINER_SUBDIR = "policy"  # a training checkpoint (episode_<n>): model, optimizer and schedule under policy/
+
+
+def find_megatron(path: str | Path) -> Path | None:
+    """The torch_dist directory of a Megatron checkpoint at ``path`` (itself, ``model/`` or ``policy/``)."""
+    for candidate in (Path(path), Path(path) / MODEL_SUBDIR, Path(path) / TRAINER_SUBDIR):
+        if (candidate / CONFIG_FILE).is_file():
+            return candidate
+    return None
+
+
+def model_state(chunks: list[torch.nn.Module]) -> dict:
+    """The sharded state dict of a rank's model chunks (unwrapped GPTModels), as checkpoints hold it."""
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A part of a full Megatron tensor stored under ``key`` at ``offset``: the view (``size``, ``stride``,
+    ``storage_offset``) of the full tensor, stored with ``prepend`` leading axes of length one."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    prepend: int
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        return full.as_strided(self.size, self.stride, self.storage_offset)
+
+    @property
+    def chunk(self) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(torch.Size(self.offset), torch.Size((1,) * self.prepend + self.size))
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One Megatron parameter (global name, as the mappings speak) and where its full tensor is stored."""
+
+    name: str
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Schema:
+    """Where a model's parameters live in a checkpoint, plus the small objects Megatron stores beside them."""
+
+    slots: list[Slot]
+    objects: dict[str, object]  # ShardedObject unique key -> data (Megatron's per-layer ``_extra_state``)
+    common: dict  # Megatron's common.pt
+
+    def keys(self) -> dict[str, tuple[int, ...]]:
+        return {p.key: p.global_shape for s in self.slots for p in s.pieces}
+
+
+def model_schema(bridge, padded_vocab_size: int) -> Schema:
+    """The schema of ``bridge``'s model, from Megatron's sharded state dict of one rank holding all of it (meta).
+
+    Needs a process without torch.distributed (it builds under a fake world of one rank)."""
+    parallel = ParallelConfig()
+    with fake_world(1, 0):
+        init_parallel(parallel)
+        config = bridge.transformer_config(parallel, params_dtype=torch.bfloat16)
+        chunks = bridge.build_model(config, backend="local", meta=True, padded_vocab_size=padded_vocab_size)
+        names = {id(lp.param): lp.slot for lp in local_params(chunks)}
+        state = model_state(chunks)
+        apply_factories(state)
+        extract_nonpersistent(state)
+        sharded, common = extract_sharded_base(state)
+    pieces: dict[str, list[Piece]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    objects = {}
+    for item in nested_values(sharded):
+        if not is_main_replica(item.replica_id):
+            continue
+        if isinstance(item, ShardedObject):
+            objects[item.unique_key] = item.data
+            continue
+        assert isinstance(item, ShardedTensor) and item.flattened_range is None, item
+        param = item.data if item.data._base is None else item.data._base
+        name = names.get(id(param))
+        if name is None:
+            raise ValueError(f"{item.key}: Megatron checkpoints a tensor that is no parameter of the mappings")
+        shapes[name] = tuple(param.shape)
+        pieces.setdefault(name, []).append(
+            Piece(
+                item.key,
+                tuple(item.global_shape),
+                tuple(item.global_offset),
+                tuple(item.data.shape),
+                tuple(item.data.stride()),
+                item.data.storage_offset(),
+                item.prepend_axis_num,
+            )
+        )
+    slots = [Slot(name, shapes[name], tuple(ps)) for name, ps in pieces.items()]
+    return Schema(slots, objects, common)
+
+
+class _Data:
+    """What DCP's storage layer asks a planner for: the bytes or tensor of a write item, the target of a read."""
+
+    def __init__(self, by_index: dict):
+        self.by_index = by_index
+
+    def resolve_data(self, item):
+        return self.by_index[item.index]
+
+    def resolve_tensor(self, item):
+        return self.by_index[item.dest_index].narrow_all(item.dest_offsets, item.lengths)
+
+    def commit_tensor(self, item, tensor):
+        pass
+
+
+class _Target:
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def narrow_all(self, offsets, lengths) -> torch.Tensor:
+        out = self.tensor
+        for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+            out = out.narrow(dim, start, length)
+        return out
+
+
+class Writer:
+    """Writes a torch_dist checkpoint in byte buckets (one DCP file each), so memory holds about one bucket.
+
+    The directory is a checkpoint only after :meth:`close` wrote DCP's ``.metadata``, ``common.pt`` and
+    Megatron's ``metadata.json`` (in that order: Megatron looks for the last)."""
+
+    def __init__(self, directory: str | Path, bucket_bytes: int):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.storage = FileSystemWriter(self.dir, sync_files=True)
+        self.bucket_bytes = bucket_bytes
+        self.items: list[WriteItem] = []
+        self.data: dict[MetadataIndex, object] = {}
+        self.pending = 0
+        self.files = 0
+        self.metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        self.results = []
+        self.bytes_written = 0
+
+    def tensor(self, piece: Piece, tensor: torch.Tensor) -> None:
+        chunk = piece.chunk
+        properties = TensorProperties(dtype=tensor.dtype)
+        stored = self.metadata.setdefault(
+            piece.key, TensorStorageMetadata(properties, torch.Size(piece.global_shape), [])
+        )
+        if stored.properties.dtype != tensor.dtype:
+            raise ValueError(f"{piece.key}: {tensor.dtype} chunk in a {stored.properties.dtype} tensor")
+        stored.chunks.append(chunk)
+        index = MetadataIndex(piece.key, chunk.offsets)
+        self.items.append(
+            WriteItem(
+                index,
+                WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk, properties, torch.Size(piece.global_shape)),
+            )
+        )
+        stored_bytes = tensor.numel() * tensor.element_size()
+        data = tensor.reshape(chunk.sizes)
+        if not data.is_contiguous() or data.untyped_storage().nbytes() != stored_bytes:
+            data = data.clone(memory_format=torch.contiguous_format)  # torch.save would store the whole base
+        self.data[index] = data
+        self._grow(stored_bytes)
+
+    def object(self, unique_key: str, data: object) -> None:
+        buffer = io.BytesIO()
+        torch.save([data], buffer)  # as Megatron's torch_dist strategy stores ShardedObjects
+        self.metadata[unique_key] = BytesStorageMetadata()
+        index = MetadataIndex(unique_key)
+        self.items.append(WriteItem(index, WriteItemType.BYTE_IO))
+        self.data[index] = buffer
+        self._grow(buffer.getbuffer().nbytes)
+
+    def _grow(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= self.bucket_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.items:
+            return
+        # A distinct "rank" per bucket gives each file its own name prefix (__<n>_0.distcp).
+        self.storage.set_up_storage_writer(True, rank=self.files, use_collectives=False)
+        plan = self.storage.prepare_local_plan(SavePlan(self.items))
+        self.results.append(self.storage.write_data(plan, _Data(self.data)).wait())
+        self.bytes_written += self.pending
+        self.items, self.data, self.pending, self.files = [], {}, 0, self.files + 1
+
+    def close(self, common: dict) -> None:
+        self.flush()
+        self.storage.set_up_storage_writer(True)
+        self.storage.finish(Metadata(self.metadata), self.results)
+        torch.save(common, self.dir / COMMON_STATE_FNAME)
+        save_config(CheckpointingConfig("torch_dist", 1), str(self.dir))
+
+
+class Reader:
+    """Reads whole Megatron tensors from a torch_dist checkpoint saved under any layout."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        if not (self.dir / CONFIG_FILE).is_file():
+            raise FileNotFoundError(f"{self.dir}: no {CONFIG_FILE}; not a complete Megatron distributed checkpoint")
+        self.storage = FileSystemReader(self.dir)
+        self.metadata = self.storage.read_metadata()
+        self.storage.set_up_storage_reader(self.metadata, True)
+
+    def tensors(self) -> dict[str, TensorStorageMetadata]:
+        return {k: md for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+
+    def padded_vocab_size(self) -> int:
+        md = self.tensors().get(EMBEDDING_KEY)
+        if md is None:
+            raise ValueError(f"{self.dir}: holds no {EMBEDDING_KEY}; not a GPT model checkpoint")
+        return md.size[0]
+
+    def dtype(self, slot: Slot) -> torch.dtype:
+        return self.tensors()[slot.pieces[0].key].properties.dtype
+
+    def problems(self, schema: Schema) -> list[str]:
+        """What this checkpoint lacks for ``schema``: keys, global shapes, stored ranges (checked on metadata)."""
+        stored = self.tensors()
+        problems = []
+        for key, shape in schema.keys().items():
+            md = stored.get(key)
+            if md is None:
+                problems.append(f"missing key {key}")
+            elif tuple(md.size) != shape:
+                problems.append(f"{key}: stored shape {tuple(md.size)}, the model's is {shape}")
+        if problems:
+            return problems
+        for slot in schema.slots:
+            for piece in slot.pieces:
+                items = create_read_items_for_chunk_list(piece.key, stored[piece.key], [piece.chunk])
+                if sum(math.prod(i.lengths) for i in items) != math.prod(piece.chunk.sizes):
+                    problems.append(f"{slot.name}: not all of it is stored under {piece.key} at {piece.offset}")
+        return problems
+
+    def read(self, slot: Slot, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The full tensor of ``slot`` (in its stored dtype unless ``dtype``)."""
+        full = torch.empty(slot.shape, dtype=dtype or self.dtype(slot))
+        stored, requests, targets = self.tensors(), [], {}
+        for piece in slot.pieces:
+            chunk = piece.chunk
+            items = create_read_items_for_chunk_list(piece.key, stored[piece.key], [chunk])
+            requests += items
+            targets[items[0].dest_index] = _Target(piece.of(full).view(chunk.sizes))
+        self.storage.read_data(LoadPlan(requests), _Data(targets)).wait()
+        return full
+
+
+def load_model(chunks: list[torch.nn.Module], directory: str | Path) -> None:
+    """Fill this rank's shards of ``chunks`` from a torch_dist checkpoint of any layout (Megatron reshards)."""
+    from megatron.core import dist_checkpointing
+
+    stored = Reader(directory).padded_vocab_size()
+    ours = next((c.embedding.word_embeddings for c in chunks if hasattr(c, "embedding")), None)
+    if ours is not None and ours.num_embeddings != stored:
+        raise ValueError(
+            f"{directory}: the vocabulary is padded to {stored} rows, this layout pads it to {ours.num_embeddings}; "
+            f"convert it for this TP size with mcore-rl-mcore2mcore"
+        )
+    state = dist_checkpointing.load(model_state(chunks), str(directory))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state[f"model{i}"])

@@ -1,0 +1,201 @@
+"""The converter CLIs: HF -> Megatron torch_dist -> HF bit-exact for every family; converted checkpoints load under
+every layout; training checkpoints (any layout, with optimizer) convert to HF; memory stays far below the model's
+size; bad input is refused before anything is written. Every conversion runs the installed CLI in a subprocess."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from converters.hf_io import HFCheckpoint
+from tests.distributed import cases
+from tests.distributed.test_bridges import DENSE_LAYOUTS, _layouts
+from tests.tiny import FAMILIES, make_tiny
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli(name: str, *args, peak_rss: bool = False) -> subprocess.CompletedProcess:
+    """``python -m converters.<name> ARGS``; with ``peak_rss`` the last stdout line is the process's peak RSS (KiB)."""
+    argv = [str(a) for a in args] + ["--quiet"]
+    if peak_rss:
+        code = (
+            "import resource, runpy, sys\n"
+            f"sys.argv = ['{name}', *{argv!r}]\n"
+            "try:\n"
+            f"    runpy.run_module('converters.{name}', run_name='__main__')\n"
+            "except SystemExit as e:\n"
+            "    assert not e.code, e.code\n"
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+        )
+        command = [sys.executable, "-c", code]
+    else:
+        command = [sys.executable, "-m", f"converters.{name}", *argv]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+def ok(run: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert run.returncode == 0, run.stdout + run.stderr
+    return run
+
+
+def hf_tensors(directory) -> dict[str, torch.Tensor]:
+    ckpt = HFCheckpoint(directory)
+    return {name: ckpt.get(name) for name in ckpt.names()}
+
+
+def assert_same_tensors(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, tiny_models) -> dict[str, dict[str, Path]]:
+    """Per family: hf2mcore at TP=1; mcore2mcore of that to TP=2 (vocabulary re-padded); mcore2hf of the TP=2 one."""
+    root = tmp_path_factory.mktemp("converted")
+
+    def chain(arch: str) -> dict[str, Path]:
+        out = {tp: root / arch / f"mcore_tp{tp}" for tp in (1, 2)} | {"hf": root / arch / "hf"}
+        ok(cli("hf2mcore", tiny_models[arch], out[1], "--bucket-size", "64KB"))
+        ok(cli("mcore2mcore", out[1], out[2], "--tp", "2", "--bucket-size", "64KB"))
+        ok(cli("mcore2hf", out[2], out["hf"], "--max-shard-size", "1MB"))
+        return out
+
+    with ThreadPoolExecutor(2) as pool:  # two conversions at a time: mostly interpreter start-up
+        return dict(zip(FAMILIES, pool.map(chain, FAMILIES), strict=True))
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_hf_megatron_hf_is_bit_exact(converted, tiny_models, arch):
+    out = converted[arch]["hf"]
+    assert_same_tensors(hf_tensors(out), hf_tensors(tiny_models[arch]))
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1  # sharded, with an index
+    for name in ("config.json", "tokenizer.json"):
+        assert (out / name).read_bytes() == (Path(tiny_models[arch]) / name).read_bytes()
+    assert not list(out.parent.glob(".*.partial"))
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_converted_checkpoint_loads_under_every_layout(ranks, converted, tiny_models, arch):
+    for layout in _layouts(arch, DENSE_LAYOUTS):
+        checkpoint = converted[arch][layout.get("tp", 1)]
+        counts = ranks.run(
+            cases.roundtrip, hf_dir=str(checkpoint), layout=layout, bucket_bytes=512 << 20, reference=tiny_models[arch]
+        )
+        assert len(set(counts)) == 1 and counts[0] > 0, (layout, counts)
+
+
+def test_wrong_vocabulary_padding_is_refused_with_the_fix(ranks, converted):
+    with pytest.raises(RuntimeError, match="padded to 128 rows.*pads it to 256.*mcore2mcore"):
+        ranks.run(cases.roundtrip, hf_dir=str(converted["Qwen2ForCausalLM"][1]), layout=dict(tp=2), bucket_bytes=1)
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout"),
+    [
+        ("Qwen2ForCausalLM", dict(tp=2, pp=2)),
+        ("Qwen3MoeForCausalLM", dict(tp=2, ep=2, sequence_parallel=True)),
+        ("DeepseekV3ForCausalLM", dict(pp=2, ep=2)),
+    ],
+)
+def test_training_checkpoint_converts_to_hf(ranks, tiny_models, tmp_path, arch, layout):
+    """A checkpoint saved by the policy trainer after a step (sharded layout, optimizer state beside the model)
+    converts to exactly the weights the trainer exports."""
+    episode, reference = tmp_path / "episode_1", tmp_path / "reference.safetensors"
+    ranks.run(
+        cases.trained_checkpoint,
+        hf_dir=tiny_models[arch],
+        layout=layout,
+        checkpoint_dir=str(episode),
+        reference_file=str(reference),
+    )
+    ok(cli("mcore2hf", episode, tmp_path / "hf", "--hf-config", tiny_models[arch]))
+    want = load_file(reference)
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), want)
+    assert any(not torch.equal(t, hf_tensors(tiny_models[arch])[n]) for n, t in want.items())  # it trained
+
+
+def test_smollm2_roundtrip_is_bit_exact(tmp_path):
+    from converters.gguf2hf import default_model_dir
+
+    model = default_model_dir()
+    ok(cli("hf2mcore", model, tmp_path / "mcore", "--tp", "3"))
+    ok(cli("mcore2hf", tmp_path / "mcore", tmp_path / "hf"))
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(model))
+
+
+def test_memory_stays_far_below_the_checkpoint_size(tmp_path):
+    """An 0.9 GB multi-shard checkpoint converts both ways with a small fraction of it resident."""
+    source = make_tiny(
+        "Qwen2ForCausalLM",
+        tmp_path / "big",
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=8192,
+        max_shard_size="100MB",
+    )
+    ckpt = HFCheckpoint(source)
+    total = sum(math.prod(ckpt.shape(n)) * ckpt.dtype(n).itemsize for n in ckpt.names())
+    files = len(list(source.glob("*.safetensors")))
+    assert total > 850e6 and files >= 8
+
+    def peak_kib(name, *args) -> int:
+        return int(ok(cli(name, *args, peak_rss=True)).stdout.split()[-1])
+
+    bucket = ("--bucket-size", "32MB")
+    baseline = peak_kib("hf2mcore", source, tmp_path / "dry", "--dry-run", *bucket)
+    to_megatron = peak_kib("hf2mcore", source, tmp_path / "mcore", *bucket)
+    to_hf = peak_kib("mcore2hf", tmp_path / "mcore", tmp_path / "hf", "--max-shard-size", "100MB")
+    for peak in (to_megatron, to_hf):
+        # Above the imports: one parameter (fc1: gate + up + fused, 67 MB) and one bucket, not the 0.9 GB model.
+        assert (peak - baseline) * 1024 < total / 4, (peak, baseline, total)
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(source))
+
+
+def test_bad_input_is_refused_before_writing(tmp_path, tiny_models):
+    qwen2 = Path(tiny_models["Qwen2ForCausalLM"])
+    out = tmp_path / "out"
+    run = ok(cli("hf2mcore", qwen2, out, "--dry-run"))
+    assert "decoder.layers.self_attention.linear_qkv.weight" in run.stdout and "would write" in run.stdout
+    assert not out.exists()
+
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    run = cli("hf2mcore", qwen2, out)
+    assert run.returncode == 2 and "not empty (pass --force" in run.stderr
+    assert (out / "keep.txt").read_text() == "mine"
+
+    run = cli("hf2mcore", qwen2, tmp_path / "tp3", "--tp", "3")
+    assert (
+        run.returncode == 2
+        and "'tp': 3" in run.stderr
+        and "num_attention_heads=4 is not divisible by tp=3" in run.stderr
+    )
+    assert not (tmp_path / "tp3").exists()
+
+    broken = tmp_path / "broken"  # one tensor dropped from a single-file copy
+    broken.mkdir()
+    tensors = hf_tensors(qwen2)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    (broken / "config.json").write_bytes((qwen2 / "config.json").read_bytes())
+    run = cli("hf2mcore", broken, tmp_path / "from_broken")
+    assert run.returncode == 2 and "model.layers.1.mlp.up_proj.weight" in run.stderr
+    assert not (tmp_path / "from_broken").exists() and not list(tmp_path.glob(".from_broken*"))
+
+    run = ok(cli("hf2mcore", qwen2, out, "--force"))
+    assert not (out / "keep.txt").exists() and (out / "model" / "metadata.json").is_file()
