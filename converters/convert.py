@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from converters.hf_io import HFCheckpoint, SafetensorsWriter, TensorEntry, copy_model_files
 from converters.mapping import MappingTable
-from converters.torch_dist import Reader, Schema, Slot, Writer, model_schema
+from converters.torch_dist import MODEL_SUBDIR, Reader, Schema, Slot, Writer, find_megatron, model_schema
+from models.registry import get_bridge
 from parallel.config import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,7 @@ class HFSource:
                     f"shape mismatch: {dict(zip(names, shapes, strict=True))} cannot form Megatron "
                     f"{slot.name} of shape {slot.shape}"
                 )
-        ignored = [re.compile(p) for p in self.bridge.ignored_hf_tensors()]
-        unexpected = sorted(n for n in self.ckpt.names() - consumed if not any(rx.search(n) for rx in ignored))
+        unexpected = sorted(n for n in self.ckpt.names() - consumed if not self.bridge.ignores(n))
         if unexpected:
             problems.append(f"{len(unexpected)} unexpected tensor(s) with no Megatron parameter: {unexpected[:20]}")
         _fail(self.ckpt.dir, problems)
@@ -92,10 +92,11 @@ class HFSource:
 
 
 class MegatronSource:
-    """Full Megatron tensors read from a torch_dist checkpoint saved under any layout."""
+    """Full Megatron tensors read from a torch_dist checkpoint saved under any layout. A slot asked for at
+    another shape (the vocabulary padded for another TP size) is re-made through the HF layout of its mapping."""
 
-    def __init__(self, directory: Path, bridge):
-        self.reader = Reader(directory)
+    def __init__(self, directory: Path, bridge, table: MappingTable):
+        self.reader, self.table = Reader(directory), table
         self.schema = model_schema(bridge, self.reader.padded_vocab_size())
         self.slots = {s.name: s for s in self.schema.slots}
         _fail(directory, self.reader.problems(self.schema))
@@ -108,7 +109,12 @@ class MegatronSource:
         return self.reader.dtype(self.slots[slot.name])
 
     def full(self, slot: Slot, dtype: torch.dtype | None) -> torch.Tensor:
-        return self.reader.read(self.slots[slot.name], dtype)
+        stored = self.slots[slot.name]
+        full = self.reader.read(stored, dtype)
+        if stored.shape == slot.shape:
+            return full
+        mapping, _ = self.table.resolve(slot.name)
+        return mapping.to_megatron(mapping.to_hf(full, 1), 1, torch.Size(slot.shape)).contiguous()
 
 
 def hf_tensors_of(table: MappingTable, slot: Slot, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -251,9 +257,37 @@ def finish_output(out: Path, source: Path, info: dict, report: Report) -> None:
     (out / INFO_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n")
 
 
-def model_files_dir(checkpoint: Path, hf_config: Path | None) -> Path:
-    """Where a Megatron checkpoint's config.json (and tokenizer) are: ``--hf-config`` or the checkpoint itself."""
-    for candidate in (hf_config, checkpoint, checkpoint.parent):
-        if candidate is not None and (candidate / "config.json").is_file():
-            return candidate
-    raise ConversionError(f"{checkpoint}: no config.json beside the checkpoint; pass --hf-config HF_DIR")
+def open_megatron(args) -> tuple[Path, Path, object]:
+    """A Megatron checkpoint CLI's input: its torch_dist directory, the directory of its config.json and
+    tokenizer files (beside it, or ``--hf-config``), and the model's bridge."""
+    checkpoint = find_megatron(args.checkpoint)
+    if checkpoint is None:
+        raise ConversionError(f"{args.checkpoint}: no Megatron distributed checkpoint here (nor in model/, policy/)")
+    for files in (args.hf_config, args.checkpoint, args.checkpoint.parent):
+        if files is not None and (files / "config.json").is_file():
+            return checkpoint, files, get_bridge(files)
+    raise ConversionError(f"{args.checkpoint}: no config.json beside the checkpoint; pass --hf-config HF_DIR")
+
+
+def convert_to_megatron(args, bridge, source, files: Path, info: dict) -> Report | None:
+    """The Megatron-writing CLIs' common part: the target layout checked against the model, ``source`` checked
+    against its schema, then ``--dry-run``'s listing or the checkpoint written to ``args.output``."""
+    parallel = layout_of(args, bridge)
+    vocab = bridge.padded_vocab_size(parallel.tp)
+    schema = model_schema(bridge, vocab)
+    source.check(schema)
+    dtype = DTYPES[args.dtype]
+    if args.dry_run:
+        for key, shape in schema.keys().items():
+            print(f"{key} {list(shape)}")
+        total = sum(s.numel * (dtype or source.dtype(s)).itemsize for s in schema.slots)
+        print(
+            f"would write {len(schema.keys())} tensors ({len(schema.slots)} parameters, vocabulary padded to "
+            f"{vocab} for TP={parallel.tp}), {total / 1e9:.3f} GB, to {args.output / MODEL_SUBDIR}"
+        )
+        return None
+    with output_dir(args.output, args.force) as out:
+        report = write_megatron(source, schema, out / MODEL_SUBDIR, dtype, args.bucket_size, not args.quiet)
+        layout = {"layout": vars(parallel), "padded_vocab_size": vocab}
+        finish_output(out, files, {"format": "torch_dist", **layout, "dtype": args.dtype, **info}, report)
+    return report

@@ -14,45 +14,22 @@ import sys
 from pathlib import Path
 
 from converters.convert import (
-    DTYPES,
     HFSource,
     Report,
     add_common_args,
     add_layout_args,
-    finish_output,
-    layout_of,
-    output_dir,
+    convert_to_megatron,
     parse_bytes,
     run_cli,
-    write_megatron,
 )
 from converters.mapping import MappingTable
-from converters.torch_dist import MODEL_SUBDIR, model_schema
 from models.registry import get_bridge
 
 
 def convert(args: argparse.Namespace) -> Report | None:
     bridge = get_bridge(args.hf_dir)
-    parallel = layout_of(args, bridge)
-    vocab = bridge.padded_vocab_size(parallel.tp)
-    schema = model_schema(bridge, vocab)
     source = HFSource(args.hf_dir, bridge, MappingTable(bridge.mappings()))
-    source.check(schema)
-    dtype = DTYPES[args.dtype]
-    if args.dry_run:
-        for key, shape in schema.keys().items():
-            print(f"{key} {list(shape)}")
-        total = sum(s.numel * (dtype or source.dtype(s)).itemsize for s in schema.slots)
-        print(
-            f"would write {len(schema.keys())} tensors ({len(schema.slots)} parameters, vocabulary padded to "
-            f"{vocab} for TP={parallel.tp}), {total / 1e9:.3f} GB, to {args.output / MODEL_SUBDIR}"
-        )
-        return None
-    with output_dir(args.output, args.force) as out:
-        report = write_megatron(source, schema, out / MODEL_SUBDIR, dtype, args.bucket_size, not args.quiet)
-        info = {"format": "torch_dist", "layout": vars(parallel), "padded_vocab_size": vocab, "dtype": args.dtype}
-        finish_output(out, args.hf_dir, info, report)
-    return report
+    return convert_to_megatron(args, bridge, source, args.hf_dir, {})
 
 
 def parser() -> argparse.ArgumentParser:

@@ -15,13 +15,12 @@ from pathlib import Path
 
 from converters.convert import (
     DTYPES,
-    ConversionError,
     MegatronSource,
     Report,
     add_common_args,
     finish_output,
     hf_plan,
-    model_files_dir,
+    open_megatron,
     output_dir,
     parse_bytes,
     run_cli,
@@ -29,18 +28,12 @@ from converters.convert import (
 )
 from converters.hf_io import shard_files
 from converters.mapping import MappingTable
-from converters.torch_dist import find_megatron
-from models.registry import get_bridge
 
 
 def convert(args: argparse.Namespace) -> Report | None:
-    checkpoint = find_megatron(args.checkpoint)
-    if checkpoint is None:
-        raise ConversionError(f"{args.checkpoint}: no Megatron distributed checkpoint here (nor in model/, policy/)")
-    files = model_files_dir(args.checkpoint, args.hf_config)
-    bridge = get_bridge(files)
+    checkpoint, files, bridge = open_megatron(args)
     table = MappingTable(bridge.mappings())
-    source = MegatronSource(checkpoint, bridge)
+    source = MegatronSource(checkpoint, bridge, table)
     dtype = DTYPES[args.dtype]
     if args.dry_run:
         entries = hf_plan(source, source.schema, table, dtype)

@@ -15,65 +15,22 @@ import sys
 from pathlib import Path
 
 from converters.convert import (
-    DTYPES,
-    ConversionError,
     MegatronSource,
     Report,
     add_common_args,
     add_layout_args,
-    finish_output,
-    layout_of,
-    model_files_dir,
-    output_dir,
+    convert_to_megatron,
+    open_megatron,
     parse_bytes,
     run_cli,
-    write_megatron,
 )
 from converters.mapping import MappingTable
-from converters.torch_dist import MODEL_SUBDIR, find_megatron, model_schema
-from models.registry import get_bridge
-
-
-class Repadded:
-    """A source's full tensors re-made for another schema through the HF layout (exact for every mapping)."""
-
-    def __init__(self, source: MegatronSource, table: MappingTable):
-        self.source, self.table = source, table
-
-    def dtype(self, slot):
-        return self.source.dtype(slot)
-
-    def full(self, slot, dtype):
-        mapping, captures = self.table.resolve(slot.name)
-        hf = mapping.to_hf(self.source.full(slot, dtype), 1)
-        return mapping.to_megatron(hf, 1, slot.shape).contiguous()
 
 
 def convert(args: argparse.Namespace) -> Report | None:
-    checkpoint = find_megatron(args.checkpoint)
-    if checkpoint is None:
-        raise ConversionError(f"{args.checkpoint}: no Megatron distributed checkpoint here (nor in model/, policy/)")
-    files = model_files_dir(args.checkpoint, args.hf_config)
-    bridge = get_bridge(files)
-    parallel = layout_of(args, bridge)
-    vocab = bridge.padded_vocab_size(parallel.tp)
-    source = MegatronSource(checkpoint, bridge)
-    schema = model_schema(bridge, vocab)
-    source.check(schema)
-    if args.dry_run:
-        print(
-            f"would write {len(schema.keys())} tensors ({len(schema.slots)} parameters), vocabulary padded from "
-            f"{source.reader.padded_vocab_size()} to {vocab} for TP={parallel.tp}, to {args.output / MODEL_SUBDIR}"
-        )
-        return None
-    repadded = Repadded(source, MappingTable(bridge.mappings()))
-    with output_dir(args.output, args.force) as out:
-        report = write_megatron(
-            repadded, schema, out / MODEL_SUBDIR, DTYPES[args.dtype], args.bucket_size, not args.quiet
-        )
-        info = {"format": "torch_dist", "layout": vars(parallel), "padded_vocab_size": vocab, "dtype": args.dtype}
-        finish_output(out, files, {**info, "checkpoint": str(checkpoint)}, report)
-    return report
+    checkpoint, files, bridge = open_megatron(args)
+    source = MegatronSource(checkpoint, bridge, MappingTable(bridge.mappings()))
+    return convert_to_megatron(args, bridge, source, files, {"checkpoint": str(checkpoint)})
 
 
 def parser() -> argparse.ArgumentParser:

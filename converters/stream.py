@@ -6,7 +6,6 @@ CLIs write what it yields to safetensors, and the rollout sync streams it into t
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,8 +84,7 @@ def load_hf(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path, groups: P
         with torch.no_grad():
             lp.param.copy_(shard(full, lp.tp_axis, tp_rank, tp))
     problems, consumed = _collect_errors(problems, consumed)
-    ignored = [re.compile(p) for p in bridge.ignored_hf_tensors()]
-    unexpected = sorted(n for n in ckpt.names() - consumed if not any(rx.search(n) for rx in ignored))
+    unexpected = sorted(n for n in ckpt.names() - consumed if not bridge.ignores(n))
     if unexpected:
         problems.append(f"unexpected tensor(s) with no Megatron parameter: {unexpected[:20]}")
     if problems:

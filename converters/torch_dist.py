@@ -158,21 +158,13 @@ class _Data:
         return self.by_index[item.index]
 
     def resolve_tensor(self, item):
-        return self.by_index[item.dest_index].narrow_all(item.dest_offsets, item.lengths)
+        out = self.by_index[item.dest_index]
+        for dim, (start, length) in enumerate(zip(item.dest_offsets, item.lengths, strict=True)):
+            out = out.narrow(dim, start, length)
+        return out
 
     def commit_tensor(self, item, tensor):
         pass
-
-
-class _Target:
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def narrow_all(self, offsets, lengths) -> torch.Tensor:
-        out = self.tensor
-        for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
-            out = out.narrow(dim, start, length)
-        return out
 
 
 class Writer:
@@ -258,24 +250,24 @@ class Reader:
         if not (self.dir / CONFIG_FILE).is_file():
             raise FileNotFoundError(f"{self.dir}: no {CONFIG_FILE}; not a complete Megatron distributed checkpoint")
         self.storage = FileSystemReader(self.dir)
-        self.metadata = self.storage.read_metadata()
-        self.storage.set_up_storage_reader(self.metadata, True)
-
-    def tensors(self) -> dict[str, TensorStorageMetadata]:
-        return {k: md for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+        metadata = self.storage.read_metadata()
+        self.storage.set_up_storage_reader(metadata, True)
+        self.tensors = {
+            k: md for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+        }
 
     def padded_vocab_size(self) -> int:
-        md = self.tensors().get(EMBEDDING_KEY)
+        md = self.tensors.get(EMBEDDING_KEY)
         if md is None:
             raise ValueError(f"{self.dir}: holds no {EMBEDDING_KEY}; not a GPT model checkpoint")
         return md.size[0]
 
     def dtype(self, slot: Slot) -> torch.dtype:
-        return self.tensors()[slot.pieces[0].key].properties.dtype
+        return self.tensors[slot.pieces[0].key].properties.dtype
 
     def problems(self, schema: Schema) -> list[str]:
         """What this checkpoint lacks for ``schema``: keys, global shapes, stored ranges (checked on metadata)."""
-        stored = self.tensors()
+        stored = self.tensors
         problems = []
         for key, shape in schema.keys().items():
             md = stored.get(key)
@@ -295,12 +287,12 @@ class Reader:
     def read(self, slot: Slot, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full tensor of ``slot`` (in its stored dtype unless ``dtype``)."""
         full = torch.empty(slot.shape, dtype=dtype or self.dtype(slot))
-        stored, requests, targets = self.tensors(), [], {}
+        stored, requests, targets = self.tensors, [], {}
         for piece in slot.pieces:
             chunk = piece.chunk
             items = create_read_items_for_chunk_list(piece.key, stored[piece.key], [chunk])
             requests += items
-            targets[items[0].dest_index] = _Target(piece.of(full).view(chunk.sizes))
+            targets[items[0].dest_index] = piece.of(full).view(chunk.sizes)
         self.storage.read_data(LoadPlan(requests), _Data(targets)).wait()
         return full
 

@@ -9,6 +9,8 @@ mappings that :mod:`converters.stream` uses in both directions.
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 from typing import ClassVar
 
 import torch
@@ -282,6 +284,14 @@ class Bridge:
         if self.tie_word_embeddings:
             ignored.append(r"^lm_head\.weight$")
         return ignored
+
+    @functools.cached_property
+    def _ignored(self) -> list[re.Pattern]:
+        return [re.compile(p) for p in self.ignored_hf_tensors()]
+
+    def ignores(self, hf_name: str) -> bool:
+        """Whether checkpoint tensor ``hf_name`` has no Megatron parameter on purpose (see ignored_hf_tensors)."""
+        return any(rx.search(hf_name) for rx in self._ignored)
 
     # ---- rollout engine -----------------------------------------------------------------------------------
     def rollout_engine_args(self, cuda: bool) -> dict:

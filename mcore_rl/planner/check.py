@@ -6,7 +6,6 @@ the same functions the real sync runs."""
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -83,15 +82,14 @@ def check_mappings(
                 exported_params += sum(t.numel() for t in made)
                 for hf_name in hf_names:
                     sources[hf_name].append(name)
-    ignored = [re.compile(p) for p in bridge.ignored_hf_tensors()]
     for hf_name in sorted(hf):
-        if not sources.get(hf_name) and not any(rx.search(hf_name) for rx in ignored):
+        if not sources.get(hf_name) and not bridge.ignores(hf_name):
             errors.append(f"HF tensor {hf_name} {tuple(hf[hf_name])} has no Megatron parameter")
     errors += [
         f"HF tensor {n} is exported by several parameters: {s}" for n, s in sorted(sources.items()) if len(s) > 1
     ]
     return MappingReport(
-        hf_params=sum(shape.numel() for n, shape in hf.items() if not any(rx.search(n) for rx in ignored)),
+        hf_params=sum(shape.numel() for n, shape in hf.items() if not bridge.ignores(n)),
         exported_params=exported_params,
         stage_params=[sum(lp.param.numel() for lp in stage if _is_param(lp)) for stage in stages],
         stage_expert_params=[sum(lp.param.numel() for lp in stage if lp.is_expert) for stage in stages],

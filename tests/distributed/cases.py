@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import traceback
 import zlib
 
@@ -39,8 +38,7 @@ def roundtrip(hf_dir: str, layout: dict, bucket_bytes: int, reference: str | Non
     bit-identical to ``reference`` (default: ``hf_dir``'s); returns the count."""
     bridge, _, chunks, groups = _load(hf_dir, layout)
     ckpt = HFCheckpoint(reference or hf_dir)
-    ignored = [re.compile(p) for p in bridge.ignored_hf_tensors()]
-    expected = {n for n in ckpt.names() if not any(rx.search(n) for rx in ignored)}
+    expected = {n for n in ckpt.names() if not bridge.ignores(n)}
     seen = set()
     for name, tensor in export_hf(chunks, bridge, groups, bucket_bytes=bucket_bytes):
         assert name not in seen, f"{name} exported twice"
