@@ -73,10 +73,13 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json
 
 
 def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy ``src``'s top-level non-weight files (config.json, tokenizer files, ...) into ``dst``."""
+    """Copy ``src``'s top-level non-weight files (config.json, tokenizer files, ...) into ``dst``; from a training
+    checkpoint, not its completion marker (the copy is another directory's, not a checkpoint)."""
+    from mcore_rl.checkpoint import MARKER
+
     copied = []
     for path in sorted(Path(src).iterdir()):
-        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES):
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name != MARKER:
             shutil.copy2(path, Path(dst) / path.name)
             copied.append(path.name)
     return copied

@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from converters.hf_io import HFCheckpoint
+from converters.hf_io import HFCheckpoint, copy_model_files
+from mcore_rl import checkpoint
 from tests.distributed import cases
 from tests.distributed.test_bridges import DENSE_LAYOUTS, _layouts
 from tests.tiny import FAMILIES, make_tiny
@@ -109,20 +110,27 @@ def test_wrong_vocabulary_padding_is_refused_with_the_fix(ranks, converted):
     ],
 )
 def test_training_checkpoint_converts_to_hf(ranks, tiny_models, tmp_path, arch, layout):
-    """A checkpoint saved by the policy trainer after a step (sharded layout, optimizer state beside the model)
-    converts to exactly the weights the trainer exports."""
-    episode, reference = tmp_path / "episode_1", tmp_path / "reference.safetensors"
+    """A checkpoint saved as training saves it (the policy trainer after a step at a sharded layout, optimizer state
+    beside the model, the model's files copied in, committed) converts to exactly the weights the trainer exports,
+    with no --hf-config needed (Qwen2 passes it anyway)."""
+    partial, reference = checkpoint.partial_dir(tmp_path, 1), tmp_path / "reference.safetensors"
     ranks.run(
         cases.trained_checkpoint,
         hf_dir=tiny_models[arch],
         layout=layout,
-        checkpoint_dir=str(episode),
+        checkpoint_dir=str(partial),
         reference_file=str(reference),
     )
-    ok(cli("mcore2hf", episode, tmp_path / "hf", "--hf-config", tiny_models[arch]))
+    copy_model_files(tiny_models[arch], partial)
+    episode = checkpoint.commit(tmp_path, 1, {})
+    hf_config = ["--hf-config", tiny_models[arch]] if arch == "Qwen2ForCausalLM" else []
+    ok(cli("mcore2hf", episode, tmp_path / "hf", *hf_config))
     want = load_file(reference)
     assert_same_tensors(hf_tensors(tmp_path / "hf"), want)
     assert any(not torch.equal(t, hf_tensors(tiny_models[arch])[n]) for n, t in want.items())  # it trained
+    files = {p.name for p in (tmp_path / "hf").iterdir() if not p.name.startswith("model")}
+    model_files = {p.name for p in Path(tiny_models[arch]).iterdir() if not p.name.startswith("model")}
+    assert files == model_files | {"mcore_rl_convert.json"}  # not the checkpoint's COMPLETE marker
 
 
 def test_smollm2_roundtrip_is_bit_exact(tmp_path):
