@@ -27,6 +27,7 @@ from mcore_rl.config.schema import BUILTIN_DATA, RunConfig, load_run_config
 from mcore_rl.data.arithmetic import arithmetic_splits
 from mcore_rl.data.prompts import PromptDataset, read_rows
 from mcore_rl.metrics import MetricsLogger, plot_curves
+from mcore_rl.planner.memory import check_fits
 from mcore_rl.rewards.user import load_reward_fn
 
 log = logging.getLogger("mcore_rl")
@@ -104,7 +105,7 @@ class System:
             PolicyTrainer, self.placement, n, f"{name}/policy_trainer",
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
             optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
-            max_token_in_packing=trainer.max_token_in_packing, moe=trainer.moe,
+            max_token_in_packing=trainer.max_token_in_packing, moe=trainer.moe, recompute=trainer.recompute,
         )  # fmt: skip
         self._stops.append(self.trainer.kill)
         if self.use_ref:
@@ -244,20 +245,26 @@ def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsL
 
     samples, rewards, position = rollout_phase(system, data, config, position)
     phase("rollout_and_reward")
+    offload = m.policy_trainer.offload  # on CPU offload and onload do nothing: there is nowhere to go
     freed = system.rollout.sleep()
-    system.trainer.call("onload")
+    system.trainer.call("onload", ["weights"])
     batch = training_batch(samples, rewards, m.policy.num_inference_per_prompt, m.policy_trainer.advantage_std_norm)
     if system.use_ref:
+        system.ref.call("onload")
         batch["ref_logp"] = system.ref.call("logprobs", batch, m.ref_policy.micro_batch_size)[0]
+        if offload:
+            system.ref.call("offload")
     phase("ref_logprobs")
     batch["old_logp"] = system.trainer.call("logprobs", batch, m.policy_trainer.micro_batch_size)[0]
     phase("old_logprobs")
+    system.trainer.call("onload", ["optimizer"])
     steps = system.trainer.call("train", batch, rt.train_global_batch_size, m.policy_trainer.micro_batch_size)[0]
     phase("train")
     memory = system.trainer.call("memory_bytes")[0]
     router = system.trainer.call("router_metrics")[0]
+    offloaded = sum(system.trainer.call("offload", ["optimizer"])) if offload else 0  # the sync needs weights only
     sync = system.trainer.call("sync_weights")[0]
-    offloaded = sum(system.trainer.call("offload")) if m.policy_trainer.offload else 0  # 0 on CPU: nowhere to go
+    offloaded += sum(system.trainer.call("offload", ["weights"])) if offload else 0
     phase("sync")
     tokens = float(batch["mask"].sum())
     metrics = rollout_stats(samples, rewards, m.policy.num_inference_per_prompt)
@@ -299,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         load_reward_fn(config.models.reward.fn)  # a missing or broken reward file fails before any actor starts
     except (ConfigError, FileNotFoundError, AttributeError, SyntaxError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    unfit = check_fits(config)  # hours of queueing are not spent to find this out at the first step
+    if unfit:
+        print("error: the run does not fit its devices' memory\n" + "\n".join(unfit), file=sys.stderr)
         return 2
     try:
         run(config)

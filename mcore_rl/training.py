@@ -56,6 +56,14 @@ def microbatches(tokens: torch.Tensor, micro_batch_size: int, align: int, **extr
     return out
 
 
+def recompute_overrides(mode: str) -> dict:
+    """TransformerConfig fields for ``models.policy_trainer.recompute``: ``"full"`` checkpoints every layer (its
+    input is kept; the rest is recomputed in the backward), ``"none"`` keeps every activation."""
+    return (
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) if mode == "full" else {}
+    )
+
+
 class MegatronModel:
     """This rank's model chunks (plain or DDP-wrapped) and the schedule that runs them over micro-batches."""
 

@@ -100,13 +100,16 @@ class SDPAttention(MegatronModule):
         kv = self._gather(k, v)  # the whole pack of every CP rank, gathered once
         outs = []
         for start, end in zip(local[:-1], local[1:], strict=True):
-            # [t_i, heads, d] -> [heads, t_i, d]: SDPA's batch-free layout
-            qi = q[start:end].transpose(0, 1)
+            # [t_i, heads, d] -> [1, heads, t_i, d]: with a batch dimension, as CPU's flash kernel needs (3-D
+            # inputs take the math kernel, which keeps [heads, t_i, t_i] scores for backward and is 3x slower)
+            qi = q[start:end].transpose(0, 1)[None]
             if kv is None:
-                out = self._sdpa(qi, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1), causal=True)
+                ki, vi = (x[start:end].transpose(0, 1)[None] for x in (k, v))
+                out = self._sdpa(qi, ki, vi, causal=True)
             else:
-                out = self._attend_gathered(qi, [part[start:end].transpose(0, 1) for part in kv], k.shape[-1], 1)
-            outs.append(out.transpose(0, 1))
+                parts = [part[start:end].transpose(0, 1)[None] for part in kv]
+                out = self._attend_gathered(qi, parts, k.shape[-1], 2)
+            outs.append(out[0].transpose(0, 1))
         return torch.cat(outs)
 
     def _causal(self, q, k, v, seq_dim: int) -> torch.Tensor:
@@ -129,7 +132,12 @@ class SDPAttention(MegatronModule):
         return self._sdpa(q, k, v, mask=visible)
 
     def _sdpa(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
-        return F.scaled_dot_product_attention(
+        value_dim = v.shape[-1]
+        if value_dim < q.shape[-1]:
+            # MLA's values are narrower than its keys; flash kernels (CPU's among them) need one head size, so v
+            # gets zero columns, which only add zero columns to the output
+            v = F.pad(v, (0, q.shape[-1] - value_dim))
+        out = F.scaled_dot_product_attention(
             q,
             k,
             v,
@@ -139,3 +147,4 @@ class SDPAttention(MegatronModule):
             scale=self.scale,
             enable_gqa=q.shape[-3] != k.shape[-3],
         )
+        return out[..., :value_dim]

@@ -98,12 +98,12 @@ class ParallelConfig:
         if num_attention_heads % self.tp:
             raise ValueError(
                 f"num_attention_heads={num_attention_heads} is not divisible by tp={self.tp}; "
-                f"choose tp among {_divisors(num_attention_heads)}"
+                f"choose tp among {divisors(num_attention_heads)}"
             )
         if num_query_groups % self.tp:
             raise ValueError(
                 f"num_key_value_heads={num_query_groups} is not divisible by tp={self.tp}; "
-                f"choose tp among {_divisors(num_query_groups)}"
+                f"choose tp among {divisors(num_query_groups)}"
             )
         if vocab_size < self.tp:
             raise ValueError(f"vocab_size={vocab_size} is smaller than tp={self.tp}")
@@ -112,7 +112,7 @@ class ParallelConfig:
                 raise ValueError(f"parallel.ep={self.ep} but the model has no experts; set ep=1")
         elif num_experts % self.ep:
             raise ValueError(
-                f"num_experts={num_experts} is not divisible by ep={self.ep}; choose ep among {_divisors(num_experts)}"
+                f"num_experts={num_experts} is not divisible by ep={self.ep}; choose ep among {divisors(num_experts)}"
             )
         if num_experts is not None and self.tp > 1 and not self.sequence_parallel:
             raise ValueError("MoE models with tp > 1 need parallel.sequence_parallel=True (Megatron requirement)")
@@ -139,5 +139,5 @@ class ParallelConfig:
         return [fixed.get(i, per_rank) for i in range(self.pp)]
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]

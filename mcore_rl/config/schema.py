@@ -42,6 +42,9 @@ class RuntimeArgs:
     data_shuffle: bool = True
     seed: int = 1
     num_devices: int = 2  # GPUs, or logical devices declared to Ray on a CPU machine
+    # GiB of one device, as GPUs are sold (H100: 80): the run stops before starting when an episode's phase cannot
+    # fit it (mcore_rl.planner.memory); 0: the local GPU's, and no check on a CPU machine
+    device_memory_gb: float = 0.0
     ray_address: str = ""  # an existing cluster ("auto" or host:port); empty: $RAY_ADDRESS, else start a local one
     colocation: list[str] = field(default_factory=lambda: list(ROLES))
     log: LogConfig = field(default_factory=LogConfig)
@@ -73,6 +76,7 @@ class TrainerConfig:
     # over data-parallel ranks; micro_batch_size is then unused. 0: padded micro-batches of micro_batch_size.
     max_token_in_packing: int = 0
     moe: MoEConfig = field(default_factory=MoEConfig)  # load balancing and router metrics (MoE models only)
+    recompute: str = "none"  # "full": each layer keeps only its input and recomputes the rest in backward
 
 
 @dataclass
@@ -173,6 +177,12 @@ class RunConfig:
                     "max_prompt_tokens + max_new_tokens); raise it, or set 0 for padded micro-batches"
                 )
         self._validate_layouts()
+        if m.policy_trainer.recompute not in ("none", "full"):
+            raise ConfigError(
+                f"models.policy_trainer.recompute={m.policy_trainer.recompute!r}: expected 'none' or 'full'"
+            )
+        if rt.device_memory_gb < 0:
+            raise ConfigError(f"runtime_args.device_memory_gb={rt.device_memory_gb}: expected >= 0 (0: detect)")
         if m.policy_trainer.optimizer.lr_decay_style not in ("constant", "cosine", "linear"):
             raise ConfigError(
                 f"models.policy_trainer.optimizer.lr_decay_style={m.policy_trainer.optimizer.lr_decay_style!r}: "

@@ -2,8 +2,10 @@
 
 Validates the config as a run would, builds every pipeline stage of the trainer (and of the reference, when its
 layout differs) on the meta device at ``runtime_args.num_devices``, checks the whole HF <-> Megatron mapping
-against transformers' model, and plans the rollout sync. Exit status 2: bad config; 1: the mapping check found
-errors (each printed); 0: the report (also written as JSON with ``--json``).
+against transformers' model, plans the rollout sync, and plans each phase's memory per device
+(:mod:`mcore_rl.planner.memory`, with layouts that fit when the configured one does not). Exit status 2: bad
+config; 1: the mapping check found errors or the run does not fit (each printed); 0: the report (also written as
+JSON with ``--json``).
 """
 
 from __future__ import annotations
@@ -20,18 +22,37 @@ import torch
 from mcore_rl.config.loader import ConfigError
 from mcore_rl.config.schema import load_run_config
 from mcore_rl.planner.check import check_mappings, sync_plan
+from mcore_rl.planner.memory import (
+    Architecture,
+    describe,
+    device_bytes,
+    layout_text,
+    plan_memory,
+    remedies,
+    stage_params,
+)
 from mcore_rl.planner.meta import hf_tensors, pipeline_stages
 from models.registry import get_bridge
+from parallel.config import ParallelConfig
 
 GB = 1e9
 
 
 def plan_role(bridge, parallel, world: int, bucket_bytes: int, hf: dict[str, torch.Size]) -> dict:
-    """Mapping check and sync plan of one Megatron role's layout (bf16 weights, as trained on GPUs)."""
+    """Mapping check and sync plan of one Megatron role's layout (bf16 weights, as trained on GPUs), and the memory
+    planner's parameter counts checked against the built stages."""
     start = time.perf_counter()
     stages = pipeline_stages(bridge, parallel, world)
     report = check_mappings(bridge, parallel, stages, hf)
     sync = sync_plan(bridge, parallel, stages, bucket_bytes)
+    built = list(zip(report.stage_params, report.stage_expert_params, strict=True))
+    counted = stage_params(Architecture.from_bridge(bridge), parallel)
+    for i, (params, (megatron, megatron_experts)) in enumerate(zip(counted, built, strict=True)):
+        if params != (megatron, megatron_experts):
+            report.errors.append(
+                f"stage {i}: the memory planner counts {params} (parameters, expert parameters) per device, the "
+                f"built model holds {(megatron, megatron_experts)}"
+            )
     return {
         "layout": dataclasses.asdict(parallel),
         "data_parallel": parallel.dp(world),
@@ -47,8 +68,8 @@ def plan_role(bridge, parallel, world: int, bucket_bytes: int, hf: dict[str, tor
 
 
 def _print(name: str, role: dict) -> None:
-    layout = ", ".join(f"{k}={v}" for k, v in role["layout"].items() if v not in (None, False, 1))
-    print(f"{name}: {layout or 'single device'}, data parallel {role['data_parallel']} ({role['seconds']} s)")
+    layout = layout_text(ParallelConfig(**role["layout"]))
+    print(f"{name}: {layout}, data parallel {role['data_parallel']} ({role['seconds']} s)")
     for i, (layers, params, experts) in enumerate(
         zip(role["stage_layers"], role["stage_params"], role["stage_expert_params"], strict=True)
     ):
@@ -71,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="run YAML (as for python -m mcore_rl.train)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument(
+        "--device-memory-gb", type=float, help="GiB per device to plan memory for (default: runtime_args')"
+    )
     args = parser.parse_args(argv)
     try:
         config = load_run_config(args.config, args.overrides)
@@ -93,9 +117,19 @@ def main(argv: list[str] | None = None) -> int:
         )
     for name, role in report["roles"].items():
         _print(name, role)
+    if args.device_memory_gb:
+        config.runtime_args.device_memory_gb = args.device_memory_gb
+    memory, fits = device_bytes(config), True
+    if memory:
+        plan = plan_memory(config, memory)
+        fits = plan.fits
+        print("\n".join(describe(plan, m.policy.rollout.max_model_len) + ([] if fits else remedies(config, memory))))
+        report["memory"] = dataclasses.asdict(plan) | {"fits": fits}
+    else:
+        print("memory: not planned (no GPU here; give runtime_args.device_memory_gb or --device-memory-gb)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
-    return 1 if any(role["errors"] for role in report["roles"].values()) else 0
+    return 1 if not fits or any(role["errors"] for role in report["roles"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from mcore_rl.moe import MoEConfig, RouterLoad
 from mcore_rl.offload import StorageOffloader
 from mcore_rl.packing import pack_rows, plan_packing, rows_of
 from mcore_rl.sync import SyncConfig, WeightSync
-from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches
+from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
 from models.registry import get_bridge
 from parallel.comm import all_gather_bucket, all_reduce_scalar
 from parallel.config import ParallelConfig
@@ -67,7 +67,7 @@ class MegatronRank:
         load_weights(self.chunks, self.bridge, hf_dir, self.groups)
         self.device = next(self.chunks[0].parameters()).device
         self.model = MegatronModel(self.chunks, self.groups)
-        self.offloader: StorageOffloader | None = None
+        self.offloaders: dict[str, StorageOffloader] = {}
 
     def _routing(self, batch: dict) -> tuple[str, ...]:
         """The rollout's routing, as a batch key to pass to the model, where this model replays it."""
@@ -102,21 +102,27 @@ class MegatronRank:
 
         return psutil.Process().memory_info().rss
 
-    def _offloadable(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    offload_parts: tuple[str, ...] = ("weights",)
+
+    def _offloadable(self, part: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(tensors whose contents ``part`` keeps, tensors it discards) for :class:`StorageOffloader`."""
         return [p.data for chunk in self.chunks for p in chunk.parameters()], []
 
-    def offload(self) -> int:
-        """Free this rank's device memory while other roles run (CUDA; on CPU there is nothing to move to)."""
+    def offload(self, parts: list[str] | None = None) -> int:
+        """Free the device memory of ``parts`` (default: all) while other roles run; returns the bytes freed (CUDA;
+        on CPU there is nothing to move to)."""
         if self.device.type != "cuda":
             return 0
-        if self.offloader is None:
-            self.offloader = StorageOffloader(*self._offloadable())
-        freed = self.offloader.offload()
+        freed = 0
+        for part in parts or self.offload_parts:
+            if part not in self.offloaders:
+                self.offloaders[part] = StorageOffloader(*self._offloadable(part))
+            freed += self.offloaders[part].offload()
         torch.cuda.empty_cache()
         return freed
 
-    def onload(self) -> int:
-        return self.offloader.onload() if self.offloader is not None else 0
+    def onload(self, parts: list[str] | None = None) -> int:
+        return sum(self.offloaders[p].onload() for p in parts or self.offload_parts if p in self.offloaders)
 
 
 class PolicyTrainer(MegatronRank):
@@ -135,9 +141,10 @@ class PolicyTrainer(MegatronRank):
         total_steps: int,
         max_token_in_packing: int = 0,
         moe: MoEConfig | None = None,
+        recompute: str = "none",
     ):
         moe = moe or MoEConfig()
-        overrides = moe.overrides(get_bridge(hf_dir))
+        overrides = moe.overrides(get_bridge(hf_dir)) | recompute_overrides(recompute)
         super().__init__(rank, world, master, hf_dir, parallel, seed, max_token_in_packing, overrides)
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -173,9 +180,9 @@ class PolicyTrainer(MegatronRank):
     def _loss_fn(self, batch: dict, output: torch.Tensor):
         vocab = self.bridge.vocab_size
         logp = rows_of(batch, token_logprobs(output, batch["labels"], vocab))
-        entropy = rows_of(batch, token_entropy(output, vocab, self.groups.tp))
-        if not self.loss.entropy_coef:
-            entropy = entropy.detach()  # logged, not optimised
+        # Logged, and optimised only with a coefficient: without one, no graph keeps its [tokens, V/tp] tensors.
+        with torch.set_grad_enabled(bool(self.loss.entropy_coef) and torch.is_grad_enabled()):
+            entropy = rows_of(batch, token_entropy(output, vocab, self.groups.tp))
         loss, metrics = policy_loss(
             self.loss,
             logp,
@@ -232,18 +239,23 @@ class PolicyTrainer(MegatronRank):
         mbs = [pack_rows(rows["tokens"], lengths, mb, align, **extra) for mb in plan.ranks[rank]]
         return mbs, {"packing/utilization": plan.utilization, "packing/micro_batches": float(len(mbs))}
 
-    def _offloadable(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        keep, discard = [], []
-        for chunk in self.model.model:
-            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
-                if buffer.param_data is not None:  # absent without the distributed optimizer
-                    keep.append(buffer.param_data)
-                discard.append(buffer.grad_data)
+    # The sync needs the weights but not the optimizer: offloaded apart, the engine's weights never meet the
+    # optimizer state on the device.
+    offload_parts = ("weights", "optimizer")
+
+    def _offloadable(self, part: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        weights = super()._offloadable("weights")[0]
+        if part == "weights":
+            return weights, []
+        keep, owned = [], {w.untyped_storage().data_ptr() for w in weights}
         for opt in self._optimizers():
             for group in opt.optimizer.param_groups:
-                keep.extend(group["params"])  # main (fp32) parameters
+                keep.extend(group["params"])  # main (fp32) parameters: views of the weights when those are fp32
             keep.extend(t for state in opt.optimizer.state.values() for t in state.values() if torch.is_tensor(t))
-        return keep, discard
+        grads = [
+            buffer.grad_data for chunk in self.model.model for buffer in chunk.buffers + chunk.expert_parallel_buffers
+        ]
+        return [t for t in keep if t.untyped_storage().data_ptr() not in owned], grads
 
     def _optimizers(self) -> list:
         return list(getattr(self.model.optimizer, "chained_optimizers", [self.model.optimizer]))

@@ -1,5 +1,6 @@
 # Shared by scripts/train_<model>.sh: environment variables -> one run of mcore_rl.train, or with --dry-run the
-# full-size planner (meta tensors: the layout, the whole HF <-> Megatron mapping and the rollout sync; any machine).
+# full-size planner (meta tensors: the layout, the whole HF <-> Megatron mapping, the rollout sync and memory per
+# device; any machine).
 #
 #   MODEL_DIR      HF checkpoint of the model (a real run needs it, except the embedded SmolLM2; --dry-run defaults
 #                  to the public config.json under models/configs/, which is all the planner reads)
@@ -11,6 +12,9 @@
 #   MCORE_DIR      train from a Megatron checkpoint instead of HF weights: converted from MODEL_DIR once (for the
 #                  config's TP size) with mcore-rl-hf2mcore; the rollout engines still load MODEL_DIR
 #   OUTPUT_DIR     run directory (default: the config's, runs/<exp_name>); re-running resumes from its checkpoints
+#   DEVICE_MEMORY_GB
+#                  GiB per GPU the layout must fit (default: the config's runtime_args.device_memory_gb, 80 for
+#                  H100s); the run, and --dry-run, stop with what does not fit and layouts that would
 #
 # Further arguments are dotted config overrides (runtime_args.num_episode=10); with --dry-run, planner options too.
 set -euo pipefail
@@ -41,6 +45,7 @@ launch() {
   [[ -n "${DATA:-}" ]] && overrides+=("runtime_args.data_path=$DATA")
   [[ -n "${OUTPUT_DIR:-}" ]] && overrides+=("runtime_args.output_dir=$OUTPUT_DIR")
   [[ -n "${RAY_ADDRESS:-}" ]] && overrides+=("runtime_args.ray_address=$RAY_ADDRESS")
+  [[ -n "${DEVICE_MEMORY_GB:-}" ]] && overrides+=("runtime_args.device_memory_gb=$DEVICE_MEMORY_GB")
   if [[ -n "${NNODES:-}${GPUS_PER_NODE:-}" ]]; then
     overrides+=("runtime_args.num_devices=$((${NNODES:-1} * ${GPUS_PER_NODE:-8}))")
   fi

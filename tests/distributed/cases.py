@@ -391,6 +391,7 @@ def policy_trainer_episodes(
     max_token_in_packing: int = 0,
     moe: dict | None = None,
     routing: str | None = None,
+    recompute: str = "none",
 ) -> dict:
     """Two GRPO episodes of the policy-trainer role (responses of different lengths), its device memory freed and
     restored between them when ``offload``; returns each episode's old log-probs, each optimizer step's metrics
@@ -404,7 +405,7 @@ def policy_trainer_episodes(
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
     trainer = PolicyTrainer(
         rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 4,
-        max_token_in_packing=max_token_in_packing, moe=MoEConfig(**(moe or {})),
+        max_token_in_packing=max_token_in_packing, moe=MoEConfig(**(moe or {})), recompute=recompute,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(0)
     lengths = torch.tensor([12, 9, 7, 12, 10, 8, 11, 6])
@@ -421,9 +422,11 @@ def policy_trainer_episodes(
         logprobs.append(batch["old_logp"])
         steps += trainer.train(batch, global_batch_size=4, micro_batch_size=2)
         if offload:
-            offloader = StorageOffloader(*trainer._offloadable())  # on CPU the role itself never offloads
-            freed = offloader.offload()
-            offloader.onload()
+            # on CPU the role itself never offloads
+            offloaders = [StorageOffloader(*trainer._offloadable(part)) for part in trainer.offload_parts]
+            freed = sum(offloader.offload() for offloader in offloaders)
+            for offloader in offloaders:
+                offloader.onload()
     return dict(logprobs=logprobs, steps=steps, freed=freed)
 
 

@@ -21,8 +21,9 @@ CONFIGS = [
 ]
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("MODEL_DIR", "NNODES", "GPUS_PER_NODE")}
+def _run(args: list[str], extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    unset = ("MODEL_DIR", "NNODES", "GPUS_PER_NODE", "DEVICE_MEMORY_GB")
+    env = {k: v for k, v in os.environ.items() if k not in unset} | (extra_env or {})
     return subprocess.run(
         args, cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=900
     )
@@ -47,6 +48,10 @@ def test_train_script_dry_run_maps_every_tensor_at_full_size(config, model, tmp_
         assert role["sync"]["total_bytes"] == 2 * role["hf_params"], name  # bf16, each tensor sent once
         assert sum(role["stage_layers"]) == hf_config["num_hidden_layers"]
         assert len(role["stage_params"]) == role["layout"]["pp"]
+    # Each script's layout fits the 80 GiB it is planned for, in every phase of an episode.
+    memory = report["memory"]
+    assert memory["fits"] and memory["device_bytes"] == 80 << 30
+    assert all(sum(phase["parts"].values()) <= memory["device_bytes"] for phase in memory["phases"])
 
 
 def test_a_broken_mapping_is_reported_by_name():
@@ -95,3 +100,16 @@ def test_main_job_dry_run_and_a_real_run_without_weights():
         assert run.returncode == 0 and "rollout sync" in run.stdout, run.stdout + run.stderr
     run = _run(["bash", "scripts/train_qwen3_8b_grpo.sh"])
     assert run.returncode == 2 and "set MODEL_DIR to the HF checkpoint of qwen3_8b" in run.stderr
+
+
+def test_a_run_that_does_not_fit_stops_before_starting_with_layouts_that_would():
+    """Qwen3-8B at TP 2 on 40 GiB devices: the dry run and the real run name the phases that do not fit and list
+    layouts that do; the real run stops before any actor starts (there are no weights here to load)."""
+    env = dict(DEVICE_MEMORY_GB="40")
+    dry = _run(["bash", "scripts/train_qwen3_8b_grpo.sh", "--dry-run"], env)
+    real = _run(["bash", "scripts/train_qwen3_8b_grpo.sh"], env | dict(MODEL_DIR=str(REPO / "models/configs/qwen3_8b")))
+    assert dry.returncode == 1 and real.returncode == 2, dry.stderr + real.stderr
+    for out in (dry.stdout, real.stderr):
+        assert "does not fit: train: 54.4 GiB needed > 40.0 GiB" in out, out
+        assert "trainer layouts that fit these devices (models.policy_trainer.parallel), best first:" in out
+        assert "    {tp: 4, sequence_parallel: true}: peak" in out

@@ -51,6 +51,8 @@ def test_a_valid_config_resolves_references(run_yaml, tmp_path):
         ("models.policy_trainer.parallel.tp=0", r"models.policy_trainer.parallel: "),
         ("models.reward.fnn=math", r"models.reward.fnn: unknown key; did you mean 'fn'\?"),
         ("models.policy_trainer.moe.aux_loss_coeff=0.01", r"moe.aux_loss_coeff=0.01: LlamaForCausalLM has no experts"),
+        ("models.policy_trainer.recompute=selective", r"models.policy_trainer.recompute='selective': expected 'none'"),
+        ("runtime_args.device_memory_gb=-1", r"runtime_args.device_memory_gb=-1.0: expected >= 0"),
     ],
 )
 def test_bad_configs_are_refused_with_the_key(run_yaml, override, message):

@@ -1,0 +1,528 @@
+"""Per-device memory of a colocated run, from the model's config.json and the run config alone (no model is built):
+what each role holds in each phase of an episode, whether it fits a device, and which layouts would.
+
+Everything is counted per device of the busiest pipeline rank:
+
+* trainer: bf16 weights, fp32 gradients (``grad_reduce_in_fp32``), the distributed optimizer's fp32 main weights and
+  Adam moments sharded over DP x CP (dense) or the expert-data-parallel group (experts), and the activations
+  the pipeline schedule keeps alive (1F1B: ``pp - rank`` micro-batches; interleaved: Megatron's warm-up count);
+* reference: bf16 weights (only with a KL term);
+* rollout engine: the ``gpu_memory_utilization`` share vLLM takes, of which weights and working memory, the rest
+  KV cache (GQA: ``2 L kv_heads/TP d`` per token; MLA: the latent ``L (kv_lora + rope)``, replicated over TP).
+
+Parameters are exact: :func:`stage_params` equals Megatron's meta-built model (checked by every dry run).
+Activations count what autograd saves, layer by layer, for Megatron's modules: ``te`` (TransformerEngine, GPU) and
+``local`` (Megatron's local modules with :mod:`models.attention`; the CPU build), balanced MoE routing assumed.
+The ``local`` terms are checked against the tensors autograd saves on tiny models (``tests/planner``); the ``te``
+terms follow what TransformerEngine's modules save and are not measured here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from models.bridge import MAKE_VOCAB_SIZE_DIVISIBLE_BY
+from models.registry import get_bridge
+from parallel.config import ParallelConfig, divisors
+
+GiB = 1 << 30
+BACKENDS = ("te", "local")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The shapes memory depends on, read from a bridge's Megatron config (every family through its own
+    declaration; no per-family code here)."""
+
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qk_norm: bool
+    qkv_bias: bool
+    vocab: int
+    tied: bool
+    moe_layers: tuple[bool, ...]
+    experts: int = 0
+    topk: int = 0
+    moe_ffn: int = 0
+    shared_ffn: int = 0
+    router_groups: int = 1
+    mla: bool = False
+    q_lora: int = 0  # 0: MLA queries without a low-rank projection
+    kv_lora: int = 0
+    qk_dim: int = 0  # MLA: the non-rotary part of a query/key head
+    rope_dim: int = 0
+    v_dim: int = 0
+
+    @classmethod
+    def from_bridge(cls, bridge) -> Architecture:
+        c = bridge.transformer_config(ParallelConfig(), params_dtype=torch.bfloat16)
+        freq = c.moe_layer_freq
+        moe = [bool(c.num_moe_experts)] * c.num_layers
+        if c.num_moe_experts and isinstance(freq, int):
+            moe = [i % freq == 0 for i in range(c.num_layers)]
+        elif c.num_moe_experts:
+            moe = [bool(f) for f in freq]
+        mla = getattr(c, "multi_latent_attention", False)
+        return cls(
+            layers=c.num_layers,
+            hidden=c.hidden_size,
+            ffn=c.ffn_hidden_size,
+            heads=c.num_attention_heads,
+            kv_heads=c.num_query_groups,
+            head_dim=c.kv_channels,
+            qk_norm=c.qk_layernorm,
+            qkv_bias=c.add_qkv_bias,
+            vocab=bridge.vocab_size,
+            tied=bridge.tie_word_embeddings,
+            moe_layers=tuple(moe),
+            experts=c.num_moe_experts or 0,
+            topk=c.moe_router_topk if c.num_moe_experts else 0,
+            moe_ffn=c.moe_ffn_hidden_size or 0,
+            shared_ffn=c.moe_shared_expert_intermediate_size or 0,
+            router_groups=c.moe_router_num_groups or 1,
+            mla=mla,
+            q_lora=(c.q_lora_rank or 0) if mla else 0,
+            kv_lora=c.kv_lora_rank if mla else 0,
+            qk_dim=c.qk_head_dim if mla else 0,
+            rope_dim=c.qk_pos_emb_head_dim if mla else 0,
+            v_dim=c.v_head_dim if mla else 0,
+        )
+
+    def padded_vocab(self, tp: int) -> int:
+        multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
+        return -(-self.vocab // multiple) * multiple
+
+    def hf_params(self) -> int:
+        """Parameters of the HF checkpoint (what each rollout engine holds)."""
+        total = sum(params for params, _ in stage_params(self, ParallelConfig()))
+        return total - (self.padded_vocab(1) - self.vocab) * self.hidden * (1 if self.tied else 2)
+
+
+# ---- parameters ----------------------------------------------------------------------------------------------
+def rank_layers(parallel: ParallelConfig, layers: int) -> list[list[int]]:
+    """Global indices of the layers each pipeline rank holds (all its virtual stages)."""
+    counts = parallel.stage_layers(layers)
+    if parallel.vpp == 1:
+        starts = [sum(counts[:r]) for r in range(parallel.pp)]
+        return [list(range(s, s + n)) for s, n in zip(starts, counts, strict=True)]
+    chunk = layers // (parallel.pp * parallel.vpp)
+    return [
+        [v * layers // parallel.vpp + r * chunk + i for v in range(parallel.vpp) for i in range(chunk)]
+        for r in range(parallel.pp)
+    ]
+
+
+def _attention_params(a: Architecture, tp: int) -> int:
+    h, d = a.hidden, a.head_dim
+    if a.mla:
+        q_head = a.qk_dim + a.rope_dim
+        q = h * a.q_lora + a.q_lora + a.q_lora * a.heads * q_head // tp if a.q_lora else h * a.heads * q_head // tp
+        kv = h * (a.kv_lora + a.rope_dim) + a.kv_lora + a.kv_lora * a.heads * (a.qk_dim + a.v_dim) // tp
+        return h + q + kv + a.heads * a.v_dim * h // tp
+    qkv = (a.heads + 2 * a.kv_heads) * d
+    return h + qkv * h // tp + (qkv // tp if a.qkv_bias else 0) + (2 * d if a.qk_norm else 0) + a.heads * d * h // tp
+
+
+def layer_params(a: Architecture, moe: bool, parallel: ParallelConfig) -> tuple[int, int]:
+    """(parameters, of which expert parameters) of one layer on one device."""
+    tp, h = parallel.tp, a.hidden
+    dense = _attention_params(a, tp) + h
+    if not moe:
+        return dense + 3 * a.ffn * h // tp, 0
+    experts = a.experts // parallel.ep * 3 * a.moe_ffn * h // parallel.expert_tp
+    return dense + a.experts * h + 3 * a.shared_ffn * h // tp + experts, experts
+
+
+def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, int]]:
+    """Per pipeline rank: (parameters, expert parameters) one of its devices holds, tied copies included."""
+    vocab = a.padded_vocab(parallel.tp) * a.hidden // parallel.tp
+    out = []
+    for rank, layers in enumerate(rank_layers(parallel, a.layers)):
+        per_layer = [layer_params(a, a.moe_layers[i], parallel) for i in layers]
+        total, experts = sum(p for p, _ in per_layer), sum(e for _, e in per_layer)
+        if rank == 0:
+            total += vocab
+        if rank == parallel.pp - 1:
+            total += a.hidden + (vocab if not a.tied or parallel.pp > 1 else 0)
+        out.append((total, experts))
+    return out
+
+
+# ---- activations ---------------------------------------------------------------------------------------------
+def layer_activation_bytes(
+    a: Architecture,
+    moe: bool,
+    parallel: ParallelConfig,
+    tokens: int,
+    backend: str,
+    act_bytes: int,
+    sequence: float = 0.0,
+) -> float:
+    """Bytes autograd keeps for one layer's backward, on one device, for a micro-batch of ``tokens`` (whole
+    sequences; CP and sequence parallelism divide them here). Hidden-sized tensors are split over TP only with
+    sequence parallelism; head- and FFN-sized ones always. ``sequence``: the token-weighted mean sequence length
+    (the longest sample bounds it), which only the local build's CP attention mask depends on."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+    tp, h = parallel.tp, a.hidden
+    t = tokens / parallel.cp  # tokens this device holds
+    st = t / tp if parallel.sequence_parallel else t  # of which in sequence-sharded tensors
+    local = backend == "local"
+    heads = a.heads // tp
+    fp32 = 4 / act_bytes  # an fp32 element in activation elements
+    norm = 2 if local else 1  # torch's RMSNorm keeps its input and normalised input; TE's the input (+ rstd)
+    # attention block: the input norm and what the first projection keeps (TE: its fused norm's output)
+    elems = st * (norm * h + fp32 + h)
+    if a.mla:
+        q_head = a.qk_dim + a.rope_dim
+        # the latents stay sequence-sharded: the up projections gather them
+        if a.q_lora:
+            elems += st * ((norm + 1) * a.q_lora + fp32)  # query latent, its norm, the up projection's input
+        elems += st * (a.kv_lora + a.rope_dim + norm * a.kv_lora + fp32)  # key/value latent, its norm
+        if local:  # RoPE's cos/sin; q, k, v and output at the query head size; the projection's input copy
+            core = 4 * a.rope_dim + heads * (4 * q_head + a.v_dim)
+        else:  # rotated q and k, the up projection's output (k_nope, v), the attention output
+            core = heads * (2 * q_head + a.qk_dim + 2 * a.v_dim)
+        elems += t * (core + heads * fp32)
+        if parallel.cp > 1:  # keys and values of the whole sequence, gathered, replace the local keys
+            elems += t * heads * (parallel.cp * (q_head + a.v_dim) - q_head)
+    else:
+        d, kv = a.head_dim, a.kv_heads // tp
+        elems += t * (heads + 2 * kv) * d  # the QKV output (values are views of it)
+        if a.qk_norm:  # normalised q and k; the local norm keeps its input too, a copy when q spans groups
+            copy = heads * d if local and kv > 1 else 0
+            elems += t * (copy + (heads + kv) * d + (heads + kv) * fp32)
+        rope = 4 * d if local else 0  # the local RoPE keeps cos and sin per call
+        elems += t * (rope + (heads + kv) * d + heads * d + heads * fp32)  # rotated q, k; attention output
+        elems += t * heads * d * local  # the local build's projection input is a copy of the output
+        if parallel.cp > 1:  # keys and values of the whole sequence, gathered, replace the local keys
+            elems += t * kv * d * (2 * parallel.cp - 1)
+    if local and parallel.cp > 1:
+        elems += t * sequence * fp32  # the mask of which gathered keys each local query sees
+    # MLP block: the pre-MLP norm and what the next projection (or the router) keeps
+    elems += st * (norm * h + fp32 + h)
+    act = 5 if local else 3  # SwiGLU: fc1's output (2F) and the activation's (F); the local build keeps 2F more
+    if not moe:
+        return (elems + t * act * a.ffn / tp) * act_bytes
+    elems += t * act * a.shared_ffn / tp
+    routed = st * a.topk * parallel.expert_tp  # expert-token rows this device computes (balanced routing)
+    elems += routed * (h + act * a.moe_ffn / parallel.expert_tp + fp32)
+    routing_bytes = st * (10 * a.experts + 24 * a.topk + 16 * a.router_groups)  # scores, maps, indices
+    weights = a.experts // parallel.ep * 3 * a.moe_ffn // parallel.expert_tp * h if local else 0  # stacked copy
+    return (elems + weights) * act_bytes + routing_bytes
+
+
+def head_activation_bytes(a: Architecture, parallel: ParallelConfig, tokens: int, backend: str, act_bytes: int):
+    """Bytes the last stage keeps for the final norm, the output layer and the loss (fp32 softmax over V/TP)."""
+    t = tokens / parallel.cp
+    st = t / parallel.tp if parallel.sequence_parallel else t
+    norm = 2 if backend == "local" else 1
+    return st * (norm + 1) * a.hidden * act_bytes + st * 4 + t * (4 * a.padded_vocab(parallel.tp) / parallel.tp + 9)
+
+
+# ---- roles and phases ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Workload:
+    """What a step asks of memory, from the run config."""
+
+    micro_batch_tokens: int  # tokens of one micro-batch (a pack, or micro_batch_size x the longest sample)
+    micro_batches: int  # per data-parallel rank and optimizer step
+    recompute: bool = False  # full activation recomputation: a layer keeps only its input
+    sequence: int = 0  # the longest sample (bounds the mean sequence length)
+
+    @classmethod
+    def from_config(cls, config) -> Workload:
+        rt, m = config.runtime_args, config.models
+        trainer = m.policy_trainer
+        longest = m.policy.max_prompt_tokens + m.policy.rollout.train.max_new_tokens
+        dp = trainer.parallel.dp(rt.num_devices)
+        rows = rt.train_global_batch_size // dp
+        if trainer.max_token_in_packing:
+            tokens = trainer.max_token_in_packing
+            micro_batches = max(1, math.ceil(rows * longest / tokens))
+        else:
+            tokens = trainer.micro_batch_size * longest
+            micro_batches = rows // trainer.micro_batch_size
+        return cls(tokens, micro_batches, trainer.recompute == "full", longest)
+
+
+def in_flight(parallel: ParallelConfig, rank: int, micro_batches: int) -> float:
+    """Micro-batches whose activations pipeline ``rank`` holds at once, in units of its whole stage."""
+    pp, vpp = parallel.pp, parallel.vpp
+    if vpp == 1:
+        return min(pp - rank, micro_batches)
+    warmup = (pp - rank - 1) * 2 + (vpp - 1) * pp + 1  # Megatron's interleaved warm-up, in model chunks
+    return min(warmup, micro_batches * vpp) / vpp
+
+
+@dataclass(frozen=True)
+class TrainerMemory:
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int  # peak of the step (the busiest pipeline rank)
+    scoring: int  # forward-only log-probs: one layer's working set and the logits
+
+    @property
+    def static(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def trainer_memory(
+    a: Architecture,
+    parallel: ParallelConfig,
+    world: int,
+    work: Workload,
+    *,
+    backend: str = "te",
+    param_bytes: int = 2,
+) -> TrainerMemory:
+    """Per-device bytes of a trainer rank at ``parallel`` (the pipeline rank with the largest total)."""
+    dp_cp = world // (parallel.tp * parallel.pp)
+    expert_dp = world // (parallel.ep * parallel.expert_tp * parallel.pp)
+    opt_per_param = 8 + (4 if param_bytes != 4 else 0)  # Adam moments (+ fp32 main weights of bf16 parameters)
+    best = None
+    for rank, ((params, experts), layers) in enumerate(
+        zip(stage_params(a, parallel), rank_layers(parallel, a.layers), strict=True)
+    ):
+        tokens = work.micro_batch_tokens
+        per_layer = [
+            layer_activation_bytes(a, a.moe_layers[i], parallel, tokens, backend, param_bytes, work.sequence)
+            for i in layers
+        ]
+        t = work.micro_batch_tokens / parallel.cp
+        layer_inputs = (t / parallel.tp if parallel.sequence_parallel else t) * a.hidden * param_bytes
+        kept = layer_inputs * len(layers) + max(per_layer) if work.recompute else sum(per_layer)
+        acts = in_flight(parallel, rank, work.micro_batches) * kept
+        head = 0.0
+        if rank == parallel.pp - 1:
+            vocab_t = t * a.padded_vocab(parallel.tp) / parallel.tp
+            head = head_activation_bytes(a, parallel, work.micro_batch_tokens, backend, param_bytes)
+            acts += head + vocab_t * (param_bytes + 4)  # logits and their fp32 gradient during the loss backward
+        memory = TrainerMemory(
+            weights=params * param_bytes,
+            grads=params * 4,
+            optimizer=int((params - experts) * opt_per_param / dp_cp + experts * opt_per_param / expert_dp),
+            activations=int(acts),
+            scoring=int(max(per_layer) + head * 2),
+        )
+        if best is None or memory.static + memory.activations > best.static + best.activations:
+            best = memory
+    return best
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    share: int  # what vLLM takes: gpu_memory_utilization x device
+    weights: int
+    working: int  # activations and sampler at the engine's batch limits
+    kv_bytes_per_token: int
+    kv_tokens: int  # tokens the KV cache holds (negative: the share does not cover weights and working memory)
+
+
+def engine_memory(a: Architecture, rollout, device_bytes: int, max_num_seqs: int = 256) -> EngineMemory:
+    """One rollout engine's device share at ``rollout`` (a RolloutConfig): bf16 weights split over its TP, vLLM's
+    profiled working memory (``max_num_batched_tokens`` of activations and ``max_num_seqs`` rows of sampler
+    logits), and the KV cache in the rest."""
+    tp = rollout.tensor_parallel_size
+    share = int(rollout.gpu_memory_utilization * device_bytes)
+    weights = a.hf_params() * 2 // tp
+    batched = max(8192, rollout.max_model_len)
+    mlp = a.topk * a.moe_ffn if a.experts else a.ffn
+    working = batched * (16 * a.hidden + 6 * mlp // tp) + max_num_seqs * a.vocab * 12
+    if a.mla:
+        per_token = a.layers * (a.kv_lora + a.rope_dim) * 2
+    else:
+        per_token = 2 * a.layers * max(1, a.kv_heads // tp) * a.head_dim * 2
+    return EngineMemory(share, weights, working, per_token, (share - weights - working) // per_token)
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    parts: dict[str, int]  # what is resident, by owner
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    device_bytes: int
+    trainer: TrainerMemory
+    ref_weights: int  # 0 without a reference model
+    engine: EngineMemory
+    phases: list[Phase]
+    problems: list[str]  # why it does not fit (empty: it fits)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
+
+
+def plan_memory(
+    config, device_bytes: int, *, backend: str = "te", reserve_bytes: int = 5 * GiB, arch: Architecture | None = None
+) -> MemoryPlan:
+    """Every phase of a colocated episode on one device of ``config`` (a RunConfig), with and without the
+    trainer's offload as configured. ``reserve_bytes`` stands for the CUDA context, NCCL buffers and allocator
+    fragmentation."""
+    m, world = config.models, config.runtime_args.num_devices
+    a = arch or Architecture.from_bridge(get_bridge(m.policy_trainer.load))
+    trainer = trainer_memory(a, m.policy_trainer.parallel, world, Workload.from_config(config), backend=backend)
+    use_ref = bool(m.policy_trainer.algorithm.kl_coef)
+    ref = max(p for p, _ in stage_params(a, m.ref_policy.parallel)) * 2 if use_ref else 0
+    engine = engine_memory(a, m.policy.rollout, device_bytes)
+    offload = m.policy_trainer.offload
+    resident = {"trainer (offloaded)": 0} if offload else {"trainer weights+grads+optimizer": trainer.static}
+    if use_ref:
+        resident["reference weights"] = 0 if offload else ref
+    bucket = 2 * m.policy.sync.bucket_bytes
+    reserve = {"reserve": reserve_bytes}
+    phases = [
+        Phase("rollout", {"engine share": engine.share} | resident | reserve),
+        Phase(  # with offload, the optimizer state stays off the device until the step
+            "log-probs",
+            ({"trainer weights": trainer.weights} if offload else {"trainer weights+grads+optimizer": trainer.static})
+            | {"reference weights": ref, "scoring": trainer.scoring}
+            | reserve,
+        ),
+        Phase(
+            "train",
+            {"trainer weights+grads+optimizer": trainer.static, "activations": trainer.activations}
+            | ({"reference weights": ref} if use_ref and not offload else {})
+            | reserve,
+        ),
+        Phase(  # with offload, the optimizer state and gradients leave before the engine's weights arrive
+            "sync",
+            ({"trainer weights": trainer.weights} if offload else {"trainer weights+grads+optimizer": trainer.static})
+            | {"engine weights": engine.weights, "buckets": bucket}
+            | reserve,
+        ),
+    ]
+    problems = [
+        f"{p.name}: {p.total / GiB:.1f} GiB needed > {device_bytes / GiB:.1f} GiB ("
+        + ", ".join(f"{k} {v / GiB:.1f}" for k, v in p.parts.items() if v)
+        + ")"
+        for p in phases
+        if p.total > device_bytes
+    ]
+    if engine.kv_tokens < m.policy.rollout.max_model_len:
+        problems.append(
+            f"rollout: the KV cache holds {max(engine.kv_tokens, 0)} tokens per engine, below max_model_len="
+            f"{m.policy.rollout.max_model_len} (share {engine.share / GiB:.1f} GiB: weights "
+            f"{engine.weights / GiB:.1f}, working {engine.working / GiB:.1f}); raise "
+            "models.policy.rollout.gpu_memory_utilization or tensor_parallel_size"
+        )
+    return MemoryPlan(device_bytes, trainer, ref, engine, phases, problems)
+
+
+def suggest_layouts(config, device_bytes: int, *, limit: int = 5, **kwargs) -> list[tuple[ParallelConfig, int]]:
+    """Trainer layouts for ``config``'s model and devices that fit, best first: the least model parallelism (the
+    most data parallelism), then fewer pipeline stages, then the lowest peak; each with its peak bytes."""
+    bridge = get_bridge(config.models.policy_trainer.load)
+    a = Architecture.from_bridge(bridge)
+    world = config.runtime_args.num_devices
+    found = []
+    for tp in divisors(min(world, 8)):  # TP within a node
+        for pp in [p for p in divisors(world // tp) if p <= a.layers]:
+            for ep in divisors(a.experts) if a.experts else [1]:
+                parallel = _layout(a, tp, pp, ep, world)
+                if parallel is None:
+                    continue
+                try:
+                    bridge.validate_layout(parallel)
+                    parallel.validate_world(world)
+                    trial = _with_layout(config, parallel)
+                    trial.validate()
+                except ValueError:
+                    continue
+                plan = plan_memory(trial, device_bytes, arch=a, **kwargs)
+                if plan.fits:
+                    found.append((tp * pp, pp, plan.peak.total, parallel))
+    found.sort(key=lambda f: f[:3])
+    return [(parallel, peak) for _, _, peak, parallel in found[:limit]]
+
+
+def _layout(a: Architecture, tp: int, pp: int, ep: int, world: int) -> ParallelConfig | None:
+    if ep * pp > world or (ep > 1 and world % (ep * pp)):
+        return None
+    base = dict(tp=tp, pp=pp, ep=ep, etp=1 if a.experts else None, sequence_parallel=tp > 1)
+    if a.layers % pp:  # an uneven split: the remainder goes to the last stage (the output layer's)
+        per = -(-a.layers // pp)
+        last = a.layers - per * (pp - 1)
+        if last < 1:
+            return None
+        base["last_stage_layers"] = last
+    return ParallelConfig(**base)
+
+
+def _with_layout(config, parallel: ParallelConfig):
+    models = config.models
+    trainer = dataclasses.replace(models.policy_trainer, parallel=parallel)
+    ref = dataclasses.replace(models.ref_policy, parallel=parallel)
+    return dataclasses.replace(config, models=dataclasses.replace(models, policy_trainer=trainer, ref_policy=ref))
+
+
+def describe(plan: MemoryPlan, max_model_len: int) -> list[str]:
+    """The plan as report lines: the roles' parts, then every phase's total against the device."""
+    t, e = plan.trainer, plan.engine
+    lines = [
+        f"memory per device ({plan.device_bytes / GiB:.0f} GiB): trainer weights {t.weights / GiB:.1f}, grads "
+        f"{t.grads / GiB:.1f}, optimizer {t.optimizer / GiB:.1f}, activations {t.activations / GiB:.1f} GiB"
+        + (f"; reference weights {plan.ref_weights / GiB:.1f} GiB" if plan.ref_weights else ""),
+        f"  rollout engine: share {e.share / GiB:.1f} GiB (weights {e.weights / GiB:.1f}, working "
+        f"{e.working / GiB:.1f}), KV cache {max(e.kv_tokens, 0):,} tokens at {e.kv_bytes_per_token / 1024:.0f} "
+        f"KiB each ({max(e.kv_tokens, 0) / max_model_len:.1f} sequences of max_model_len)",
+        "  phases: " + ", ".join(f"{p.name} {p.total / GiB:.1f}" for p in plan.phases) + " GiB",
+    ]
+    return lines + [f"  does not fit: {problem}" for problem in plan.problems]
+
+
+def device_bytes(config) -> int:
+    """``runtime_args.device_memory_gb``, else the local GPU's memory; 0 on a machine without one."""
+    if config.runtime_args.device_memory_gb:
+        return int(config.runtime_args.device_memory_gb * GiB)
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+
+
+def check_fits(config) -> list[str]:
+    """Why ``config`` cannot fit its devices, with layouts that would (empty: it fits, or no GPU to check)."""
+    memory = device_bytes(config)
+    if not memory:
+        return []
+    plan = plan_memory(config, memory)
+    if plan.fits:
+        return []
+    return describe(plan, config.models.policy.rollout.max_model_len) + remedies(config, memory)
+
+
+def remedies(config, memory: int) -> list[str]:
+    """Trainer layouts that fit ``memory`` per device, best first, or what else to change."""
+    suggestions = suggest_layouts(config, memory)
+    if not suggestions:
+        return [
+            "  no trainer layout fits: add devices, set models.policy_trainer.recompute=full, or lower "
+            "max_token_in_packing / micro_batch_size"
+        ]
+    return ["  trainer layouts that fit these devices (models.policy_trainer.parallel), best first:"] + [
+        f"    {layout_text(p)}: peak {peak / GiB:.1f} GiB" for p, peak in suggestions
+    ]
+
+
+def layout_text(parallel: ParallelConfig) -> str:
+    """``{tp: 2, sequence_parallel: true}``: the fields that differ from a single device, as YAML."""
+    fields = {k: v for k, v in dataclasses.asdict(parallel).items() if v is not None and v is not False}
+    return "{" + ", ".join(f"{k}: {str(v).lower()}" for k, v in fields.items() if v is True or v != 1) + "}"

@@ -1,0 +1,164 @@
+"""The memory planner against what it models: parameter counts equal Megatron's built models, activation estimates
+equal what autograd saves on tiny models of every family and layout (the local build, within 2%), KV cache sizes
+are the known per-token numbers, and the phases and layout suggestions agree with them."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+from mcore_rl.config.schema import load_run_config
+from mcore_rl.planner.memory import (
+    Architecture,
+    GiB,
+    engine_memory,
+    head_activation_bytes,
+    in_flight,
+    layer_activation_bytes,
+    plan_memory,
+    stage_params,
+    suggest_layouts,
+)
+from mcore_rl.rollout.engine import RolloutConfig
+from models.registry import get_bridge
+from parallel.config import ParallelConfig
+from tests.planner import activations
+from tests.tiny import MOONLIGHT, make_tiny
+
+REPO = Path(__file__).resolve().parents[2]
+PUBLIC = REPO / "models" / "configs"
+SP = dict(tp=2, sequence_parallel=True)
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout"),
+    [
+        ("Qwen3ForCausalLM", {}),
+        ("Qwen3ForCausalLM", SP),
+        ("Qwen3ForCausalLM", dict(cp=2)),
+        ("Qwen3ForCausalLM", dict(cp=2, **SP)),
+        ("LlamaForCausalLM", dict(tp=2)),  # TP without sequence parallelism: hidden-sized tensors are whole
+        ("Qwen2ForCausalLM", {}),
+        ("Qwen3MoeForCausalLM", dict(ep=2)),
+        ("Qwen3MoeForCausalLM", dict(ep=2, etp=1, **SP)),
+        ("DeepseekV3ForCausalLM", dict(ep=4)),
+        ("DeepseekV3ForCausalLM", dict(ep=2, etp=1, **SP)),
+    ],
+)
+def test_activation_estimate_matches_saved_tensors(ranks, tiny_models, arch, layout):
+    lengths = [40, 25, 31, 33]  # a packed micro-batch of uneven sequences
+    measured = ranks.run(activations.saved_bytes, hf_dir=tiny_models[arch], layout=layout, lengths=lengths)
+    a, parallel = Architecture.from_bridge(get_bridge(tiny_models[arch])), ParallelConfig(**layout)
+    tokens = measured[0]["tokens"]
+    sequence = measured[0]["sequence"]
+    for owner in [k for k in measured[0] if k.startswith("layer")] + ["head"]:
+        # Routed experts take different token counts per rank; their mean is what balanced routing assumes.
+        mean = sum(m[owner] for m in measured) / len(measured)
+        if owner == "head":
+            estimate = head_activation_bytes(a, parallel, tokens, "local", 4)
+        else:
+            moe = a.moe_layers[int(owner[5:])]
+            estimate = layer_activation_bytes(a, moe, parallel, tokens, "local", 4, sequence)
+        assert estimate == pytest.approx(mean, rel=0.02), owner
+
+
+@pytest.fixture(scope="module")
+def moonlight(tmp_path_factory):
+    return str(make_tiny("DeepseekV3ForCausalLM", tmp_path_factory.mktemp("moonlight"), **MOONLIGHT))
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout"),
+    [
+        ("LlamaForCausalLM", dict(pp=2, tp=2)),  # tied embeddings: the last stage holds a copy
+        ("LlamaForCausalLM", dict(pp=2, vpp=2)),
+        ("Qwen2ForCausalLM", dict(tp=2)),  # QKV bias
+        ("Qwen3ForCausalLM", dict(pp=4)),
+        ("Qwen3MoeForCausalLM", dict(ep=2, etp=2, **SP)),
+        ("DeepseekV3ForCausalLM", dict(pp=2, ep=2, last_stage_layers=1)),  # the dense first layer on stage 0
+        ("moonlight", dict(tp=2, ep=2, etp=1, sequence_parallel=True)),  # MLA without a query projection rank
+    ],
+)
+def test_stage_params_equal_megatron_models(ranks, tiny_models, moonlight, arch, layout):
+    hf_dir = moonlight if arch == "moonlight" else tiny_models[arch]
+    expected = stage_params(Architecture.from_bridge(get_bridge(hf_dir)), ParallelConfig(**layout))
+    for stage, params, experts in ranks.run(activations.params_per_rank, hf_dir=hf_dir, layout=layout):
+        assert (params, experts) == expected[stage]
+
+
+def test_checkpoint_parameter_counts_of_the_public_configs():
+    billions = {
+        "qwen3_8b": 8.19,
+        "qwen3_30b_a3b": 30.53,
+        "moonlight_16b_a3b": 15.96,
+        "qwen3_235b_a22b": 235.09,
+        "deepseek_v3": 671.03,  # the released 685B less its multi-token-prediction layer (not trained or rolled out)
+    }
+    for model, expected in billions.items():
+        assert Architecture.from_bridge(get_bridge(str(PUBLIC / model))).hf_params() / 1e9 == pytest.approx(
+            expected, abs=0.01
+        ), model
+
+
+def test_kv_cache_per_token_is_the_known_size():
+    qwen3_8b = Architecture.from_bridge(get_bridge(str(PUBLIC / "qwen3_8b")))
+    dsv3 = Architecture.from_bridge(get_bridge(str(PUBLIC / "deepseek_v3")))
+    per_token = {
+        (qwen3_8b, 1): 2 * 36 * 8 * 128 * 2,  # K and V of 8 KV heads per layer, bf16: 144 KiB
+        (qwen3_8b, 4): 2 * 36 * 2 * 128 * 2,  # the heads split over TP
+        (qwen3_8b, 16): 2 * 36 * 1 * 128 * 2,  # fewer KV heads than ranks: each rank keeps one
+        (dsv3, 1): 61 * (512 + 64) * 2,  # MLA's latent and rotary key, the same on every TP rank
+        (dsv3, 8): 61 * (512 + 64) * 2,
+    }
+    for (arch, tp), expected in per_token.items():
+        assert engine_memory(arch, RolloutConfig(tensor_parallel_size=tp), 80 * GiB).kv_bytes_per_token == expected
+
+
+def test_pipeline_micro_batches_in_flight():
+    assert [in_flight(ParallelConfig(pp=4), r, 8) for r in range(4)] == [4, 3, 2, 1]  # 1F1B
+    assert in_flight(ParallelConfig(pp=4), 0, 2) == 2  # fewer micro-batches than stages
+    # Interleaved, PP 2 x VPP 2: rank 0 warms up (2-1)*2 + (2-1)*2 + 1 = 5 chunk-micro-batches = 2.5 stages.
+    assert in_flight(ParallelConfig(pp=2, vpp=2), 0, 8) == 2.5
+
+
+def _config(name: str, model: str, *overrides: str):
+    os.environ["MCORE_RL_MODEL"] = str(PUBLIC / model)
+    return load_run_config(REPO / "scripts" / "configs" / f"{name}.yaml", list(overrides))
+
+
+def test_plan_explains_what_does_not_fit_and_suggests_layouts_that_do():
+    config = _config(
+        "qwen3_8b_grpo",
+        "qwen3_8b",
+        "models.policy_trainer.parallel.tp=1",
+        "models.policy_trainer.parallel.sequence_parallel=false",
+    )
+    plan = plan_memory(config, 40 * GiB)
+    assert not plan.fits
+    assert any(p.startswith("train:") and "activations" in p for p in plan.problems), plan.problems
+    suggestions = suggest_layouts(config, 40 * GiB)
+    assert suggestions, "8 devices of 40 GiB hold Qwen3-8B with enough model parallelism"
+    sizes = [(p.tp * p.pp, p.pp, peak) for p, peak in suggestions]
+    assert sizes == sorted(sizes)
+    assert all(peak <= 40 * GiB for _, peak in suggestions)
+    # Without offload the rollout shares the device with the trainer's state; offload is what makes it fit.
+    assert plan_memory(_config("qwen3_8b_grpo", "qwen3_8b"), 80 * GiB).fits
+    kept = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b", "models.policy_trainer.offload=false"), 80 * GiB)
+    assert [p.split(":")[0] for p in kept.problems] == ["rollout"]
+
+
+def test_full_recompute_keeps_layer_inputs_only():
+    base = _config("qwen3_8b_grpo", "qwen3_8b", "models.policy_trainer.recompute=none")
+    full = _config("qwen3_8b_grpo", "qwen3_8b", "models.policy_trainer.recompute=full")
+    kept, recomputed = plan_memory(base, 80 * GiB).trainer, plan_memory(full, 80 * GiB).trainer
+    assert recomputed.static == kept.static
+    # 36 layers of one 16k-token pack at TP 2 + SP: all activations kept, or 36 layer inputs and one layer's during
+    # its recomputation (the loss head is the same in both)
+    a, parallel, tokens = (
+        Architecture.from_bridge(get_bridge(str(PUBLIC / "qwen3_8b"))),
+        base.models.policy_trainer.parallel,
+        16384,
+    )
+    layer = layer_activation_bytes(a, False, parallel, tokens, "te", 2)
+    layer_input = tokens // 2 * a.hidden * 2
+    assert kept.activations - recomputed.activations == pytest.approx(36 * layer - (36 * layer_input + layer), abs=2)
