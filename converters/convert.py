@@ -51,7 +51,11 @@ class HFSource:
     """Full Megatron tensors made from an HF directory's tensors through the bridge's mappings."""
 
     def __init__(self, hf_dir: Path, bridge, table: MappingTable):
-        self.ckpt, self.bridge, self.table = HFCheckpoint(hf_dir), bridge, table
+        try:
+            self.ckpt = HFCheckpoint(hf_dir)
+        except ValueError as err:  # a quantization it cannot read
+            raise ConversionError(str(err)) from None
+        self.bridge, self.table = bridge, table
 
     def check(self, schema: Schema) -> None:
         """Every tensor present with shapes that form the model's, and none left over (on metadata only)."""

@@ -27,11 +27,41 @@ def read_config(hf_dir: str | Path) -> dict:
         raise ValueError(f"{path}: invalid JSON at line {err.lineno}: {err.msg}") from err
 
 
+# Block-quantized FP8 checkpoints (DeepSeek-V3's release): each quantized weight has a float32 ``<name>_scale_inv``
+# with one factor per block of ``quantization_config.weight_block_size``.
+SCALE_SUFFIX = "_scale_inv"
+
+
+def fp8_block_size(config: dict, where: str) -> tuple[int, int] | None:
+    """The weight block of a block-quantized FP8 checkpoint's ``config`` (config.json), None if not quantized."""
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return None
+    method, block = quantization.get("quant_method"), quantization.get("weight_block_size")
+    if method != "fp8" or not (isinstance(block, list) and len(block) == 2):
+        raise ValueError(
+            f"{where}: quantization_config quant_method={method!r}, weight_block_size={block!r}: only block FP8 "
+            "(quant_method 'fp8' with [rows, cols] blocks, as DeepSeek-V3's release) is dequantized here; convert the "
+            "checkpoint to bf16 first"
+        )
+    return block[0], block[1]
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """bf16 ``weight * scale_inv`` per block (DeepSeek's reference dequantization; edge blocks may be partial)."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return (weight.float() * scale).to(torch.bfloat16)
+
+
 class HFCheckpoint:
-    """Lazy, per-tensor access to a checkpoint's safetensors: a rank reads only the tensors it asks for."""
+    """Lazy, per-tensor access to a checkpoint's safetensors: a rank reads only the tensors it asks for. Block FP8
+    weights read as bf16 (their scales are not listed): converters and trainers see the model, not its storage."""
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
+        config = self.dir / "config.json"
+        self.fp8_block = fp8_block_size(read_config(self.dir), str(config)) if config.is_file() else None
         index = self.dir / INDEX_FILE
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -44,7 +74,16 @@ class HFCheckpoint:
         self._handles: dict[str, object] = {}
 
     def names(self) -> set[str]:
-        return set(self.weight_map)
+        return {n for n in self.weight_map if not self._is_scale(n)}
+
+    def _is_scale(self, name: str) -> bool:
+        return (
+            self.fp8_block is not None and name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self.weight_map
+        )
+
+    def _scale_of(self, name: str) -> str | None:
+        scale = name + SCALE_SUFFIX
+        return scale if self.fp8_block is not None and scale in self.weight_map else None
 
     def _handle(self, name: str):
         file = self.weight_map.get(name)
@@ -58,13 +97,19 @@ class HFCheckpoint:
         return self._handles[file]
 
     def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
+        tensor = self._handle(name).get_tensor(name)
+        scale = self._scale_of(name)
+        return (
+            tensor if scale is None else dequantize_fp8(tensor, self._handle(scale).get_tensor(scale), self.fp8_block)
+        )
 
     def shape(self, name: str) -> tuple[int, ...]:
         """From the file's header: no data is read."""
         return tuple(self._handle(name).get_slice(name).get_shape())
 
     def dtype(self, name: str) -> torch.dtype:
+        if self._scale_of(name) is not None:
+            return torch.bfloat16
         return _DTYPE_OF_NAME[self._handle(name).get_slice(name).get_dtype()]
 
 
@@ -74,7 +119,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json
 
 def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
     """Copy ``src``'s top-level non-weight files (config.json, tokenizer files, ...) into ``dst``; from a training
-    checkpoint, not its completion marker (the copy is another directory's, not a checkpoint)."""
+    checkpoint, not its completion marker (the copy is another directory's, not a checkpoint); from an FP8
+    checkpoint, config.json without its quantization_config (what is written beside it holds dequantized weights)."""
     from mcore_rl.checkpoint import MARKER
 
     copied = []
@@ -82,6 +128,10 @@ def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
         if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name != MARKER:
             shutil.copy2(path, Path(dst) / path.name)
             copied.append(path.name)
+    config = Path(dst) / "config.json"
+    if "config.json" in copied and "quantization_config" in (fields := read_config(dst)):
+        del fields["quantization_config"]  # the weights written beside it are dequantized
+        config.write_text(json.dumps(fields, indent=2) + "\n")
     return copied
 
 

@@ -376,9 +376,9 @@ class MemoryPlan:
 def plan_memory(
     config, device_bytes: int, *, backend: str = "te", reserve_bytes: int = 5 * GiB, arch: Architecture | None = None
 ) -> MemoryPlan:
-    """Every phase of a colocated episode on one device of ``config`` (a RunConfig), with and without the
-    trainer's offload as configured. ``reserve_bytes`` stands for the CUDA context, NCCL buffers and allocator
-    fragmentation."""
+    """Every phase of a colocated episode on one device of ``config`` (a RunConfig), with the trainer's offload as
+    configured (:func:`mcore_rl.train.episode_step` moves weights and optimizer state apart). ``reserve_bytes``
+    stands for the CUDA context, NCCL buffers and allocator fragmentation."""
     m, world = config.models, config.runtime_args.num_devices
     a = arch or Architecture.from_bridge(get_bridge(m.policy_trainer.load))
     trainer = trainer_memory(a, m.policy_trainer.parallel, world, Workload.from_config(config), backend=backend)

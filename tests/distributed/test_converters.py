@@ -4,6 +4,7 @@ size; bad input is refused before anything is written. Every conversion runs the
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -207,3 +208,42 @@ def test_bad_input_is_refused_before_writing(tmp_path, tiny_models):
 
     run = ok(cli("hf2mcore", qwen2, out, "--force"))
     assert not (out / "keep.txt").exists() and (out / "model" / "metadata.json").is_file()
+
+
+def test_block_fp8_checkpoint_converts_dequantized(tmp_path, tiny_models):
+    """DeepSeek-V3's release stores its projections in FP8 with an inverse scale per 128x128 block: hf2mcore reads
+    them as bf16 (here 48x48 blocks, so edge blocks are partial), mcore2hf writes that model with a config.json
+    that no longer claims FP8. Other quantizations are refused by name before anything is written."""
+    source, fp8, block = Path(tiny_models["DeepseekV3ForCausalLM"]), tmp_path / "fp8", 48
+    fp8.mkdir()
+    copy_model_files(source, fp8)
+    stored, expected = {}, {}
+    for name, weight in hf_tensors(source).items():
+        stored[name] = expected[name] = weight
+        if not name.endswith("proj.weight"):
+            continue
+        rows, cols = (math.ceil(n / block) for n in weight.shape)
+        scale = torch.empty(rows, cols)
+        quantized = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+        dequantized = torch.empty(weight.shape, dtype=torch.bfloat16)
+        for i in range(rows):
+            for j in range(cols):
+                part = (slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block))
+                scale[i, j] = weight[part].abs().max() / 448  # the e4m3 range
+                quantized[part] = (weight[part] / scale[i, j]).to(torch.float8_e4m3fn)
+                dequantized[part] = (quantized[part].float() * scale[i, j]).to(torch.bfloat16)
+        stored[name], stored[name + "_scale_inv"], expected[name] = quantized, scale, dequantized
+    save_file(stored, fp8 / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    quantization = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[block] * 2)
+    (fp8 / "config.json").write_text(json.dumps(config | {"quantization_config": quantization}))
+
+    ok(cli("hf2mcore", fp8, tmp_path / "mcore"))
+    ok(cli("mcore2hf", tmp_path / "mcore", tmp_path / "hf"))
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), expected)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == config
+
+    (fp8 / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "gptq"}}))
+    run = cli("hf2mcore", fp8, tmp_path / "gptq")
+    assert run.returncode == 2 and "quant_method='gptq'" in run.stderr, run.stderr
+    assert not (tmp_path / "gptq").exists()
