@@ -54,6 +54,7 @@ class Architecture:
     moe_ffn: int = 0
     shared_ffn: int = 0
     router_groups: int = 1
+    expert_bias: bool = False  # a routing bias per expert: a buffer in Megatron, a tensor of the checkpoint
     mla: bool = False
     q_lora: int = 0  # 0: MLA queries without a low-rank projection
     kv_lora: int = 0
@@ -88,6 +89,7 @@ class Architecture:
             moe_ffn=c.moe_ffn_hidden_size or 0,
             shared_ffn=c.moe_shared_expert_intermediate_size or 0,
             router_groups=c.moe_router_num_groups or 1,
+            expert_bias=bool(c.moe_router_enable_expert_bias),
             mla=mla,
             q_lora=(c.q_lora_rank or 0) if mla else 0,
             kv_lora=c.kv_lora_rank if mla else 0,
@@ -103,7 +105,8 @@ class Architecture:
     def hf_params(self) -> int:
         """Parameters of the HF checkpoint (what each rollout engine holds)."""
         total = sum(params for params, _ in stage_params(self, ParallelConfig()))
-        return total - (self.padded_vocab(1) - self.vocab) * self.hidden * (1 if self.tied else 2)
+        padding = (self.padded_vocab(1) - self.vocab) * self.hidden * (1 if self.tied else 2)
+        return total - padding + (self.experts * sum(self.moe_layers) if self.expert_bias else 0)
 
 
 # ---- parameters ----------------------------------------------------------------------------------------------
