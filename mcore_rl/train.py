@@ -9,12 +9,14 @@ complete checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import sys
 import time
+import types
 from pathlib import Path
 
 import yaml
@@ -115,6 +117,10 @@ class System:
                 hf_dir=ref.load, parallel=ref.parallel, seed=rt.seed, max_token_in_packing=ref.max_token_in_packing,
             )  # fmt: skip
             self._stops.append(self.ref.kill)
+        self.offload = trainer.offload  # on CPU offload and onload do nothing: there is nowhere to go
+        for role in [self.trainer] + ([self.ref] if self.use_ref else []):
+            if self.offload:  # vLLM takes its share of the memory left free when it starts
+                role.call("offload")
         rollout = dataclasses.replace(m.policy.rollout, return_routed_experts=trainer.moe.routing_replay)
         self.rollout = RolloutGroup(m.policy.load, rollout, self.placement, n, f"{name}/policy")
         self._stops.append(self.rollout.stop)
@@ -129,6 +135,18 @@ class System:
                 for rank, actor in enumerate(self.trainer.actors)
             ]
         )
+
+    @contextlib.contextmanager
+    def on_device(self, role, parts: list[str] | None = None):
+        """``role``'s ``parts`` (default: all) on its devices for the block, and off them after it when offloading;
+        yields a record whose ``offloaded`` is the bytes that left."""
+        record = types.SimpleNamespace(offloaded=0)
+        role.call("onload", parts)
+        try:
+            yield record
+        finally:
+            if self.offload:
+                record.offloaded = sum(role.call("offload", parts))
 
     def close(self) -> None:
         import ray
@@ -205,13 +223,16 @@ def run(config: RunConfig) -> Path:
     start, position = 0, 0
     logger = MetricsLogger(out, rt.log.tensorboard, rt.num_episode, found[0] if found else 0)
     try:
-        if found:
-            start, path = found
-            system.trainer.call("load", str(path))
-            position = checkpoint.read_meta(path)["data_position"]
-            digest = system.trainer.call("optimizer_digest")[0]
-            logger.event("resume", episode=start, checkpoint=str(path), data_position=position, optimizer=digest)
-        sync = system.trainer.call("sync_weights")[0]  # engines start from the HF weights; the probe checks both
+        system.rollout.sleep()  # the engines start awake; the trainer loads and syncs first
+        with system.on_device(system.trainer, ["weights"]):
+            if found:
+                start, path = found
+                with system.on_device(system.trainer, ["optimizer"]):
+                    system.trainer.call("load", str(path))
+                    digest = system.trainer.call("optimizer_digest")[0]
+                position = checkpoint.read_meta(path)["data_position"]
+                logger.event("resume", episode=start, checkpoint=str(path), data_position=position, optimizer=digest)
+            sync = system.trainer.call("sync_weights")[0]  # engines start from the HF weights; the probe checks both
         logger.event("initial_sync", **sync)
         if rt.eval_episode_interval and not found:
             logger.log(0, evaluate(system, data, config), advance=False)
@@ -219,9 +240,10 @@ def run(config: RunConfig) -> Path:
             position = episode_step(system, data, config, logger, episode, position)
             if rt.save_episode_interval and (episode % rt.save_episode_interval == 0 or episode == rt.num_episode):
                 partial = checkpoint.partial_dir(ckpt_root, episode)
-                system.trainer.call("save", str(partial))
+                with system.on_device(system.trainer):
+                    system.trainer.call("save", str(partial))
+                    meta = {"data_position": position, "optimizer": system.trainer.call("optimizer_digest")[0]}
                 copy_model_files(config.models.policy_trainer.load, partial)  # mcore-rl-mcore2hf needs no more
-                meta = {"data_position": position, "optimizer": system.trainer.call("optimizer_digest")[0]}
                 logger.event("checkpoint", path=str(checkpoint.commit(ckpt_root, episode, meta)), **meta)
                 checkpoint.prune(ckpt_root, rt.keep_checkpoints)
     finally:
@@ -245,26 +267,21 @@ def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsL
 
     samples, rewards, position = rollout_phase(system, data, config, position)
     phase("rollout_and_reward")
-    offload = m.policy_trainer.offload  # on CPU offload and onload do nothing: there is nowhere to go
     freed = system.rollout.sleep()
-    system.trainer.call("onload", ["weights"])
     batch = training_batch(samples, rewards, m.policy.num_inference_per_prompt, m.policy_trainer.advantage_std_norm)
-    if system.use_ref:
-        system.ref.call("onload")
-        batch["ref_logp"] = system.ref.call("logprobs", batch, m.ref_policy.micro_batch_size)[0]
-        if offload:
-            system.ref.call("offload")
-    phase("ref_logprobs")
-    batch["old_logp"] = system.trainer.call("logprobs", batch, m.policy_trainer.micro_batch_size)[0]
-    phase("old_logprobs")
-    system.trainer.call("onload", ["optimizer"])
-    steps = system.trainer.call("train", batch, rt.train_global_batch_size, m.policy_trainer.micro_batch_size)[0]
-    phase("train")
-    memory = system.trainer.call("memory_bytes")[0]
-    router = system.trainer.call("router_metrics")[0]
-    offloaded = sum(system.trainer.call("offload", ["optimizer"])) if offload else 0  # the sync needs weights only
-    sync = system.trainer.call("sync_weights")[0]
-    offloaded += sum(system.trainer.call("offload", ["weights"])) if offload else 0
+    with system.on_device(system.trainer, ["weights"]) as weights:  # the sync needs no optimizer state
+        if system.use_ref:
+            with system.on_device(system.ref):
+                batch["ref_logp"] = system.ref.call("logprobs", batch, m.ref_policy.micro_batch_size)[0]
+        phase("ref_logprobs")
+        batch["old_logp"] = system.trainer.call("logprobs", batch, m.policy_trainer.micro_batch_size)[0]
+        phase("old_logprobs")
+        with system.on_device(system.trainer, ["optimizer"]) as optimizer:
+            steps = system.trainer.call("train", batch, rt.train_global_batch_size, m.policy_trainer.micro_batch_size)
+            steps, memory = steps[0], system.trainer.call("memory_bytes")[0]
+        phase("train")
+        router = system.trainer.call("router_metrics")[0]
+        sync = system.trainer.call("sync_weights")[0]
     phase("sync")
     tokens = float(batch["mask"].sum())
     metrics = rollout_stats(samples, rewards, m.policy.num_inference_per_prompt)
@@ -276,7 +293,7 @@ def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsL
         "throughput/response_tokens_per_s": tokens / sum(timings.values()),
         "memory/trainer_bytes": memory,
         "memory/engine_freed_bytes": freed,
-        "memory/trainer_offloaded_bytes": offloaded,
+        "memory/trainer_offloaded_bytes": weights.offloaded + optimizer.offloaded,
         "data/position": position,
     }
     logger.log(episode, metrics)

@@ -408,10 +408,11 @@ def plan_memory(
             | ({"reference weights": ref} if use_ref and not offload else {})
             | reserve,
         ),
-        Phase(  # with offload, the optimizer state and gradients leave before the engine's weights arrive
+        Phase(  # with offload, the optimizer state and gradients leave before the engine's weights arrive; the
+            # engine's KV cache wakes at the end, for the probe, before the trainer's weights leave
             "sync",
             ({"trainer weights": trainer.weights} if offload else {"trainer weights+grads+optimizer": trainer.static})
-            | {"engine weights": engine.weights, "buckets": bucket}
+            | {"engine share": max(engine.share, engine.weights), "buckets": bucket}
             | reserve,
         ),
     ]
