@@ -118,8 +118,8 @@ class System:
             )  # fmt: skip
             self._stops.append(self.ref.kill)
         self.offload = trainer.offload  # on CPU offload and onload do nothing: there is nowhere to go
-        for role in [self.trainer] + ([self.ref] if self.use_ref else []):
-            if self.offload:  # vLLM takes its share of the memory left free when it starts
+        if self.offload:  # vLLM takes its share of the memory left free when it starts
+            for role in [self.trainer] + ([self.ref] if self.use_ref else []):
                 role.call("offload")
         rollout = dataclasses.replace(m.policy.rollout, return_routed_experts=trainer.moe.routing_replay)
         self.rollout = RolloutGroup(m.policy.load, rollout, self.placement, n, f"{name}/policy")

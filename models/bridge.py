@@ -37,6 +37,13 @@ DENSE_CONFIG = DECODER_CONFIG + (("num_key_value_heads", "num_query_groups"), ("
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Megatron's vocabulary size under TP: rounded up so every TP rank holds a multiple of 128 rows."""
+    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
+    return -(-vocab_size // multiple) * multiple
+
+
 _L = "decoder.layers.*."
 _HL = "model.layers.*."
 _E = _L + "mlp.experts.local_experts.*."
@@ -115,8 +122,7 @@ class Bridge:
         return None
 
     def padded_vocab_size(self, tp: int) -> int:
-        multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
-        return -(-self.vocab_size // multiple) * multiple
+        return padded_vocab(self.vocab_size, tp)
 
     def validate_layout(self, parallel: ParallelConfig) -> None:
         parallel.validate_model(

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.bridge import MAKE_VOCAB_SIZE_DIVISIBLE_BY
+from models.bridge import padded_vocab
 from models.registry import get_bridge
 from parallel.config import ParallelConfig, divisors
 
@@ -99,8 +99,7 @@ class Architecture:
         )
 
     def padded_vocab(self, tp: int) -> int:
-        multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp
-        return -(-self.vocab // multiple) * multiple
+        return padded_vocab(self.vocab, tp)
 
     def hf_params(self) -> int:
         """Parameters of the HF checkpoint (what each rollout engine holds)."""
@@ -160,6 +159,13 @@ def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, i
 
 
 # ---- activations ---------------------------------------------------------------------------------------------
+def device_tokens(parallel: ParallelConfig, tokens: float) -> tuple[float, float]:
+    """Of a micro-batch's ``tokens``: those one device holds (CP splits them), and those in its sequence-sharded
+    (hidden-sized) tensors, which sequence parallelism splits over TP too."""
+    t = tokens / parallel.cp
+    return t, t / parallel.tp if parallel.sequence_parallel else t
+
+
 def layer_activation_bytes(
     a: Architecture,
     moe: bool,
@@ -176,8 +182,7 @@ def layer_activation_bytes(
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
     tp, h = parallel.tp, a.hidden
-    t = tokens / parallel.cp  # tokens this device holds
-    st = t / tp if parallel.sequence_parallel else t  # of which in sequence-sharded tensors
+    t, st = device_tokens(parallel, tokens)
     local = backend == "local"
     heads = a.heads // tp
     fp32 = 4 / act_bytes  # an fp32 element in activation elements
@@ -225,8 +230,7 @@ def layer_activation_bytes(
 
 def head_activation_bytes(a: Architecture, parallel: ParallelConfig, tokens: int, backend: str, act_bytes: int):
     """Bytes the last stage keeps for the final norm, the output layer and the loss (fp32 softmax over V/TP)."""
-    t = tokens / parallel.cp
-    st = t / parallel.tp if parallel.sequence_parallel else t
+    t, st = device_tokens(parallel, tokens)
     norm = 2 if backend == "local" else 1
     return st * (norm + 1) * a.hidden * act_bytes + st * 4 + t * (4 * a.padded_vocab(parallel.tp) / parallel.tp + 9)
 
@@ -292,23 +296,23 @@ def trainer_memory(
     dp_cp = world // (parallel.tp * parallel.pp)
     expert_dp = world // (parallel.ep * parallel.expert_tp * parallel.pp)
     opt_per_param = 8 + (4 if param_bytes != 4 else 0)  # Adam moments (+ fp32 main weights of bf16 parameters)
+    tokens = work.micro_batch_tokens
+    t, st = device_tokens(parallel, tokens)
     best = None
     for rank, ((params, experts), layers) in enumerate(
         zip(stage_params(a, parallel), rank_layers(parallel, a.layers), strict=True)
     ):
-        tokens = work.micro_batch_tokens
         per_layer = [
             layer_activation_bytes(a, a.moe_layers[i], parallel, tokens, backend, param_bytes, work.sequence)
             for i in layers
         ]
-        t = work.micro_batch_tokens / parallel.cp
-        layer_inputs = (t / parallel.tp if parallel.sequence_parallel else t) * a.hidden * param_bytes
+        layer_inputs = st * a.hidden * param_bytes
         kept = layer_inputs * len(layers) + max(per_layer) if work.recompute else sum(per_layer)
         acts = in_flight(parallel, rank, work.micro_batches) * kept
         head = 0.0
         if rank == parallel.pp - 1:
             vocab_t = t * a.padded_vocab(parallel.tp) / parallel.tp
-            head = head_activation_bytes(a, parallel, work.micro_batch_tokens, backend, param_bytes)
+            head = head_activation_bytes(a, parallel, tokens, backend, param_bytes)
             acts += head + vocab_t * (param_bytes + 4)  # logits and their fp32 gradient during the loss backward
         memory = TrainerMemory(
             weights=params * param_bytes,
@@ -390,6 +394,10 @@ def plan_memory(
     engine = engine_memory(a, m.policy.rollout, device_bytes)
     offload = m.policy_trainer.offload
     resident = {"trainer (offloaded)": 0} if offload else {"trainer weights+grads+optimizer": trainer.static}
+    # outside the step: with offload, the weights without the optimizer state and gradients
+    weights_only = (
+        {"trainer weights": trainer.weights} if offload else {"trainer weights+grads+optimizer": trainer.static}
+    )
     if use_ref:
         resident["reference weights"] = 0 if offload else ref
     bucket = 2 * m.policy.sync.bucket_bytes
@@ -398,9 +406,7 @@ def plan_memory(
         Phase("rollout", {"engine share": engine.share} | resident | reserve),
         Phase(  # with offload, the optimizer state stays off the device until the step
             "log-probs",
-            ({"trainer weights": trainer.weights} if offload else {"trainer weights+grads+optimizer": trainer.static})
-            | {"reference weights": ref, "scoring": trainer.scoring}
-            | reserve,
+            weights_only | {"reference weights": ref, "scoring": trainer.scoring} | reserve,
         ),
         Phase(
             "train",
@@ -411,9 +417,7 @@ def plan_memory(
         Phase(  # with offload, the optimizer state and gradients leave before the engine's weights arrive; the
             # engine's KV cache wakes at the end, for the probe, before the trainer's weights leave
             "sync",
-            ({"trainer weights": trainer.weights} if offload else {"trainer weights+grads+optimizer": trainer.static})
-            | {"engine share": max(engine.share, engine.weights), "buckets": bucket}
-            | reserve,
+            weights_only | {"engine share": max(engine.share, engine.weights), "buckets": bucket} | reserve,
         ),
     ]
     problems = [
@@ -436,19 +440,14 @@ def plan_memory(
 def suggest_layouts(config, device_bytes: int, *, limit: int = 5, **kwargs) -> list[tuple[ParallelConfig, int]]:
     """Trainer layouts for ``config``'s model and devices that fit, best first: the least model parallelism (the
     most data parallelism), then fewer pipeline stages, then the lowest peak; each with its peak bytes."""
-    bridge = get_bridge(config.models.policy_trainer.load)
-    a = Architecture.from_bridge(bridge)
+    a = Architecture.from_bridge(get_bridge(config.models.policy_trainer.load))
     world = config.runtime_args.num_devices
     found = []
     for tp in divisors(min(world, 8)):  # TP within a node
         for pp in [p for p in divisors(world // tp) if p <= a.layers]:
             for ep in divisors(a.experts) if a.experts else [1]:
-                parallel = _layout(a, tp, pp, ep, world)
-                if parallel is None:
-                    continue
-                try:
-                    bridge.validate_layout(parallel)
-                    parallel.validate_world(world)
+                try:  # the run's own validation: the layout against the model and the devices
+                    parallel = _layout(a, tp, pp, ep)
                     trial = _with_layout(config, parallel)
                     trial.validate()
                 except ValueError:
@@ -460,16 +459,10 @@ def suggest_layouts(config, device_bytes: int, *, limit: int = 5, **kwargs) -> l
     return [(parallel, peak) for _, _, peak, parallel in found[:limit]]
 
 
-def _layout(a: Architecture, tp: int, pp: int, ep: int, world: int) -> ParallelConfig | None:
-    if ep * pp > world or (ep > 1 and world % (ep * pp)):
-        return None
+def _layout(a: Architecture, tp: int, pp: int, ep: int) -> ParallelConfig:
     base = dict(tp=tp, pp=pp, ep=ep, etp=1 if a.experts else None, sequence_parallel=tp > 1)
     if a.layers % pp:  # an uneven split: the remainder goes to the last stage (the output layer's)
-        per = -(-a.layers // pp)
-        last = a.layers - per * (pp - 1)
-        if last < 1:
-            return None
-        base["last_stage_layers"] = last
+        base["last_stage_layers"] = a.layers - -(-a.layers // pp) * (pp - 1)
     return ParallelConfig(**base)
 
 
