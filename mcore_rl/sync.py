@@ -1,15 +1,17 @@
 """Trainer -> rollout weight sync, in memory, verified by a log-prob probe after every sync.
 
-Every trainer rank runs :func:`converters.stream.export_hf` (its collectives need all ranks); the rank that owns
-a rollout engine (the first rank of each rollout replica) regroups the HF tensors into byte buckets, packs each
-into a buffer the engine's workers map (:mod:`mcore_rl.rollout.transport`) and streams the handles to its engine.
-Two buffers alternate, so packing bucket k+1 overlaps the engine loading bucket k. Afterwards the engine scores a
-fixed probe batch and its log-probs are compared with the trainer's: stale or corrupted weights fail loudly here
-instead of silently skewing the policy gradient.
+Every trainer rank runs :func:`converters.stream.export_hf` (its collectives need all ranks) and gets the whole
+model. The ranks on a rollout engine's devices regroup the HF tensors into byte buckets and pack each into a
+buffer on their own device (:mod:`mcore_rl.rollout.transport`); the first of them (the owner) streams one handle
+per bucket, naming every copy, to the engine, whose worker on each device maps the copy on it. Two buffers
+alternate, so packing bucket k+1 overlaps the engine loading bucket k. Afterwards the engine scores a fixed probe
+batch and its log-probs are compared with the trainer's: stale or corrupted weights fail loudly here instead of
+silently skewing the policy gradient.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -22,7 +24,8 @@ import torch
 from converters.stream import export_hf
 from mcore_rl.rollout.transport import BucketSender
 from mcore_rl.training import MegatronModel
-from parallel.comm import all_reduce_scalar
+from parallel.comm import all_gather_objects, all_reduce_scalar
+from parallel.groups import block_group
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +104,10 @@ def _waited(refs) -> float:
 class WeightSync:
     """Streams a trainer's weights into its rollout engine (a Ray actor of ``RolloutEngine``) and checks them.
 
-    ``engine`` is None on ranks that own no engine; they still take part in the export's collectives.
-    ``scorer`` is the trainer's model (or the train step wrapping it); its ``logprobs`` scores the probe batch
-    on the trainer side (a collective on all ranks).
+    Engines sit on blocks of ``engine_tp`` consecutive ranks (one engine worker per device); ``engine`` is the
+    engine of this rank's block, or None where the block has none (those ranks still take part in the export's
+    collectives). ``scorer`` is the trainer's model (or the train step wrapping it); its ``logprobs`` scores the
+    probe batch on the trainer side (a collective on all ranks). Collective: all ranks construct it.
     """
 
     def __init__(
@@ -115,9 +119,12 @@ class WeightSync:
         scorer: MegatronModel,
         config: SyncConfig,
         engine_dtype: torch.dtype,
+        engine_tp: int = 1,
     ):
         config.validate()
         self.chunks, self.bridge, self.groups, self.engine = chunks, bridge, groups, engine
+        self.feeders = block_group(engine_tp)  # the ranks feeding one engine (gloo: they exchange handles)
+        self.owner = engine is not None and (self.feeders is None or torch.distributed.get_rank(self.feeders) == 0)
         self.scorer = scorer
         self.config = config
         default_max, default_mean = PROBE_TOLERANCE[engine_dtype]
@@ -135,31 +142,39 @@ class WeightSync:
         nbytes = buckets = 0
         wait = 0.0
         repairs: tuple[str, ...] = ()
-        pending: list = [None, None]  # in-flight load per buffer
         exported = export_hf(self.chunks, self.bridge, self.groups, bucket_bytes=self.config.bucket_bytes)
         if self.engine is None:
             for _ in exported:
                 pass
         else:
-            ray.get(self.engine.begin_weight_update.remote())
+            if self.owner:
+                ray.get(self.engine.begin_weight_update.remote())
+            pending: list = [None, None]  # the engine's load in flight from each buffer
             for i, bucket in enumerate(send_buckets(exported, self.config.bucket_bytes)):
                 slot = i % 2
-                if pending[slot] is not None:
-                    wait += _waited(pending[slot])  # the engine is done with this buffer
+                if self.owner and pending[slot] is not None:
+                    wait += _waited(pending[slot])  # the engine is done with this buffer...
+                if self.feeders is not None:
+                    torch.distributed.barrier(group=self.feeders)  # ...on every feeder's device
                 handle = self.senders[slot].pack(bucket)
-                pending[slot] = self.engine.load_bucket.remote(handle)
+                if self.feeders is not None:  # every copy of bucket i is packed once this returns
+                    copies = all_gather_objects(handle.buffers, self.feeders)
+                    handle = dataclasses.replace(handle, buffers=tuple(ref for refs in copies for ref in refs))
+                if self.owner:  # queued behind the load of bucket i-1, which may still run
+                    pending[slot] = self.engine.load_bucket.remote(handle)
                 nbytes += handle.nbytes
                 buckets += 1
-            wait += _waited([p for p in pending if p is not None])
-            wait += _waited(finish := self.engine.finish_weight_update.remote())
-            repairs = tuple(ray.get(finish))
+            if self.owner:
+                wait += _waited([p for p in pending if p is not None])
+                wait += _waited(finish := self.engine.finish_weight_update.remote())
+                repairs = tuple(ray.get(finish))
         seconds = time.perf_counter() - start
         max_diff = mean_diff = None
         if self.config.probe:
             max_diff, mean_diff = self._probe()
         report = SyncReport(self.count, seconds, wait, nbytes, buckets, max_diff, mean_diff, repairs)
         self.count += 1
-        if self.engine is not None:
+        if self.owner:
             log.info(
                 "weight sync %d: %.3f s, %.1f MB in %d buckets (%.2f GB/s), probe max|Δ| %s mean|Δ| %s",
                 report.index, seconds, nbytes / 1e6, buckets, report.gb_per_s, max_diff, mean_diff,
@@ -170,7 +185,7 @@ class WeightSync:
         """Compare the engines' log-probs of the probe batch with the trainer's; all ranks raise above tolerance."""
         trainer = self.scorer.logprobs(self.probe, self.bridge.vocab_size, micro_batch_size=len(self.probe))
         max_diff = mean_diff = 0.0
-        if self.engine is not None:
+        if self.owner:
             engine = torch.tensor(ray.get(self.engine.score.remote(self.probe.tolist())), dtype=torch.float32)
             diff = (engine - trainer.cpu()).abs()
             max_diff, mean_diff = diff.max().item(), diff.mean().item()
@@ -189,3 +204,6 @@ class WeightSync:
     def close(self) -> None:
         for sender in self.senders:
             sender.close()
+        if self.feeders is not None:
+            torch.distributed.destroy_process_group(self.feeders)
+            self.feeders = None

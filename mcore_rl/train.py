@@ -131,7 +131,7 @@ class System:
             dtype = "bfloat16" if self.placement.resource == "GPU" else "float32"
         ray.get(
             [
-                actor.connect_engine.remote(self.rollout.engine_of(rank), m.policy.sync, dtype)
+                actor.connect_engine.remote(self.rollout.engine_of(rank), self.rollout.tp, m.policy.sync, dtype)
                 for rank, actor in enumerate(self.trainer.actors)
             ]
         )

@@ -72,6 +72,24 @@ def destroy_parallel() -> None:
         dist.destroy_process_group(group)
 
 
+def block_group(size: int) -> dist.ProcessGroup | None:
+    """This rank's block of ``size`` consecutive ranks, as a gloo group (small objects only); None for size 1.
+
+    Collective: every rank creates every block, as ``new_group`` requires. The caller destroys the group.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if size < 1 or world % size:
+        raise ValueError(f"blocks of {size} ranks do not tile a world of {world}")
+    if size == 1:
+        return None
+    mine = None
+    for start in range(0, world, size):
+        group = dist.new_group(list(range(start, start + size)), backend="gloo")
+        if start <= rank < start + size:
+            mine = group  # other ranks get a placeholder: only members connect
+    return mine
+
+
 @contextlib.contextmanager
 def fake_world(world_size: int, rank: int) -> Iterator[None]:
     """torch.distributed as ``rank`` of ``world_size`` with no-op collectives; torn down on exit."""

@@ -71,6 +71,23 @@ class Placement:
             "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=bundle),
         }
 
+    def engine_options(self, first: int, tp: int) -> dict:
+        """Ray actor options for a rollout engine over bundles ``first .. first + tp - 1``.
+
+        On GPUs with ``tp > 1`` the actor holds no device: vLLM's Ray executor starts one worker per bundle, each
+        taking the engine's share of that GPU. Otherwise the actor (and its workers, on CPU) takes bundle ``first``.
+        """
+        if tp == 1 or self.resource != "GPU":
+            return self.options(first)
+        bundles = ",".join(str(b) for b in range(first, first + tp))
+        env = {"VLLM_RAY_BUNDLE_INDICES": bundles, "VLLM_RAY_PER_WORKER_GPUS": str(1 / self.share)}
+        return {
+            "num_cpus": 0,
+            "num_gpus": 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=first),
+            "runtime_env": {"env_vars": env},
+        }
+
     def remove(self) -> None:
         remove_placement_group(self.group)
 

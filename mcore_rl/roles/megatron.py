@@ -261,18 +261,10 @@ class PolicyTrainer(MegatronRank):
         return list(getattr(self.model.optimizer, "chained_optimizers", [self.model.optimizer]))
 
     # ---- weight sync --------------------------------------------------------------------------------------
-    def connect_engine(self, engine, sync: SyncConfig, engine_dtype: str) -> None:
-        """Attach this rank's rollout engine actor (None on ranks that own none)."""
+    def connect_engine(self, engine, engine_tp: int, sync: SyncConfig, engine_dtype: str) -> None:
+        """Attach the rollout engine on this rank's device (one per block of ``engine_tp`` ranks)."""
         dtype = getattr(torch, engine_dtype)
-        self.sync = WeightSync(
-            self.chunks,
-            self.bridge,
-            self.groups,
-            engine,
-            self.model,
-            sync,
-            dtype,
-        )
+        self.sync = WeightSync(self.chunks, self.bridge, self.groups, engine, self.model, sync, dtype, engine_tp)
 
     def sync_weights(self) -> dict:
         report = self.sync.sync()

@@ -16,18 +16,17 @@ def _split(items: list, parts: int) -> list[list]:
 
 
 class RolloutGroup:
-    """Engines on consecutive device groups; ``owners[i]`` is the trainer rank that feeds engine ``i``."""
+    """Engines on consecutive blocks of ``tp`` devices; the trainer ranks on a block feed its engine."""
 
     def __init__(self, model_dir: str, config: RolloutConfig, placement: Placement, num_devices: int, name: str):
-        tp = config.tensor_parallel_size
-        self.owners = list(range(0, num_devices, tp))
+        self.tp = config.tensor_parallel_size
         self.engines = [
-            launch_engine(model_dir, config, name=f"{name}-{i}", **placement.options(rank))
-            for i, rank in enumerate(self.owners)
+            launch_engine(model_dir, config, name=f"{name}-{i}", **placement.engine_options(first, self.tp))
+            for i, first in enumerate(range(0, num_devices, self.tp))
         ]
 
     def engine_of(self, rank: int):
-        return self.engines[self.owners.index(rank)] if rank in self.owners else None
+        return self.engines[rank // self.tp]
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """Prompts spread evenly over the replicas, generated concurrently; results in prompt order."""

@@ -140,6 +140,10 @@ class RolloutEngine:
             if self.cuda
             else dict(kv_cache_memory_bytes=config.cpu_kv_cache_bytes)
         )
+        # An engine over several GPUs: vLLM's Ray executor puts one worker on each of the engine's placement-group
+        # bundles (``Placement.engine_options``), beside the trainer rank that feeds it; its multiprocessing
+        # executor would need the GPUs visible to this actor, and on one node only. CPU workers share the host.
+        executor = dict(distributed_executor_backend="ray") if self.cuda and config.tensor_parallel_size > 1 else {}
         self.llm = LLM(
             model=str(model_dir),
             tensor_parallel_size=config.tensor_parallel_size,
@@ -150,6 +154,7 @@ class RolloutEngine:
             skip_tokenizer_init=not config.load_tokenizer,
             worker_extension_cls=WORKER_EXTENSION,
             **memory,
+            **executor,
             **routing,
             **get_bridge(model_dir).rollout_engine_args(self.cuda),
         )
@@ -209,10 +214,10 @@ class RolloutEngine:
         """Give memory back to the trainer (CUDA sleep mode; on CPU, free the KV cache); returns bytes freed."""
         if self.asleep:
             return 0
-        if self.cuda:
-            free_before, _ = torch.cuda.mem_get_info()
+        if self.cuda:  # measured by the workers: this actor holds no device when the engine spans several
+            free_before = sum(self.llm.collective_rpc("mcore_rl_free_device_bytes"))
             self.llm.sleep(level=self.config.sleep_level)
-            freed = torch.cuda.mem_get_info()[0] - free_before
+            freed = sum(self.llm.collective_rpc("mcore_rl_free_device_bytes")) - free_before
         else:
             freed = sum(self.llm.collective_rpc("mcore_rl_release_kv_cache"))
         log.debug("rollout engine asleep: %.1f MiB freed", freed / 2**20)
@@ -242,6 +247,7 @@ class RolloutEngine:
         self.llm.collective_rpc("mcore_rl_begin_update")
 
     def load_bucket(self, handle: BucketHandle) -> int:
+        """Every worker loads the bucket from the copy on its own device (see ``transport.open_bucket``)."""
         return self.llm.collective_rpc("mcore_rl_load_bucket", args=(handle,))[0]
 
     def finish_weight_update(self) -> list[str]:

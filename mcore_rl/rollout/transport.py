@@ -1,9 +1,11 @@
-"""Moving a bucket of named tensors from a trainer process to the colocated rollout engine's workers, zero-copy.
+"""Moving a bucket of named tensors from trainer processes to the colocated rollout engine's workers, zero-copy.
 
-The trainer packs a bucket into a buffer the engine's workers can map (POSIX shared memory on CPU, a CUDA IPC
-handle on GPU) and sends only a small picklable :class:`BucketHandle`; each worker maps the same buffer and hands
-views to vLLM's weight loader, which copies what its own shard needs. The sender keeps one buffer and reuses it
-for every bucket, so the extra memory of a sync is one bucket, allocated on the first sync only.
+Each trainer rank that feeds an engine packs the bucket into a buffer the engine's workers can map (POSIX shared
+memory on CPU, a CUDA IPC handle on GPU) and sends only a small picklable :class:`BucketHandle`; an engine with
+several workers gets one buffer per worker's device (the trainer rank colocated on it), so no worker maps memory
+on another GPU or node. Each worker maps its buffer and hands views to vLLM's weight loader, which copies what
+its own shard needs. A sender keeps one buffer and reuses it for every bucket, so the extra memory of a sync is
+one bucket, allocated on the first sync only.
 """
 
 from __future__ import annotations
@@ -30,13 +32,25 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
+class BufferRef:
+    device: str  # UUID of the GPU holding a CUDA buffer; "" for shared memory, which any local process maps
+    location: str | bytes  # shm file name, or the pickled CUDA IPC reduction of the buffer
+
+
+@dataclass(frozen=True)
 class BucketHandle:
-    """What crosses the process boundary per bucket: where the buffer is, and the tensors in it."""
+    """What crosses the process boundary per bucket: the tensors, and the buffers holding them (identical copies,
+    one per feeding trainer rank)."""
 
     kind: str  # "shm" or "cuda_ipc"
-    location: str | bytes  # shm file name, or the pickled CUDA IPC reduction of the buffer
+    buffers: tuple[BufferRef, ...]
     nbytes: int
     tensors: tuple[TensorMeta, ...]
+
+
+def device_id(device: torch.device) -> str:
+    """What names a GPU across processes whatever devices each one sees: its UUID ("" on CPU)."""
+    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
 
 
 def _layout(tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[list[TensorMeta], int]:
@@ -70,7 +84,7 @@ class BucketSender:
             _remove_stale_segments()
         self.device = device
         self._buffer: torch.Tensor | None = None
-        self._location: str | bytes | None = None
+        self._ref: BufferRef | None = None
         self._path: Path | None = None
         if reserve_bytes:
             self._ensure(reserve_bytes)
@@ -84,11 +98,11 @@ class BucketSender:
             from torch.multiprocessing.reductions import reduce_tensor
 
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._location = pickle.dumps(reduce_tensor(self._buffer))
+            self._ref = BufferRef(device_id(self.device), pickle.dumps(reduce_tensor(self._buffer)))
         else:
             self._path = SHM_DIR / f"mcore_rl_{os.getpid()}_{uuid.uuid4().hex[:8]}"
             self._buffer = torch.from_file(str(self._path), shared=True, size=nbytes, dtype=torch.uint8)
-            self._location = self._path.name
+            self._ref = BufferRef("", self._path.name)
 
     def pack(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> BucketHandle:
         """Copy ``tensors`` into the shared buffer; valid until the next ``pack`` or ``close``."""
@@ -98,7 +112,7 @@ class BucketSender:
             dst.copy_(src)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # the receiver reads on its own stream
-        return BucketHandle("cuda_ipc" if self.device.type == "cuda" else "shm", self._location, nbytes, tuple(metas))
+        return BucketHandle("cuda_ipc" if self.device.type == "cuda" else "shm", (self._ref,), nbytes, tuple(metas))
 
     @property
     def capacity(self) -> int:
@@ -106,25 +120,42 @@ class BucketSender:
 
     def close(self) -> None:
         """Free the buffer. Receivers that still map a shm segment keep their pages until they drop them."""
-        self._buffer = self._location = None
+        self._buffer = self._ref = None
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None
 
 
-def open_bucket(handle: BucketHandle, device: torch.device) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
-    """Receiver side: the sender's buffer, mapped, and views of the bucket's tensors in it (no copy)."""
+def buffer_for(handle: BucketHandle, own_device: str, rank: int) -> BufferRef:
+    """The copy worker ``rank`` maps: on GPU the one on its own device; in shared memory, its rank's feeder's."""
+    if handle.kind != "cuda_ipc":
+        return handle.buffers[rank % len(handle.buffers)]
+    for ref in handle.buffers:
+        if ref.device == own_device:
+            return ref
+    raise RuntimeError(
+        f"no copy of the bucket on this worker's GPU {own_device} (copies on {[r.device for r in handle.buffers]}): "
+        "each rollout worker must share its device with a trainer rank that feeds its engine"
+    )
+
+
+def open_bucket(
+    handle: BucketHandle, device: torch.device, rank: int = 0
+) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
+    """Receiver side (worker ``rank`` of its engine): a sender's buffer, mapped, and views of the bucket's tensors
+    in it (no copy)."""
+    if handle.kind not in ("shm", "cuda_ipc"):
+        raise ValueError(f"unknown bucket handle kind {handle.kind!r}; expected 'shm' or 'cuda_ipc'")
+    ref = buffer_for(handle, device_id(device), rank)
     if handle.kind == "cuda_ipc":
-        rebuild, args = pickle.loads(handle.location)  # noqa: S301 - a handle from our own trainer process
+        rebuild, args = pickle.loads(ref.location)  # noqa: S301 - a handle from our own trainer process
         args = list(args)
-        args[6] = device.index  # the device ordinal as this process sees it
+        args[6] = device.index  # the device ordinal as this process sees it (the same GPU, see buffer_for)
         buffer = rebuild(*args)
-    elif handle.kind == "shm":
-        path = SHM_DIR / handle.location
+    else:
+        path = SHM_DIR / ref.location
         # torch.from_file would create a missing file and hand back zeros: check first.
         if not path.is_file() or path.stat().st_size < handle.nbytes:
             raise FileNotFoundError(f"{path}: the shared bucket is gone or short (its sender closed or died)")
         buffer = torch.from_file(str(path), shared=True, size=handle.nbytes, dtype=torch.uint8)
-    else:
-        raise ValueError(f"unknown bucket handle kind {handle.kind!r}; expected 'shm' or 'cuda_ipc'")
     return buffer, list(_views(buffer, handle.tensors))

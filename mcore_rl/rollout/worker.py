@@ -34,7 +34,7 @@ class WeightUpdateExtension:
         """Load one bucket of HF-named full tensors into this worker's shard, cast to the engine's dtype."""
         dtype = self.model_runner.model_config.dtype
         device = self.model_runner.device
-        buffer, tensors = open_bucket(handle, device)
+        buffer, tensors = open_bucket(handle, device, self.rank)
         model = self.model_runner.get_model()
         self._mcore_rl_loaded |= model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in tensors)
         _detach_pending(buffer)
@@ -60,6 +60,9 @@ class WeightUpdateExtension:
         if missing:
             raise RuntimeError(f"weight update left {len(missing)} parameter(s) stale: {sorted(missing)[:10]}")
         return repairs
+
+    def mcore_rl_free_device_bytes(self) -> int:
+        return torch.cuda.mem_get_info(self.model_runner.device)[0]
 
     # CPU has no sleep mode; the KV cache is the memory a colocated trainer can get back. Its storages are freed
     # and later re-allocated (uninitialised: the engine resets its prefix cache on wake).

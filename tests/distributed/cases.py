@@ -240,7 +240,7 @@ def cuda_call_sites(case: str, **kwargs) -> list[str]:
 
 
 def _attach_engine(ray_address: str, name: str | None):
-    """This rank's rollout engine actor (connecting the rank to the test's Ray cluster), or None if it owns none."""
+    """This rank's rollout engine actor (connecting the rank to the test's Ray cluster), or None if it feeds none."""
     if name is None:
         return None
     import ray
@@ -260,8 +260,10 @@ def train_and_sync(
     steps: int,
     bucket_bytes: int,
     engine_dtype: str = "float32",
+    engine_tp: int = 1,
 ) -> list[dict]:
-    """Alternate Adam steps and weight syncs into the named rollout engines (``engines``: owner rank -> name).
+    """Alternate Adam steps and weight syncs into the named rollout engines (``engines``: owner rank -> name; the
+    ``engine_tp`` ranks from the owner on feed it).
 
     Each engine sleeps while the trainer steps, as in the RL loop; before each sync it still holds the previous
     weights, which the probe must reject. The sync's reports (with that verdict) are returned per step.
@@ -270,7 +272,9 @@ def train_and_sync(
 
     from mcore_rl.sync import ProbeMismatchError, SyncConfig, WeightSync
 
-    engine = _attach_engine(ray_address, engines.get(torch.distributed.get_rank()))
+    rank = torch.distributed.get_rank()
+    engine = _attach_engine(ray_address, engines.get(rank - rank % engine_tp))
+    controller = engine if rank in engines else None  # one rank puts the engine to sleep and wakes it
     bridge, config, chunks, groups = _load(hf_dir, layout)
     optimizer = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
     step = MegatronTrainStep(chunks, config, optimizer, groups)
@@ -282,6 +286,7 @@ def train_and_sync(
         step,
         SyncConfig(bucket_bytes=bucket_bytes),
         getattr(torch, engine_dtype),
+        engine_tp,
     )
     tokens = torch.randint(0, bridge.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -296,18 +301,18 @@ def train_and_sync(
     reports = []
     try:
         for _ in range(steps):
-            if engine is not None:
-                ray.get(engine.sleep.remote())
+            if controller is not None:
+                ray.get(controller.sleep.remote())
             assert step.step(microbatches, loss_fn).update_successful
-            if engine is not None:
-                ray.get(engine.wake_up.remote())  # only to let the probe score against the stale weights
+            if controller is not None:
+                ray.get(controller.wake_up.remote())  # only to let the probe score against the stale weights
             try:
                 sync._probe()
                 stale_rejected = False
             except ProbeMismatchError:
                 stale_rejected = True
-            if engine is not None:
-                ray.get(engine.sleep.remote())  # the sync wakes it: weights first, then the KV cache
+            if controller is not None:
+                ray.get(controller.sleep.remote())  # the sync wakes it: weights first, then the KV cache
             report = sync.sync()
             reports.append(dict(vars(report), stale_rejected=stale_rejected))
     finally:
@@ -330,7 +335,8 @@ def _perturb(chunks, groups, seed: int, scale: float) -> None:
 def perturb_and_sync(
     hf_dir: str, layout: dict, ray_address: str, engine_name: str, prompt_ids: list[int], new_tokens: int
 ) -> dict:
-    """Megatron's greedy continuation before and after perturbing its weights, and the sync's report."""
+    """Megatron's greedy continuation before and after perturbing its weights, and the sync's report (rank 0
+    feeds the engine)."""
     from mcore_rl.sync import SyncConfig, WeightSync
 
     bridge, _, chunks, groups = _load(hf_dir, layout)

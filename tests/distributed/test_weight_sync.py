@@ -18,7 +18,8 @@ CASES = [
     ("LlamaForCausalLM", 1, DENSE_LAYOUTS, [0]),  # tied embeddings
     ("Qwen3ForCausalLM", 1, DENSE_LAYOUTS, [0]),  # tied embeddings, qk-norm
     ("Qwen3MoeForCausalLM", 1, MOE_LAYOUTS, [0]),
-    ("LlamaForCausalLM", 2, [dict(pp=2)], [0]),  # the engine's TP workers each take their shard of each bucket
+    # Each of the engine's TP workers maps the copy of its feeder (ranks 0 and 1) and takes its shard of it.
+    ("LlamaForCausalLM", 2, [dict(pp=2)], [0]),
     ("Qwen3MoeForCausalLM", 2, [dict(ep=2)], [0]),
     ("Qwen2ForCausalLM", 1, [dict(tp=2)], [0, 2]),  # two rollout replicas, each synced by its own trainer rank
     ("DeepseekV3ForCausalLM", 1, MOE_LAYOUTS, [0]),  # MLA (vLLM's CPU MLA kernel), expert bias, shared experts
@@ -42,6 +43,7 @@ def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, 
                 engines=engines,
                 steps=2,
                 bucket_bytes=256 << 10,  # several buckets; layers straddle bucket boundaries
+                engine_tp=rollout_tp,
             )
             for rank in owners:
                 assert [r["index"] for r in reports[rank]] == [0, 1]

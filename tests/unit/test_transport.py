@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_rl.rollout.transport import ALIGN, BucketHandle, BucketSender, open_bucket
+from mcore_rl.rollout.transport import ALIGN, BucketHandle, BucketSender, BufferRef, buffer_for, open_bucket
 
 CPU = torch.device("cpu")
 
@@ -40,7 +40,7 @@ def test_buffer_is_reused_and_removed_on_close():
     sender = BucketSender(CPU)
     first = sender.pack(_bucket(0))
     second = sender.pack(_bucket(1))
-    assert first.location == second.location  # same segment, no allocation per bucket
+    assert first.buffers == second.buffers  # same segment, no allocation per bucket
     sender.close()
     with pytest.raises(FileNotFoundError, match="the shared bucket is gone"):
         open_bucket(second, CPU)
@@ -48,4 +48,27 @@ def test_buffer_is_reused_and_removed_on_close():
 
 def test_unknown_handle_kind_is_refused():
     with pytest.raises(ValueError, match="unknown bucket handle kind 'tcp'"):
-        open_bucket(BucketHandle("tcp", "x", 0, ()), CPU)
+        open_bucket(BucketHandle("tcp", (), 0, ()), CPU)
+
+
+def test_each_worker_maps_the_copy_of_its_own_feeder():
+    """An engine over several devices gets one copy per feeding trainer rank; worker k reads feeder k's."""
+    senders = [BucketSender(CPU) for _ in range(2)]
+    try:
+        copies = [s.pack(_bucket(0)) for s in senders]
+        handle = BucketHandle("shm", tuple(c.buffers[0] for c in copies), copies[0].nbytes, copies[0].tensors)
+        senders[1].pack(_bucket(1))  # feeder 1's copy now holds another bucket: worker 1 must see it, worker 0 not
+        for rank, seed in ((0, 0), (1, 1)):
+            _, received = open_bucket(handle, CPU, rank)
+            assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, _bucket(seed), strict=True))
+    finally:
+        for s in senders:
+            s.close()
+
+
+def test_a_gpu_worker_maps_the_copy_on_its_own_device_or_refuses():
+    refs = (BufferRef("GPU-aaa", b"0"), BufferRef("GPU-bbb", b"1"))
+    handle = BucketHandle("cuda_ipc", refs, 0, ())
+    assert buffer_for(handle, "GPU-bbb", rank=0) is refs[1]  # by device, whatever vLLM's worker order
+    with pytest.raises(RuntimeError, match="no copy of the bucket on this worker's GPU GPU-ccc"):
+        buffer_for(handle, "GPU-ccc", rank=0)
