@@ -5,7 +5,8 @@ model. The ranks on a rollout engine's devices regroup the HF tensors into byte 
 buffer on their own device (:mod:`mcore_rl.rollout.transport`); the first of them (the owner) streams one handle
 per bucket, naming every copy, to the engine, whose worker on each device maps the copy on it. Two buffers
 alternate, so packing bucket k+1 overlaps the engine loading bucket k. Afterwards the engine scores a fixed probe
-batch and its log-probs are compared with the trainer's: stale or corrupted weights fail loudly here instead of
+batch and its log-probs are compared with the trainer's, scored before the push (so the trainer's weights may
+leave the device before the engine's KV cache returns): stale or corrupted weights fail loudly here instead of
 silently skewing the policy gradient.
 """
 
@@ -133,15 +134,25 @@ class WeightSync:
         device = next(chunks[0].parameters()).device
         # Two buffers (pack one while the engine loads the other), only where an engine is fed.
         self.senders = [BucketSender(device, config.bucket_bytes) for _ in range(2 if engine is not None else 0)]
-        self.probe = probe_tokens(bridge.vocab_size, config).to(device)
-        self.count = 0
+        self.probe_batch = probe_tokens(bridge.vocab_size, config).to(device)
+        self.count = 0  # pushes so far
+        self._trainer_logprobs: torch.Tensor | None = None  # of the probe batch, at the last push
 
     def sync(self) -> SyncReport:
-        """Push the current weights; then (by default) probe. Collective over all trainer ranks."""
+        """``push``, then ``verify``: for callers whose trainer weights stay on the device."""
+        return self.verify(self.push())
+
+    def push(self) -> SyncReport:
+        """Load the current weights into the engines, whose KV caches stay asleep. Collective over all ranks.
+
+        The trainer scores the probe batch first, while its weights are on the device, so that they can leave
+        before ``verify`` wakes the engines' KV caches: the two never meet on the device.
+        """
         start = time.perf_counter()
         nbytes = buckets = 0
         wait = 0.0
         repairs: tuple[str, ...] = ()
+        self._trainer_logprobs = self._score() if self.config.probe else None
         exported = export_hf(self.chunks, self.bridge, self.groups, bucket_bytes=self.config.bucket_bytes)
         if self.engine is None:
             for _ in exported:
@@ -168,33 +179,50 @@ class WeightSync:
                 wait += _waited([p for p in pending if p is not None])
                 wait += _waited(finish := self.engine.finish_weight_update.remote())
                 repairs = tuple(ray.get(finish))
-        seconds = time.perf_counter() - start
-        max_diff = mean_diff = None
-        if self.config.probe:
-            max_diff, mean_diff = self._probe()
-        report = SyncReport(self.count, seconds, wait, nbytes, buckets, max_diff, mean_diff, repairs)
+        report = SyncReport(self.count, time.perf_counter() - start, wait, nbytes, buckets, None, None, repairs)
         self.count += 1
+        return report
+
+    def verify(self, pushed: SyncReport) -> SyncReport:
+        """Wake the engines' KV caches and (by default) compare their log-probs of the probe batch with the
+        trainer's from ``push``; ``pushed`` completed with the differences. Collective over all ranks."""
+        if self.owner:
+            ray.get(self.engine.wake_up.remote())
+        report = pushed
+        if self._trainer_logprobs is not None:
+            max_diff, mean_diff = self._compare(self._trainer_logprobs, f"after weight sync {pushed.index}")
+            report = dataclasses.replace(pushed, probe_max_abs_diff=max_diff, probe_mean_abs_diff=mean_diff)
         if self.owner:
             log.info(
                 "weight sync %d: %.3f s, %.1f MB in %d buckets (%.2f GB/s), probe max|Δ| %s mean|Δ| %s",
-                report.index, seconds, nbytes / 1e6, buckets, report.gb_per_s, max_diff, mean_diff,
+                report.index, report.seconds, report.bytes / 1e6, report.buckets, report.gb_per_s,
+                report.probe_max_abs_diff, report.probe_mean_abs_diff,
             )  # fmt: skip
         return report
 
-    def _probe(self) -> tuple[float, float]:
-        """Compare the engines' log-probs of the probe batch with the trainer's; all ranks raise above tolerance."""
-        trainer = self.scorer.logprobs(self.probe, self.bridge.vocab_size, micro_batch_size=len(self.probe))
+    def probe(self) -> tuple[float, float]:
+        """The engines' log-probs of the probe batch against the trainer's, now (both must hold their weights and
+        the engines be awake); all ranks raise ``ProbeMismatchError`` above tolerance."""
+        return self._compare(self._score(), "now")
+
+    def _score(self) -> torch.Tensor:
+        """The trainer's log-probs of the probe batch (a collective on all ranks)."""
+        return self.scorer.logprobs(
+            self.probe_batch, self.bridge.vocab_size, micro_batch_size=len(self.probe_batch)
+        ).cpu()
+
+    def _compare(self, trainer: torch.Tensor, when: str) -> tuple[float, float]:
         max_diff = mean_diff = 0.0
         if self.owner:
-            engine = torch.tensor(ray.get(self.engine.score.remote(self.probe.tolist())), dtype=torch.float32)
-            diff = (engine - trainer.cpu()).abs()
+            engine = torch.tensor(ray.get(self.engine.score.remote(self.probe_batch.tolist())), dtype=torch.float32)
+            diff = (engine - trainer).abs()
             max_diff, mean_diff = diff.max().item(), diff.mean().item()
         # The worst engine decides, on every rank, so that all ranks raise together or none does.
         max_diff = all_reduce_scalar(max_diff, torch.distributed.group.WORLD, "max")
         mean_diff = all_reduce_scalar(mean_diff, torch.distributed.group.WORLD, "max")
         if not (max_diff <= self.max_tolerance and mean_diff <= self.mean_tolerance):
             raise ProbeMismatchError(
-                f"after weight sync {self.count}, rollout log-probs differ from the trainer's: max |Δ| {max_diff:.3g} "
+                f"{when}, rollout log-probs differ from the trainer's: max |Δ| {max_diff:.3g} "
                 f"(tolerance {self.max_tolerance:g}), mean |Δ| {mean_diff:.3g} (tolerance {self.mean_tolerance:g}); "
                 "the engine holds stale or mis-converted weights (set sync.probe_max_tolerance/"
                 "probe_mean_tolerance only if the difference is expected numerics)"

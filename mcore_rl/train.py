@@ -232,8 +232,8 @@ def run(config: RunConfig) -> Path:
                     digest = system.trainer.call("optimizer_digest")[0]
                 position = checkpoint.read_meta(path)["data_position"]
                 logger.event("resume", episode=start, checkpoint=str(path), data_position=position, optimizer=digest)
-            sync = system.trainer.call("sync_weights")[0]  # engines start from the HF weights; the probe checks both
-        logger.event("initial_sync", **sync)
+            system.trainer.call("sync_weights")  # engines start from the HF weights; the probe checks both
+        logger.event("initial_sync", **system.trainer.call("verify_sync")[0])
         if rt.eval_episode_interval and not found:
             logger.log(0, evaluate(system, data, config), advance=False)
         for episode in range(start + 1, rt.num_episode + 1):
@@ -281,7 +281,8 @@ def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsL
             steps, memory = steps[0], system.trainer.call("memory_bytes")[0]
         phase("train")
         router = system.trainer.call("router_metrics")[0]
-        sync = system.trainer.call("sync_weights")[0]
+        system.trainer.call("sync_weights")
+    sync = system.trainer.call("verify_sync")[0]  # the engines' KV caches return after the trainer's weights left
     phase("sync")
     tokens = float(batch["mask"].sum())
     metrics = rollout_stats(samples, rewards, m.policy.num_inference_per_prompt)

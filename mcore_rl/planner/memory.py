@@ -400,25 +400,23 @@ def plan_memory(
     )
     if use_ref:
         resident["reference weights"] = 0 if offload else ref
-    bucket = 2 * m.policy.sync.bucket_bytes
-    reserve = {"reserve": reserve_bytes}
+    # Every trainer rank keeps two sync buffers for the whole run (the first sync's allocation is reused).
+    fixed = {"sync buffers": 2 * m.policy.sync.bucket_bytes, "reserve": reserve_bytes}
     phases = [
-        Phase("rollout", {"engine share": engine.share} | resident | reserve),
+        # also the sync's probe: the engines' KV caches wake once the trainer's weights have left
+        Phase("rollout", {"engine share": engine.share} | resident | fixed),
         Phase(  # with offload, the optimizer state stays off the device until the step
             "log-probs",
-            weights_only | {"reference weights": ref, "scoring": trainer.scoring} | reserve,
+            weights_only | {"reference weights": ref, "scoring": trainer.scoring} | fixed,
         ),
         Phase(
             "train",
             {"trainer weights+grads+optimizer": trainer.static, "activations": trainer.activations}
             | ({"reference weights": ref} if use_ref and not offload else {})
-            | reserve,
+            | fixed,
         ),
-        Phase(  # with offload, the optimizer state and gradients leave before the engine's weights arrive; the
-            # engine's KV cache wakes at the end, for the probe, before the trainer's weights leave
-            "sync",
-            weights_only | {"engine share": max(engine.share, engine.weights), "buckets": bucket} | reserve,
-        ),
+        # with offload, the optimizer state and gradients leave before the engine's weights arrive
+        Phase("sync", weights_only | {"engine weights": engine.weights} | fixed),
     ]
     problems = [
         f"{p.name}: {p.total / GiB:.1f} GiB needed > {device_bytes / GiB:.1f} GiB ("

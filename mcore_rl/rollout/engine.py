@@ -251,10 +251,10 @@ class RolloutEngine:
         return self.llm.collective_rpc("mcore_rl_load_bucket", args=(handle,))[0]
 
     def finish_weight_update(self) -> list[str]:
-        """Complete the update and wake the KV cache (after the weights, so they never compete for memory)."""
+        """Complete the update; a sleeping KV cache stays asleep until ``wake_up`` (after the trainer's weights
+        have left the device, so the two never compete for memory)."""
         repairs = self.llm.collective_rpc("mcore_rl_finish_update")[0]
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-        self.wake_up()
         return repairs
 
     def shutdown(self) -> None:

@@ -307,17 +307,31 @@ def train_and_sync(
             if controller is not None:
                 ray.get(controller.wake_up.remote())  # only to let the probe score against the stale weights
             try:
-                sync._probe()
+                sync.probe()
                 stale_rejected = False
             except ProbeMismatchError:
                 stale_rejected = True
             if controller is not None:
-                ray.get(controller.sleep.remote())  # the sync wakes it: weights first, then the KV cache
-            report = sync.sync()
-            reports.append(dict(vars(report), stale_rejected=stale_rejected))
+                ray.get(controller.sleep.remote())  # the push wakes its weights only; verify the KV cache
+            pushed = sync.push()
+            kv_asleep_after_push = controller is not None and _refuses_to_generate(controller)
+            report = sync.verify(pushed)
+            reports.append(dict(vars(report), stale_rejected=stale_rejected, kv_asleep_after_push=kv_asleep_after_push))
     finally:
         sync.close()
     return reports
+
+
+def _refuses_to_generate(engine) -> bool:
+    import ray
+
+    from mcore_rl.rollout.engine import SamplingConfig
+
+    try:
+        ray.get(engine.generate.remote([[1, 2]], SamplingConfig(max_new_tokens=1)))
+    except ray.exceptions.RayTaskError as err:
+        return "asleep" in str(err)
+    return False
 
 
 def _perturb(chunks, groups, seed: int, scale: float) -> None:

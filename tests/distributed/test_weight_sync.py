@@ -49,6 +49,7 @@ def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, 
                 assert [r["index"] for r in reports[rank]] == [0, 1]
                 for r in reports[rank]:
                     assert r["buckets"] > 1 and r["bytes"] > 0
+                    assert r["kv_asleep_after_push"], "the KV cache must wait for verify (the trainer's weights leave)"
                     assert r["probe_max_abs_diff"] <= 1e-4, (layout, r)
             for rank_reports in reports:  # every rank reached the same verdicts
                 for r, owner_r in zip(rank_reports, reports[owners[0]], strict=True):
