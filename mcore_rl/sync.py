@@ -136,11 +136,13 @@ class WeightSync:
         self.senders = [BucketSender(device, config.bucket_bytes) for _ in range(2 if engine is not None else 0)]
         self.probe_batch = probe_tokens(bridge.vocab_size, config).to(device)
         self.count = 0  # pushes so far
+        self._pushed: SyncReport | None = None  # the last push, until ``verify`` completes it
         self._trainer_logprobs: torch.Tensor | None = None  # of the probe batch, at the last push
 
     def sync(self) -> SyncReport:
         """``push``, then ``verify``: for callers whose trainer weights stay on the device."""
-        return self.verify(self.push())
+        self.push()
+        return self.verify()
 
     def push(self) -> SyncReport:
         """Load the current weights into the engines, whose KV caches stay asleep. Collective over all ranks.
@@ -179,13 +181,17 @@ class WeightSync:
                 wait += _waited([p for p in pending if p is not None])
                 wait += _waited(finish := self.engine.finish_weight_update.remote())
                 repairs = tuple(ray.get(finish))
-        report = SyncReport(self.count, time.perf_counter() - start, wait, nbytes, buckets, None, None, repairs)
+        self._pushed = SyncReport(self.count, time.perf_counter() - start, wait, nbytes, buckets, None, None, repairs)
         self.count += 1
-        return report
+        return self._pushed
 
-    def verify(self, pushed: SyncReport) -> SyncReport:
+    def verify(self) -> SyncReport:
         """Wake the engines' KV caches and (by default) compare their log-probs of the probe batch with the
-        trainer's from ``push``; ``pushed`` completed with the differences. Collective over all ranks."""
+        trainer's from ``push``; the last push's report, completed with the differences. Collective over all ranks.
+        """
+        pushed, self._pushed = self._pushed, None
+        if pushed is None:
+            raise RuntimeError("WeightSync.verify: nothing pushed since the last verify (call push first)")
         if self.owner:
             ray.get(self.engine.wake_up.remote())
         report = pushed

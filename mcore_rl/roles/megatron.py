@@ -21,7 +21,7 @@ from mcore_rl.logprobs import token_entropy, token_logprobs
 from mcore_rl.moe import MoEConfig, RouterLoad
 from mcore_rl.offload import StorageOffloader
 from mcore_rl.packing import pack_rows, plan_packing, rows_of
-from mcore_rl.sync import SyncConfig, SyncReport, WeightSync
+from mcore_rl.sync import SyncConfig, WeightSync
 from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
 from models.registry import get_bridge
 from parallel.comm import all_gather_bucket, all_reduce_scalar
@@ -175,7 +175,6 @@ class PolicyTrainer(MegatronRank):
             else None
         )
         self.sync: WeightSync | None = None
-        self._pushed: SyncReport | None = None  # the last push, until verify_sync completes it
 
     # ---- training -----------------------------------------------------------------------------------------
     def _loss_fn(self, batch: dict, output: torch.Tensor):
@@ -269,11 +268,11 @@ class PolicyTrainer(MegatronRank):
 
     def sync_weights(self) -> None:
         """Load the weights into the engines (their KV caches stay asleep); ``verify_sync`` completes it."""
-        self._pushed = self.sync.push()
+        self.sync.push()
 
     def verify_sync(self) -> dict:
         """Wake the engines and check them with the probe; works with this rank's weights offloaded."""
-        report = self.sync.verify(self._pushed)
+        report = self.sync.verify()
         return {
             "sync_seconds": report.seconds,
             "sync_engine_wait_seconds": report.engine_wait_seconds,

@@ -300,6 +300,11 @@ def train_and_sync(
 
     reports = []
     try:
+        try:
+            sync.verify()  # nothing pushed yet: refused on every rank, before any collective
+            verify_refused = False
+        except RuntimeError as err:
+            verify_refused = "nothing pushed" in str(err)
         for _ in range(steps):
             if controller is not None:
                 ray.get(controller.sleep.remote())
@@ -313,10 +318,17 @@ def train_and_sync(
                 stale_rejected = True
             if controller is not None:
                 ray.get(controller.sleep.remote())  # the push wakes its weights only; verify the KV cache
-            pushed = sync.push()
+            sync.push()
             kv_asleep_after_push = controller is not None and _refuses_to_generate(controller)
-            report = sync.verify(pushed)
-            reports.append(dict(vars(report), stale_rejected=stale_rejected, kv_asleep_after_push=kv_asleep_after_push))
+            report = sync.verify()
+            reports.append(
+                dict(
+                    vars(report),
+                    stale_rejected=stale_rejected,
+                    kv_asleep_after_push=kv_asleep_after_push,
+                    unpushed_verify_refused=verify_refused,
+                )
+            )
     finally:
         sync.close()
     return reports

