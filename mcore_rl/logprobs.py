@@ -2,6 +2,8 @@
 
 Megatron pads the vocabulary to a TP-friendly multiple; the padded rows produce logits that HF and the rollout
 engine do not have. They are masked out of the softmax here, so trainer and rollout log-probs agree.
+
+Neither function modifies its ``logits``: the trainer computes log-probs and entropy from the same model output.
 """
 
 from __future__ import annotations
@@ -24,9 +26,17 @@ def mask_padded_vocab(logits: torch.Tensor, vocab_size: int, tp_rank: int) -> to
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """log p(target) per position from this TP rank's vocab shard of ``logits`` ([..., V/tp]); differentiable."""
+    """log p(target) per position from this TP rank's vocab shard of ``logits`` ([..., V/tp]); differentiable.
+
+    Megatron's ``vocab_parallel_cross_entropy`` turns its argument into the softmax in place (megatron-core
+    0.16.1, cross_entropy.py: ``-=`` max, ``exp(out=)``, ``div_``). Masking and the fp32 cast copy ``logits``,
+    except for fp32 logits of an unpadded vocabulary (SmolLM2's 49152 rows), which are copied here.
+    """
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    return -vocab_parallel_cross_entropy(mask_padded_vocab(logits, vocab_size, tp_rank).float(), targets)
+    scratch = mask_padded_vocab(logits, vocab_size, tp_rank).float()
+    if scratch.data_ptr() == logits.data_ptr():
+        scratch = scratch.clone()
+    return -vocab_parallel_cross_entropy(scratch, targets)
 
 
 class _VocabParallelEntropy(torch.autograd.Function):

@@ -142,9 +142,11 @@ class PolicyTrainer(MegatronRank):
         max_token_in_packing: int = 0,
         moe: MoEConfig | None = None,
         recompute: str = "none",
+        overrides: dict | None = None,
     ):
+        """``overrides``: TransformerConfig fields beyond what the run config sets (a test's ``params_dtype``)."""
         moe = moe or MoEConfig()
-        overrides = moe.overrides(get_bridge(hf_dir)) | recompute_overrides(recompute)
+        overrides = moe.overrides(get_bridge(hf_dir)) | recompute_overrides(recompute) | (overrides or {})
         super().__init__(rank, world, master, hf_dir, parallel, seed, max_token_in_packing, overrides)
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

@@ -541,3 +541,42 @@ def packed_vs_padded_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, len
     padded = model.logprobs(tokens, bridge.vocab_size, micro_batch_size=2)
     packed = model.logprobs(tokens, bridge.vocab_size, 2, lengths=lengths, max_tokens=32)
     return padded * mask, packed * mask
+
+
+def policy_trainer_first_step(
+    hf_dir: str, layout: dict, batch: dict, loss: dict, params_dtype: str, micro_batch_size: int = 2
+) -> dict:
+    """The policy-trainer role's old log-probs of ``batch`` ([N, L-1], every rank) and the metrics of one
+    optimizer step over the whole batch (computed at the weights the log-probs were scored with)."""
+    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.roles.megatron import PolicyTrainer
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
+    trainer = PolicyTrainer(
+        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(**loss), 1,
+        overrides={"params_dtype": getattr(torch, params_dtype)},
+    )  # fmt: skip
+    logprobs = trainer.logprobs(batch, micro_batch_size)
+    (step,) = trainer.train(batch, global_batch_size=batch["tokens"].shape[0], micro_batch_size=micro_batch_size)
+    return dict(logprobs=logprobs, step=step)
+
+
+def layout_changes_release_threads(hf_dir: str, layouts: list[dict], tokens: torch.Tensor) -> dict:
+    """This rank's threads by name before ``layouts``, their highest total while each layout's model took a training
+    step (its groups alive), and by name after the last layout was torn down."""
+    import collections
+
+    from parallel.groups import destroy_parallel
+
+    def threads() -> collections.Counter:
+        tasks = os.listdir("/proc/self/task")
+        return collections.Counter(open(f"/proc/self/task/{t}/comm").read().strip() for t in tasks)
+
+    destroy_parallel()
+    baseline, peak = threads(), 0
+    for layout in layouts:
+        train_step(hf_dir, layout, tokens, micro_batch_size=2)
+        peak = max(peak, threads().total())
+        destroy_parallel()
+    return dict(baseline=baseline, peak=peak, after=threads())
