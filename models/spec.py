@@ -23,7 +23,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.post_training.modelopt.layers import Linear
-from megatron.core.transformer import multi_latent_attention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -34,15 +33,11 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from compat.megatron_core import mla_without_te
 from models.attention import SDPAttention
 from models.experts import GroupedExperts
 
 BACKENDS = ("auto", "local", "te")
-
-if importlib.util.find_spec("transformer_engine") is None:
-    # megatron-core 0.16.1 builds its TE wrappers on a MagicMock when TE is absent, so MLA believes TE is there
-    # and fails on ``isinstance(..., TELinear)`` (multi_latent_attention.py:185; fixed upstream in 0.19).
-    multi_latent_attention.HAVE_TE = False
 
 
 class TorchNorm:
@@ -115,6 +110,8 @@ def _with_grouped_experts(spec: ModuleSpec) -> ModuleSpec:
 
 def layer_spec(config: TransformerConfig, backend: str, moe: bool) -> ModuleSpec:
     """The transformer-layer spec on ``backend`` (``local`` or ``te``); ``moe``: routed experts, else dense MLP."""
+    if config.multi_latent_attention:
+        mla_without_te()
     if backend == "te":
         spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=config.num_moe_experts if moe else None,

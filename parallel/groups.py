@@ -12,10 +12,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from compat.megatron_core import destroy_groups, install_cpu_compat
+from compat.torch import fake_store, release_groups
 from parallel.config import ParallelConfig
-from parallel.cpu import install_cpu_compat
 
 
 def init_parallel(parallel: ParallelConfig, *, seed: int = 1234, timeout_minutes: int = 30) -> ProcessGroupCollection:
@@ -48,28 +48,12 @@ def init_parallel(parallel: ParallelConfig, *, seed: int = 1234, timeout_minutes
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
-def _megatron_groups() -> list[dist.ProcessGroup]:
-    found: dict[int, dist.ProcessGroup] = {}
-    for value in vars(parallel_state).values():
-        candidates = value if isinstance(value, list | tuple) else [value]
-        for group in candidates:
-            if isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.WORLD:
-                found[id(group)] = group
-    return list(found.values())
-
-
 def destroy_parallel() -> None:
-    """Tear down Megatron's groups; torch.distributed stays up, so a process can take another layout.
-
-    Megatron-Core 0.16.1's ``destroy_model_parallel`` only drops its references: the groups (and, on gloo,
-    their connection threads) would accumulate with every re-initialisation, so they are destroyed here.
-    """
-    if not parallel_state.model_parallel_is_initialized():
-        return
-    groups = _megatron_groups()
-    parallel_state.destroy_model_parallel()
-    for group in groups:
-        dist.destroy_process_group(group)
+    """Tear down Megatron's groups; torch.distributed stays up, so a process can take another layout. The groups
+    are destroyed and freed with their gloo threads (see :func:`compat.megatron_core.destroy_groups`): a process
+    that changes layouts keeps the threads of one layout, not of every layout it had."""
+    if destroy_groups():
+        release_groups()
 
 
 def block_group(size: int) -> dist.ProcessGroup | None:
@@ -97,7 +81,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         raise RuntimeError(
             "a fake world needs a process without torch.distributed (run meta builds in a process of their own)"
         )
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -3,7 +3,7 @@
 Prompts go in and completions come out as token ids (never re-tokenised), with the sampled tokens' log-probs.
 The engine sleeps while a colocated trainer runs and takes new weights in place, bucket by bucket, from
 :mod:`mcore_rl.sync`. Where the two builds differ (sleep mode, repairs after a reload) the difference is decided
-here and in :mod:`mcore_rl.rollout.repairs`, nowhere else.
+here and in :mod:`compat.vllm`, nowhere else.
 """
 
 from __future__ import annotations
@@ -22,9 +22,6 @@ from models.registry import get_bridge
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "mcore_rl.rollout.worker.WeightUpdateExtension"
-# The worker extension drives vLLM's layer-wise reload internals; other versions are checked by the post-sync probe
-# and the stale-parameter check, but deserve a look at worker.py and repairs.py first.
-TESTED_VLLM = "0.32."
 
 
 @dataclass
@@ -120,11 +117,7 @@ class RolloutEngine:
         if not self.cuda:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(config)
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"  # colocated: the trainer is idle while we run
-        import vllm
         from vllm import LLM
-
-        if not vllm.__version__.startswith(TESTED_VLLM):
-            log.warning("vLLM %s: the in-place weight update was built against %sx", vllm.__version__, TESTED_VLLM)
 
         routing = {}
         if config.return_routed_experts:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from compat.torch import rebuild_cuda_tensor
+
 ALIGN = 64  # byte alignment of each tensor inside a bucket (vectorised copies, any dtype)
 SHM_DIR = Path("/dev/shm")
 
@@ -148,10 +150,8 @@ def open_bucket(
         raise ValueError(f"unknown bucket handle kind {handle.kind!r}; expected 'shm' or 'cuda_ipc'")
     ref = buffer_for(handle, device_id(device), rank)
     if handle.kind == "cuda_ipc":
-        rebuild, args = pickle.loads(ref.location)  # noqa: S301 - a handle from our own trainer process
-        args = list(args)
-        args[6] = device.index  # the device ordinal as this process sees it (the same GPU, see buffer_for)
-        buffer = rebuild(*args)
+        # A handle from our own trainer process; rebuilt on this process's ordinal of the same GPU (see buffer_for).
+        buffer = rebuild_cuda_tensor(pickle.loads(ref.location), device.index)  # noqa: S301
     else:
         path = SHM_DIR / ref.location
         # torch.from_file would create a missing file and hand back zeros: check first.

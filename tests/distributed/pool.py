@@ -12,13 +12,14 @@ import os
 import queue
 import socket
 import sys
+import time
 import traceback
 
 import torch.multiprocessing as mp
 
 CASE_TIMEOUT_S = 300
-HANG_DUMP_S = 120
-PEER_GRACE_S = 20  # after one rank failed, how long the others get before the pool is restarted  # a rank still busy after this prints its stack (stderr): hangs show where they are
+HANG_DUMP_S = 120  # a rank still busy after this prints its stack (stderr): hangs show where they are
+PEER_GRACE_S = 20  # after one rank failed, how long the others get before the pool is restarted
 
 
 def _free_port() -> int:
@@ -37,7 +38,7 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
     import torch
     import torch.distributed as dist
 
-    from parallel.cpu import install_cpu_compat
+    from compat.megatron_core import install_cpu_compat
 
     torch.set_num_threads(1)
     install_cpu_compat()
@@ -86,17 +87,25 @@ class RankPool:
         for q in self.tasks:
             q.put((fn, kwargs))
         out, errors, pending = [None] * self.world_size, [], self.world_size
+        deadline = time.monotonic() + CASE_TIMEOUT_S
         while pending:
             try:
-                rank, ok, value = self.results.get(timeout=PEER_GRACE_S if errors else CASE_TIMEOUT_S)
+                rank, ok, value = self.results.get(timeout=1)
             except queue.Empty:
-                errors.append(f"{pending} rank(s) did not finish (see their stacks on stderr)")
-                break
+                dead = {r: p.exitcode for r, p in enumerate(self.procs) if not p.is_alive()}
+                if dead:  # a rank that died (at start-up, or killed) never answers: say so now
+                    errors.append(f"rank(s) exited with codes {dead} (their tracebacks are on stderr)")
+                    break
+                if time.monotonic() > deadline:
+                    errors.append(f"{pending} rank(s) did not finish (see their stacks on stderr)")
+                    break
+                continue
             pending -= 1
             if ok:
                 out[rank] = value
             else:
                 errors.append(f"rank {rank}:\n{value}")
+                deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
         if errors:
             self.close()
             self._start()

@@ -1,8 +1,10 @@
-"""Megatron-Core 0.16.1 on CPU (gloo), for CI and laptops; a no-op on CUDA machines.
+"""megatron-core 0.16.1's quirks: CPU support (:func:`install_cpu_compat`), multi-latent attention without
+TransformerEngine (:func:`mla_without_te`) and process groups that outlive a layout (:func:`destroy_groups`).
 
-Megatron-Core calls CUDA unconditionally in places that have no extension point. Rather than a global
-``TorchFunctionMode`` (measured +30% per step on tiny models, and it disables dynamo), this module rebinds the
-name ``torch`` *inside the listed Megatron modules only* to a proxy that forwards everything to torch except:
+**On CPU** (gloo), for CI and laptops; a no-op on CUDA machines. Megatron-Core calls CUDA unconditionally in
+places that have no extension point. Rather than a global ``TorchFunctionMode`` (measured +30% per step on tiny
+models, and it disables dynamo), this module rebinds the name ``torch`` *inside the listed Megatron modules only*
+to a proxy that forwards everything to torch except:
 
 * ``torch.cuda``: RNG calls go to the CPU generator (the model-parallel RNG tracker then forks CPU states, so
   TP-region initialisation and dropout keep Megatron's semantics); ``current_device()`` is ``cpu``;
@@ -64,12 +66,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import types
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-SUPPORTED_MCORE_VERSION = "0.16.1"
+from compat import MEGATRON_CORE, UpstreamChangedError, expect_parameters
 
 PROXIED_MODULES = (
     "megatron.core.tensor_parallel.random",
@@ -324,31 +327,81 @@ def _set_attr_path(module, path: str, wrap) -> None:
 
 _INSTALLED_MARK = "_mcore_rl_cpu_compat"
 
+# Functions the CPU support wraps, with the parameters they had in 0.16.1 (checked before wrapping).
+_WRAPPED = {
+    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"): (
+        "tensor",
+        "as_numpy",
+        "record_stream",
+    ),
+    ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"): (
+        "input_",
+        "group",
+        "output_split_sizes",
+        "use_global_buffer",
+    ),
+    ("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim"): (
+        "input_",
+        "group",
+        "input_split_sizes",
+        "use_global_buffer",
+    ),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._set_main_param_and_optimizer_states"): (
+        "self",
+        "model_param",
+        "tensors",
+    ),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict"): ("self", "state_dict"),
+    ("megatron.core.tensor_parallel.random", "_lazy_call"): ("callable", "kwargs"),  # torch.cuda's, by name
+}
+
+
+def _target(module_name: str, path: str):
+    owner = importlib.import_module(module_name)
+    for part in path.split("."):
+        if not hasattr(owner, part):
+            raise UpstreamChangedError(
+                f"{module_name}.{path}: not found in megatron-core (the CPU support targets 0.16.1)"
+            )
+        owner = getattr(owner, part)
+    return owner
+
+
+def _check_targets() -> None:
+    """Every patched module, function and attribute is there, with the parameters it had in 0.16.1."""
+    for name in PROXIED_MODULES:
+        _target(name, "torch")
+    for module_name, path in _CUDA_TENSOR_CALLERS:
+        _target(module_name, path)
+    for (module_name, path), params in _WRAPPED.items():
+        expect_parameters(_target(module_name, path), params, f"{module_name}.{path}")
+
 
 def install_cpu_compat() -> bool:
     """Make Megatron-Core runnable on this process's CPU; returns whether anything was installed.
 
-    Idempotent; does nothing when CUDA is available. Raises on a Megatron-Core version other than the one the
-    call sites above were read from, because the patches target its internals.
+    Idempotent; does nothing when CUDA is available. Refuses (``UpstreamChangedError``) a megatron-core whose patched
+    functions are not the ones the call sites above were read from.
     """
     if torch.cuda.is_available():
         return False
     import megatron.core
 
-    if megatron.core.__version__ != SUPPORTED_MCORE_VERSION:
-        raise RuntimeError(
-            f"parallel.cpu supports megatron-core=={SUPPORTED_MCORE_VERSION} on CPU, found "
-            f"{megatron.core.__version__}; re-read its CUDA call sites before changing the pin"
-        )
     if getattr(megatron.core, _INSTALLED_MARK, False):
         return True
+    if megatron.core.__version__ != MEGATRON_CORE:
+        raise UpstreamChangedError(
+            f"compat.megatron_core supports megatron-core=={MEGATRON_CORE} on CPU, found "
+            f"{megatron.core.__version__}; re-read its CUDA call sites before changing the pin"
+        )
+    _check_targets()
 
     cpu_torch = _CpuTorch()
     for name in PROXIED_MODULES:
         importlib.import_module(name).torch = cpu_torch
 
     random = importlib.import_module("megatron.core.tensor_parallel.random")
-    random._lazy_call = lambda callback: callback()
+    random._lazy_call = lambda fn, **kwargs: fn()
     random._lazy_init = _noop
 
     for module_name, path in _CUDA_TENSOR_CALLERS:
@@ -370,4 +423,66 @@ def install_cpu_compat() -> bool:
         moe_utils.te_general_gemm = None
 
     setattr(megatron.core, _INSTALLED_MARK, True)
+    return True
+
+
+# ---- MLA without TransformerEngine --------------------------------------------------------------------------------
+def mla_without_te() -> None:
+    """0.16.1 builds its TE wrappers on a MagicMock when TE is absent, so multi-latent attention believes TE is there
+    and fails on ``isinstance(..., TELinear)`` (multi_latent_attention.py:185; fixed upstream in 0.19). Tell it TE
+    is absent, where it is. Idempotent."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    module = "megatron.core.transformer.multi_latent_attention"
+    _target(module, "HAVE_TE")
+    importlib.import_module(module).HAVE_TE = False
+
+
+# ---- layout changes -----------------------------------------------------------------------------------------------
+# Module methods wrapped in ``functools.lru_cache`` (0.16.1): the cache keys hold the modules, and so every model's
+# rotary embedding (with its context-parallel group) stays alive after the model is gone.
+_CACHED_METHODS = (
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.forward"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding.forward"),
+)
+
+
+def _held_groups(module) -> dict[str, list[torch.distributed.ProcessGroup]]:
+    """The process groups (other than the default one) each of ``module``'s globals holds, alone or in a list."""
+    held = {}
+    for name, value in vars(module).items():
+        groups = [
+            g
+            for g in (value if isinstance(value, list | tuple) else [value])
+            if isinstance(g, torch.distributed.ProcessGroup) and g is not torch.distributed.GroupMember.WORLD
+        ]
+        if groups:
+            held[name] = groups
+    return held
+
+
+def destroy_groups() -> bool:
+    """Tear down Megatron's parallel state *and its process groups*; whether there were any.
+
+    0.16.1's ``destroy_model_parallel`` only drops its references, and not all of them (it leaves
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` set): the groups stay alive, and on gloo each keeps its connection
+    threads. Here every group the module holds is destroyed and its reference dropped, and the caches that keep
+    old models (and their groups) alive are cleared; the threads stop once nothing refers to the groups (see
+    :func:`compat.torch.release_groups`).
+    """
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return False
+    held = _held_groups(parallel_state)
+    parallel_state.destroy_model_parallel()
+    for name in _held_groups(parallel_state).keys() & held.keys():  # what destroy_model_parallel forgot
+        setattr(parallel_state, name, None)
+    for group in {id(g): g for groups in held.values() for g in groups}.values():
+        torch.distributed.destroy_process_group(group)
+    for module_name, path in _CACHED_METHODS:
+        method = _target(module_name, path)
+        if not hasattr(method, "cache_clear"):
+            raise UpstreamChangedError(f"{module_name}.{path}: no longer an lru_cache; drop it from _CACHED_METHODS")
+        method.cache_clear()
     return True

