@@ -1,5 +1,6 @@
 """megatron-core 0.16.1's quirks: CPU support (:func:`install_cpu_compat`), multi-latent attention without
-TransformerEngine (:func:`mla_without_te`) and process groups that outlive a layout (:func:`destroy_groups`).
+TransformerEngine (:func:`mla_without_te`), and models and process groups that outlive a layout
+(:func:`release_dispatcher_graphs`, :func:`destroy_groups`).
 
 **On CPU** (gloo), for CI and laptops; a no-op on CUDA machines. Megatron-Core calls CUDA unconditionally in
 places that have no extension point. Rather than a global ``TorchFunctionMode`` (measured +30% per step on tiny
@@ -445,6 +446,28 @@ _CACHED_METHODS = (
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.forward"),
     ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding.forward"),
 )
+# Module-level dicts that keep a layout's groups (0.16.1): the MoE aux-loss logging tracker stores each loss's
+# reduce and average groups (moe_utils.py:898), and its per-layer values are sized for the model that filled it.
+_LAYOUT_DICTS = (("megatron.core.transformer.moe.moe_utils", "_MOE_LAYER_WISE_LOGGING_TRACKER"),)
+
+
+def release_dispatcher_graphs(chunks: list[torch.nn.Module]) -> None:
+    """Drop the autograd graphs Megatron's MoE token dispatchers keep from the last forward.
+
+    0.16.1's dispatchers store the batch's routing probabilities as attributes (token_dispatcher.py:610 ``probs``,
+    :291 ``local_probs``). Through their graph the router weight's gradient accumulator, DDP's hook on it, and
+    so the model refer back to the dispatcher: a cycle through C++ autograd nodes, which Python's collector cannot
+    see, so a model that took a training step was never freed (nor its process groups and their gloo threads).
+    Every tensor attribute with a graph is dropped; the next forward sets them again."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                state = vars(module.token_dispatcher)
+                for name, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        state[name] = None
 
 
 def _held_groups(module) -> dict[str, list[torch.distributed.ProcessGroup]]:
@@ -466,8 +489,8 @@ def destroy_groups() -> bool:
 
     0.16.1's ``destroy_model_parallel`` only drops its references, and not all of them (it leaves
     ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` set): the groups stay alive, and on gloo each keeps its connection
-    threads. Here every group the module holds is destroyed and its reference dropped, and the caches that keep
-    old models (and their groups) alive are cleared; the threads stop once nothing refers to the groups (see
+    threads. Here every group the module holds is destroyed and its reference dropped, and the caches and MoE
+    tracker that keep old models (and their groups) alive are cleared; the threads stop once nothing refers to the groups (see
     :func:`compat.torch.release_groups`).
     """
     from megatron.core import parallel_state
@@ -485,4 +508,9 @@ def destroy_groups() -> bool:
         if not hasattr(method, "cache_clear"):
             raise UpstreamChangedError(f"{module_name}.{path}: no longer an lru_cache; drop it from _CACHED_METHODS")
         method.cache_clear()
+    for module_name, name in _LAYOUT_DICTS:
+        state = _target(module_name, name)
+        if not isinstance(state, dict):
+            raise UpstreamChangedError(f"{module_name}.{name}: no longer a dict; drop it from _LAYOUT_DICTS")
+        state.clear()
     return True

@@ -17,6 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from compat.megatron_core import release_dispatcher_graphs
 from mcore_rl.logprobs import token_logprobs
 from mcore_rl.moe import end_replay, replay_routing
 from mcore_rl.packing import pack_rows, plan_packing, rows_of, to_width
@@ -116,6 +117,7 @@ class MegatronModel:
         finally:
             if "routed_experts" in microbatches[0]:
                 end_replay(self.model)
+            release_dispatcher_graphs(self.model)
 
     @torch.no_grad()
     def logprobs(

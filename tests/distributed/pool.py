@@ -8,6 +8,7 @@ work costs. Cases are module-level functions, sent by reference and run on every
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import queue
 import socket
@@ -43,19 +44,36 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
     torch.set_num_threads(1)
     install_cpu_compat()
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    from parallel.groups import destroy_parallel
+
+    baseline = _gloo_threads()
     while (task := tasks.get()) is not None:
         fn, kwargs = task
         faulthandler.dump_traceback_later(HANG_DUMP_S)
         try:
-            results.put((rank, True, fn(**kwargs)))
+            ok, value = True, fn(**kwargs)
         except BaseException:  # noqa: BLE001 - the traceback travels to the test process
-            results.put((rank, False, traceback.format_exc()))
+            ok, value = False, traceback.format_exc()
         finally:
             faulthandler.cancel_dump_traceback_later()
-            from parallel.groups import destroy_parallel
-
             destroy_parallel()
+        gc.collect()
+        if ok and (left := _gloo_threads() - baseline) > 0:  # a leaked group costs every later case its threads
+            ok, value = False, f"{fn.__name__} left {left} gloo threads: destroy the process groups it creates"
+        results.put((rank, ok, value))
     dist.destroy_process_group()
+
+
+def _gloo_threads() -> int:
+    """This process's gloo threads (Linux): a process group's loops live until the group is destroyed and freed."""
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                count += f.read().startswith(("pt_gloo", "gloo"))
+        except FileNotFoundError:  # the thread ended meanwhile
+            pass
+    return count
 
 
 class RankPool:
