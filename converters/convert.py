@@ -4,36 +4,24 @@ Each conversion walks the model's :class:`~converters.torch_dist.Schema` slot by
 one parameter is made (from its HF tensors through the bridge's mapping, or read from a checkpoint) and written
 (as checkpoint chunks, or as HF tensors through the same mapping). Memory holds about one parameter plus one write
 bucket, whatever the model's size. Everything a conversion needs is checked on metadata before it writes a byte.
-The CLIs (``hf2mcore``, ``mcore2hf``, ``mcore2mcore``) share the output handling below.
+The CLIs (:mod:`mcore_rl.convert`) drive it; sources take the model's bridge as an argument, so this layer
+knows no model family.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import logging
-import re
 import shutil
-import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from converters.hf_io import HFCheckpoint, SafetensorsWriter, TensorEntry, copy_model_files
-from converters.mapping import MappingTable
-from converters.torch_dist import MODEL_SUBDIR, Reader, Schema, Slot, Writer, find_megatron, model_schema
-from models.registry import get_bridge
-from parallel.config import ParallelConfig
-
-log = logging.getLogger(__name__)
-
-INFO_FILE = "mcore_rl_convert.json"
-DTYPES = {"keep": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from converters.hf_io import HFCheckpoint, SafetensorsWriter, TensorEntry
+from converters.mapping import MappingTable, Target, check_tensors, unexpected_tensors
+from converters.torch_dist import Reader, Schema, Slot, Writer, model_schema
 
 
 class ConversionError(ValueError):
@@ -59,30 +47,9 @@ class HFSource:
 
     def check(self, schema: Schema) -> None:
         """Every tensor present with shapes that form the model's, and none left over (on metadata only)."""
-        problems, consumed = [], set()
-        for slot in schema.slots:
-            mapping, captures = self.table.resolve(slot.name)
-            names = mapping.hf_names(captures)
-            missing = [n for n in names if n not in self.ckpt.weight_map]
-            if missing:
-                problems.append(f"missing tensor(s) {missing} (needed for Megatron {slot.name})")
-                continue
-            consumed.update(names)
-            shapes = [self.ckpt.shape(n) for n in names]
-            try:
-                made = mapping.to_megatron([torch.empty(s, device="meta") for s in shapes], 1, torch.Size(slot.shape))
-                ok = tuple(made.shape) == slot.shape
-            except (RuntimeError, ValueError):
-                ok = False
-            if not ok:
-                problems.append(
-                    f"shape mismatch: {dict(zip(names, shapes, strict=True))} cannot form Megatron "
-                    f"{slot.name} of shape {slot.shape}"
-                )
-        unexpected = sorted(n for n in self.ckpt.names() - consumed if not self.bridge.ignores(n))
-        if unexpected:
-            problems.append(f"{len(unexpected)} unexpected tensor(s) with no Megatron parameter: {unexpected[:20]}")
-        _fail(self.ckpt.dir, problems)
+        shapes = self.ckpt.shapes
+        check = check_tensors(self.table, [Target(slot.name, slot.shape) for slot in schema.slots], shapes)
+        _fail(self.ckpt.dir, check.problems + unexpected_tensors(shapes, check.consumed, self.bridge.ignores))
 
     def dtype(self, slot: Slot) -> torch.dtype:
         mapping, captures = self.table.resolve(slot.name)
@@ -114,7 +81,10 @@ class MegatronSource:
 
     def full(self, slot: Slot, dtype: torch.dtype | None) -> torch.Tensor:
         stored = self.slots[slot.name]
-        full = self.reader.read(stored, dtype)
+        try:
+            full = self.reader.read(stored, dtype)
+        except ValueError as err:  # a data file that does not decode
+            raise ConversionError(str(err)) from None
         if stored.shape == slot.shape:
             return full
         mapping, _ = self.table.resolve(slot.name)
@@ -179,119 +149,21 @@ def write_hf(
     return Report(len(entries), sum(e.nbytes for e in entries), len(writer.shards))
 
 
-# ---- CLI plumbing ---------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def output_dir(path: Path, force: bool) -> Iterator[Path]:
     """A sibling ``.<name>.partial`` directory, renamed to ``path`` only once the body has finished, so an
-    interrupted conversion never leaves anything at ``path``. A non-empty ``path`` is replaced only with
+    interrupted conversion never leaves anything at ``path`` (and a failed one is removed). A non-empty ``path`` is replaced only with
     ``force``, and only after the new output is complete."""
     if path.exists() and any(path.iterdir()) and not force:
         raise ConversionError(f"{path}: exists and is not empty (pass --force to replace it)")
     partial = path.with_name(f".{path.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted earlier attempt
     partial.mkdir(parents=True)
-    yield partial
+    try:
+        yield partial
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # a failed conversion leaves nothing behind
+        raise
     if path.exists():
         shutil.rmtree(path)
     partial.rename(path)
-
-
-def parse_bytes(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)B?\s*", text.upper())
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 512MB, 5GB or 1000000")
-    return int(float(match.group(1)) * 1024 ** "_KMGT".index(match.group(2) or "_"))
-
-
-def add_common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", choices=list(DTYPES), default="keep", help="cast the weights (default: keep)")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty OUTPUT (once the new one is done)")
-    parser.add_argument("--dry-run", action="store_true", help="check everything and list what would be written")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
-def add_layout_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "target layout",
-        "The checkpoint loads under any layout whose TP size pads the vocabulary alike (Megatron reshards on "
-        "load); the layout given here is checked against the model and fixes that padding.",
-    )
-    for flag, help_ in (("tp", "tensor"), ("pp", "pipeline"), ("vpp", "virtual pipeline"), ("ep", "expert")):
-        group.add_argument(f"--{flag}", type=int, default=1, help=f"{help_} parallel size (default 1)")
-    group.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
-
-
-def layout_of(args, bridge) -> ParallelConfig:
-    """The target layout from ``--tp/--pp/--vpp/--ep/--etp``, checked against the model."""
-    sizes = dict(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep, etp=args.etp)
-    try:
-        parallel = ParallelConfig(**sizes, sequence_parallel=args.tp > 1)
-        bridge.validate_layout(parallel)
-    except ValueError as err:
-        raise ConversionError(f"layout {sizes}: {err}") from err
-    return parallel
-
-
-def run_cli(main: Callable[[argparse.Namespace], Report | None], parser: argparse.ArgumentParser, argv) -> int:
-    """Parse, run, report; a ConversionError or missing input is one readable message and exit status 2."""
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    start = time.perf_counter()
-    try:
-        report = main(args)
-    except (ConversionError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if report is not None:
-        report.seconds = round(time.perf_counter() - start, 1)
-        log.info(
-            "done: %d tensors, %.3f GB in %d files, %.1f s",
-            report.tensors,
-            report.bytes / 1e9,
-            report.files,
-            report.seconds,
-        )
-    return 0
-
-
-def finish_output(out: Path, source: Path, info: dict, report: Report) -> None:
-    """Copy the model's config/tokenizer files and record where the output came from."""
-    copy_model_files(source, out)
-    record = {"source": str(source.resolve()), **info, **asdict(report), "command": sys.argv}
-    (out / INFO_FILE).write_text(json.dumps(record, indent=1, default=str) + "\n")
-
-
-def open_megatron(args) -> tuple[Path, Path, object]:
-    """A Megatron checkpoint CLI's input: its torch_dist directory, the directory of its config.json and
-    tokenizer files (beside it, or ``--hf-config``), and the model's bridge."""
-    checkpoint = find_megatron(args.checkpoint)
-    if checkpoint is None:
-        raise ConversionError(f"{args.checkpoint}: no Megatron distributed checkpoint here (nor in model/, policy/)")
-    for files in (args.hf_config, args.checkpoint, args.checkpoint.parent):
-        if files is not None and (files / "config.json").is_file():
-            return checkpoint, files, get_bridge(files)
-    raise ConversionError(f"{args.checkpoint}: no config.json beside the checkpoint; pass --hf-config HF_DIR")
-
-
-def convert_to_megatron(args, bridge, source, files: Path, info: dict) -> Report | None:
-    """The Megatron-writing CLIs' common part: the target layout checked against the model, ``source`` checked
-    against its schema, then ``--dry-run``'s listing or the checkpoint written to ``args.output``."""
-    parallel = layout_of(args, bridge)
-    vocab = bridge.padded_vocab_size(parallel.tp)
-    schema = model_schema(bridge, vocab)
-    source.check(schema)
-    dtype = DTYPES[args.dtype]
-    if args.dry_run:
-        for key, shape in schema.keys().items():
-            print(f"{key} {list(shape)}")
-        total = sum(s.numel * (dtype or source.dtype(s)).itemsize for s in schema.slots)
-        print(
-            f"would write {len(schema.keys())} tensors ({len(schema.slots)} parameters, vocabulary padded to "
-            f"{vocab} for TP={parallel.tp}), {total / 1e9:.3f} GB, to {args.output / MODEL_SUBDIR}"
-        )
-        return None
-    with output_dir(args.output, args.force) as out:
-        report = write_megatron(source, schema, out / MODEL_SUBDIR, dtype, args.bucket_size, not args.quiet)
-        layout = {"layout": vars(parallel), "padded_vocab_size": vocab}
-        finish_output(out, files, {"format": "torch_dist", **layout, "dtype": args.dtype, **info}, report)
-    return report

@@ -54,9 +54,29 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     return (weight.float() * scale).to(torch.bfloat16)
 
 
+def safetensors_header(path: Path) -> dict[str, dict]:
+    """The tensor table of a safetensors file, checked against the file's size: a missing, truncated or foreign
+    file is an error naming it, before any tensor is read."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > size - 8:
+                raise ValueError(f"its header claims {length} bytes, the file has {size}")
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        end = 8 + length + max((t["data_offsets"][1] for t in header.values()), default=0)
+    except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError) as err:
+        raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+    if end > size:
+        raise ValueError(f"{path}: truncated: its header lists {end} bytes of tensors, the file has {size}")
+    return header
+
+
 class HFCheckpoint:
     """Lazy, per-tensor access to a checkpoint's safetensors: a rank reads only the tensors it asks for. Block FP8
-    weights read as bf16 (their scales are not listed): converters and trainers see the model, not its storage."""
+    weights read as bf16 (their scales are not listed): converters and trainers see the model, not its storage.
+    Every file's header is checked when the checkpoint is opened (:func:`safetensors_header`)."""
 
     def __init__(self, hf_dir: str | Path):
         self.dir = Path(hf_dir)
@@ -64,12 +84,27 @@ class HFCheckpoint:
         self.fp8_block = fp8_block_size(read_config(self.dir), str(config)) if config.is_file() else None
         index = self.dir / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as err:
+                raise ValueError(f"{index}: not a safetensors index with a weight_map ({err})") from None
         elif (self.dir / SINGLE_FILE).is_file():
-            with safe_open(self.dir / SINGLE_FILE, framework="pt") as f:
-                weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
+            weight_map = None
         else:
             raise FileNotFoundError(f"{self.dir}: neither {INDEX_FILE} nor {SINGLE_FILE} found")
+        files = sorted(set(weight_map.values())) if weight_map is not None else [SINGLE_FILE]
+        self._stored: dict[str, dict] = {}  # name -> its header entry (dtype, shape, offsets)
+        for file in files:
+            if not (self.dir / file).is_file():
+                raise FileNotFoundError(f"{self.dir / file}: listed in {INDEX_FILE} but missing")
+            header = safetensors_header(self.dir / file)
+            if weight_map is None:
+                weight_map = dict.fromkeys(header, file)
+            elif absent := {n for n, f in weight_map.items() if f == file} - header.keys():
+                raise ValueError(
+                    f"{self.dir / file}: lacks {len(absent)} tensor(s) of {INDEX_FILE}, e.g. {min(absent)}"
+                )
+            self._stored.update(header)
         self.weight_map: dict[str, str] = weight_map
         self._handles: dict[str, object] = {}
 
@@ -90,10 +125,7 @@ class HFCheckpoint:
         if file is None:
             raise KeyError(f"{self.dir}: tensor {name!r} is not in the checkpoint")
         if file not in self._handles:
-            path = self.dir / file
-            if not path.is_file():
-                raise FileNotFoundError(f"{path}: listed in {INDEX_FILE} for {name!r} but missing")
-            self._handles[file] = safe_open(path, framework="pt")
+            self._handles[file] = safe_open(self.dir / file, framework="pt")
         return self._handles[file]
 
     def get(self, name: str) -> torch.Tensor:
@@ -103,29 +135,31 @@ class HFCheckpoint:
             tensor if scale is None else dequantize_fp8(tensor, self._handle(scale).get_tensor(scale), self.fp8_block)
         )
 
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape (FP8 scales aside), from the headers: no data is read."""
+        return {n: self.shape(n) for n in self.names()}
+
     def shape(self, name: str) -> tuple[int, ...]:
-        """From the file's header: no data is read."""
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._stored[name]["shape"])
 
     def dtype(self, name: str) -> torch.dtype:
         if self._scale_of(name) is not None:
             return torch.bfloat16
-        return _DTYPE_OF_NAME[self._handle(name).get_slice(name).get_dtype()]
+        return _DTYPE_OF_NAME[self._stored[name]["dtype"]]
 
 
 # Files of a model directory that are not weights (config, tokenizer, generation settings): copied along.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json", ".distcp")
 
 
-def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
-    """Copy ``src``'s top-level non-weight files (config.json, tokenizer files, ...) into ``dst``; from a training
-    checkpoint, not its completion marker (the copy is another directory's, not a checkpoint); from an FP8
-    checkpoint, config.json without its quantization_config (what is written beside it holds dequantized weights)."""
-    from mcore_rl.checkpoint import MARKER
-
+def copy_model_files(src: str | Path, dst: str | Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """Copy ``src``'s top-level non-weight files (config.json, tokenizer files, ...) into ``dst``, except those named
+    in ``skip``; from an FP8 checkpoint, config.json without its quantization_config (what is written beside it
+    holds dequantized weights)."""
     copied = []
     for path in sorted(Path(src).iterdir()):
-        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name != MARKER:
+        if path.is_file() and not path.name.endswith(_WEIGHT_SUFFIXES) and path.name not in skip:
             shutil.copy2(path, Path(dst) / path.name)
             copied.append(path.name)
     config = Path(dst) / "config.json"

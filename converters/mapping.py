@@ -9,7 +9,8 @@ are model-wide, never PP- or EP-local (see :mod:`converters.plan`).
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -136,3 +137,76 @@ class MappingTable:
         if len(hits) > 1:
             raise KeyError(f"Megatron parameter {megatron_name!r} matches several mappings: {[m for m, _ in hits]}")
         return hits[0]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A Megatron parameter as a checkpoint check sees it: global name, full shape, TP ranks it is split over."""
+
+    name: str
+    shape: tuple[int, ...]
+    split_over: int = 1
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """What :func:`check_tensors` found: ``problems`` (none when the checkpoint forms the model), the HF tensors the
+    targets read, and per HF tensor the targets that export it (more than one is a broken mapping)."""
+
+    problems: list[str]
+    consumed: set[str]
+    exporters: dict[str, list[str]]
+
+
+def check_tensors(table: MappingTable, targets: Iterable[Target], hf_shapes: dict[str, tuple[int, ...]]) -> TensorCheck:
+    """Every target resolves to one mapping whose HF tensors are in ``hf_shapes`` and form the target's shape, and
+    the target exports back to those shapes. Shapes only (meta tensors): the one check of a checkpoint against a
+    model, before loading (trainer), converting (CLIs) or planning (dry runs)."""
+    problems: list[str] = []
+    consumed: set[str] = set()
+    exporters: dict[str, list[str]] = defaultdict(list)
+    for target in targets:
+        try:
+            mapping, captures = table.resolve(target.name)
+        except KeyError as err:
+            problems.append(err.args[0])
+            continue
+        names = mapping.hf_names(captures)
+        missing = [n for n in names if n not in hf_shapes]
+        if missing:
+            problems.append(f"missing tensor(s) {missing} (needed for Megatron {target.name})")
+            continue
+        consumed.update(names)
+        shapes = [tuple(hf_shapes[n]) for n in names]
+        problem = _shape_problem(mapping, names, shapes, target)
+        if problem:
+            problems.append(problem)
+        if mapping.export:
+            for name in names:
+                exporters[name].append(target.name)
+    return TensorCheck(problems, consumed, dict(exporters))
+
+
+def _shape_problem(mapping: Mapping, names: tuple[str, ...], shapes: list[tuple], target: Target) -> str | None:
+    """Both directions on meta tensors: the HF tensors form the target, and the target exports to their shapes."""
+    want = torch.Size(target.shape)
+    try:
+        made = mapping.to_megatron([torch.empty(s, device="meta") for s in shapes], target.split_over, want).shape
+    except (RuntimeError, ValueError):
+        made = None
+    if made != want:
+        found = dict(zip(names, shapes, strict=True))
+        return f"shape mismatch: {found} cannot form Megatron {target.name} of shape {tuple(want)}"
+    back = [tuple(t.shape) for t in mapping.to_hf(torch.empty(want, device="meta"), target.split_over)]
+    if back != shapes:
+        return f"Megatron {target.name} {tuple(want)} exports to shapes {back}, the checkpoint's {names} have {shapes}"
+    return None
+
+
+def unexpected_tensors(
+    hf_shapes: dict[str, tuple[int, ...]], consumed: set[str], ignores: Callable[[str], bool]
+) -> list[str]:
+    """A problem naming the HF tensors no target reads (that the model does not ignore on purpose), if any."""
+    left = sorted(n for n in hf_shapes if n not in consumed and not ignores(n))
+    listed = ", ".join(f"{n} {tuple(hf_shapes[n])}" for n in left[:20]) + (" ..." if len(left) > 20 else "")
+    return [f"{len(left)} unexpected tensor(s) with no Megatron parameter: {listed}"] if left else []

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from converters.hf_io import HFCheckpoint
-from converters.mapping import Mapping, MappingTable
+from converters.mapping import Mapping, MappingTable, Target, check_tensors, unexpected_tensors
 from converters.plan import LocalParam, global_expert_name, local_params
 from converters.torch_dist import find_megatron, load_model
 from converters.transforms import full_shape, shard
@@ -41,54 +41,36 @@ def _check_axis(mapping: Mapping, name: str, megatron_axis: int | None) -> None:
         )
 
 
-def _collect_errors(problems: list[str], consumed: set[str]) -> tuple[list[str], set[str]]:
-    """Every rank learns every rank's problems, so all raise together instead of leaving peers in a collective."""
-    if not dist.is_initialized():
-        return problems, consumed
-    everyone = all_gather_objects((problems, consumed))
-    return sorted({p for ps, _ in everyone for p in ps}), set().union(*(c for _, c in everyone))
-
-
 def load_hf(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path, groups: ProcessGroupCollection) -> None:
     """Fill this rank's shards of ``chunks`` from an HF directory, reading only the tensors they need.
 
-    Raises ``ValueError`` naming every missing, mis-shaped or unexpected checkpoint tensor (on all ranks).
+    Checked first on the files' headers (:func:`converters.mapping.check_tensors`, every rank's parameters, the
+    problems gathered so that all ranks raise together instead of leaving peers in a collective): a
+    ``ValueError`` names every missing, mis-shaped or unexpected checkpoint tensor before anything is read.
     """
     ckpt = HFCheckpoint(hf_dir)
     table = MappingTable(bridge.mappings())
     ep, ep_rank = _size_rank(groups.ep)
     num_local = _num_local_experts(chunks, ep)
-    problems: list[str] = []
-    consumed: set[str] = set()
+    mine = []  # (parameter, its target, TP rank)
     for lp in local_params(chunks):
         name = global_expert_name(lp.slot, ep_rank, num_local) if lp.is_expert else lp.slot
-        mapping, captures = table.resolve(name)
-        _check_axis(mapping, name, lp.tp_axis)
         tp, tp_rank = _size_rank(groups.expt_tp if lp.is_expert else groups.tp)
-        hf_names = mapping.hf_names(captures)
-        missing = [n for n in hf_names if n not in ckpt.weight_map]
-        if missing:
-            problems.append(f"missing tensor(s) {missing} (needed for Megatron {name})")
-            continue
-        consumed.update(hf_names)
-        want = full_shape(lp.param.shape, lp.tp_axis, tp)
-        hf = [ckpt.get(n) for n in hf_names]
-        try:
-            full = mapping.to_megatron(hf, tp, want)
-        except (RuntimeError, ValueError):
-            full = None  # reported below with the shapes that caused it
-        if full is None or full.shape != want:
-            shapes = {n: tuple(t.shape) for n, t in zip(hf_names, hf, strict=True)}
-            problems.append(f"shape mismatch: {shapes} cannot form Megatron {name} of shape {tuple(want)}")
-            continue
-        with torch.no_grad():
-            lp.param.copy_(shard(full, lp.tp_axis, tp_rank, tp))
-    problems, consumed = _collect_errors(problems, consumed)
-    unexpected = sorted(n for n in ckpt.names() - consumed if not bridge.ignores(n))
-    if unexpected:
-        problems.append(f"unexpected tensor(s) with no Megatron parameter: {unexpected[:20]}")
+        mine.append((lp, Target(name, tuple(full_shape(lp.param.shape, lp.tp_axis, tp)), tp), tp_rank))
+    shapes = ckpt.shapes
+    check = check_tensors(table, [target for _, target, _ in mine], shapes)
+    found = (check.problems, check.consumed)
+    everyone = all_gather_objects(found) if dist.is_initialized() else [found]
+    problems = sorted({p for ps, _ in everyone for p in ps})
+    problems += unexpected_tensors(shapes, set().union(*(c for _, c in everyone)), bridge.ignores)
     if problems:
         raise ValueError(f"{hf_dir}: checkpoint does not match {bridge.architecture}:\n  " + "\n  ".join(problems))
+    for lp, target, tp_rank in mine:
+        mapping, captures = table.resolve(target.name)
+        _check_axis(mapping, target.name, lp.tp_axis)
+        full = mapping.to_megatron([ckpt.get(n) for n in mapping.hf_names(captures)], target.split_over, target.shape)
+        with torch.no_grad():
+            lp.param.copy_(shard(full, lp.tp_axis, tp_rank, target.split_over))
 
 
 def load_weights(chunks: list[torch.nn.Module], bridge, directory: str | Path, groups: ProcessGroupCollection) -> None:

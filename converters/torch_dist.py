@@ -250,10 +250,10 @@ class Reader:
         if not (self.dir / CONFIG_FILE).is_file():
             raise FileNotFoundError(f"{self.dir}: no {CONFIG_FILE}; not a complete Megatron distributed checkpoint")
         self.storage = FileSystemReader(self.dir)
-        metadata = self.storage.read_metadata()
-        self.storage.set_up_storage_reader(metadata, True)
+        self.metadata = self.storage.read_metadata()
+        self.storage.set_up_storage_reader(self.metadata, True)
         self.tensors = {
-            k: md for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+            k: md for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
         }
 
     def padded_vocab_size(self) -> int:
@@ -266,9 +266,10 @@ class Reader:
         return self.tensors[slot.pieces[0].key].properties.dtype
 
     def problems(self, schema: Schema) -> list[str]:
-        """What this checkpoint lacks for ``schema``: keys, global shapes, stored ranges (checked on metadata)."""
+        """What this checkpoint lacks for ``schema``: keys, global shapes, stored ranges (checked on metadata), and
+        the data files its metadata points into (each present and long enough)."""
         stored = self.tensors
-        problems = []
+        problems = self.missing_data()
         for key, shape in schema.keys().items():
             md = stored.get(key)
             if md is None:
@@ -284,6 +285,20 @@ class Reader:
                     problems.append(f"{slot.name}: not all of it is stored under {piece.key} at {piece.offset}")
         return problems
 
+    def missing_data(self) -> list[str]:
+        """Data files the metadata points into that are absent or shorter than it says (a copy cut short)."""
+        ends: dict[str, int] = {}
+        for info in self.metadata.storage_data.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        problems = []
+        for name, end in sorted(ends.items()):
+            path = self.dir / name
+            if not path.is_file():
+                problems.append(f"data file {name} is missing")
+            elif path.stat().st_size < end:
+                problems.append(f"data file {name} is truncated: {path.stat().st_size} bytes, the metadata needs {end}")
+        return problems
+
     def read(self, slot: Slot, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full tensor of ``slot`` (in its stored dtype unless ``dtype``)."""
         full = torch.empty(slot.shape, dtype=dtype or self.dtype(slot))
@@ -293,7 +308,13 @@ class Reader:
             items = create_read_items_for_chunk_list(piece.key, stored[piece.key], [chunk])
             requests += items
             targets[items[0].dest_index] = piece.of(full).view(chunk.sizes)
-        self.storage.read_data(LoadPlan(requests), _Data(targets)).wait()
+        try:
+            self.storage.read_data(LoadPlan(requests), _Data(targets)).wait()
+        except Exception as err:  # noqa: BLE001 - whatever decoding a damaged file raises, reported by file
+            files = sorted({self.metadata.storage_data[r.storage_index].relative_path for r in requests})
+            raise ValueError(
+                f"{self.dir}: reading {slot.name} from {', '.join(files)} failed ({type(err).__name__}: {err})"
+            ) from None
         return full
 
 
@@ -301,7 +322,10 @@ def load_model(chunks: list[torch.nn.Module], directory: str | Path) -> None:
     """Fill this rank's shards of ``chunks`` from a torch_dist checkpoint of any layout (Megatron reshards)."""
     from megatron.core import dist_checkpointing
 
-    stored = Reader(directory).padded_vocab_size()
+    reader = Reader(directory)
+    if missing := reader.missing_data():
+        raise ValueError(f"{directory}: incomplete checkpoint: " + "; ".join(missing))
+    stored = reader.padded_vocab_size()
     ours = next((c.embedding.word_embeddings for c in chunks if hasattr(c, "embedding")), None)
     if ours is not None and ours.num_embeddings != stored:
         raise ValueError(

@@ -6,12 +6,12 @@ the same functions the real sync runs."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from converters.mapping import MappingTable
+from converters.mapping import MappingTable, Target, check_tensors, unexpected_tensors
 from converters.plan import LocalParam, global_expert_name
 from converters.stream import bucket_layout, buckets, export_plan, stage_meta
 from converters.transforms import full_shape
@@ -48,49 +48,33 @@ def _num_local(bridge, parallel: ParallelConfig) -> int:
 def check_mappings(
     bridge, parallel: ParallelConfig, stages: list[list[LocalParam]], hf: dict[str, torch.Size]
 ) -> MappingReport:
-    """Resolve every Megatron parameter of every rank against ``hf`` (:func:`mcore_rl.planner.meta.hf_tensors`)."""
+    """Resolve every Megatron parameter of every rank against ``hf`` (:func:`mcore_rl.planner.meta.hf_tensors`)
+    with the check the trainer and the converters run on checkpoints, plus what only a whole model shows: TP axes
+    as Megatron partitions them, and HF tensors exported by more than one parameter."""
     table = MappingTable(bridge.mappings())
     num_local = _num_local(bridge, parallel)
     errors: list[str] = []
-    sources: dict[str, list[str]] = defaultdict(list)  # HF name -> Megatron names exporting it
-    exported_params = 0
+    targets = []
     for lp in (lp for stage in stages for lp in stage):
         split_over = _split_over(parallel, lp)
-        want = full_shape(lp.param.shape, lp.tp_axis, split_over)
+        want = tuple(full_shape(lp.param.shape, lp.tp_axis, split_over))
         names = [global_expert_name(lp.slot, r, num_local) for r in range(parallel.ep)] if lp.is_expert else [lp.slot]
         for name in names:
-            try:
-                mapping, captures = table.resolve(name)
-            except KeyError as err:
-                errors.append(str(err.args[0]))
-                continue
-            if mapping.tp_axis != lp.tp_axis:
-                errors.append(f"{name}: mapping TP axis {mapping.tp_axis}, Megatron partitions dim {lp.tp_axis}")
-            hf_names = mapping.hf_names(captures)
-            missing = [n for n in hf_names if n not in hf]
-            if missing:
-                errors.append(f"{name} maps to {missing}, which transformers' model does not have")
-                continue
-            made = mapping.to_hf(torch.empty(want, dtype=lp.param.dtype, device="meta"), split_over)
-            for hf_name, tensor in zip(hf_names, made, strict=True):
-                if tensor.shape != hf[hf_name]:
-                    errors.append(f"{name} -> {hf_name}: shape {tuple(tensor.shape)}, HF has {tuple(hf[hf_name])}")
-            back = mapping.to_megatron([torch.empty(hf[n], device="meta") for n in hf_names], split_over, want)
-            if back.shape != want:
-                errors.append(f"{hf_names} -> {name}: shape {tuple(back.shape)}, Megatron has {tuple(want)}")
-            if mapping.export:
-                exported_params += sum(t.numel() for t in made)
-                for hf_name in hf_names:
-                    sources[hf_name].append(name)
-    for hf_name in sorted(hf):
-        if not sources.get(hf_name) and not bridge.ignores(hf_name):
-            errors.append(f"HF tensor {hf_name} {tuple(hf[hf_name])} has no Megatron parameter")
+            targets.append(Target(name, want, split_over))
+            with contextlib.suppress(KeyError):  # an unmapped name is check_tensors' to report
+                if (axis := table.resolve(name)[0].tp_axis) != lp.tp_axis:
+                    errors.append(f"{name}: mapping TP axis {axis}, Megatron partitions dim {lp.tp_axis}")
+    shapes = {name: tuple(shape) for name, shape in hf.items()}
+    check = check_tensors(table, targets, shapes)
+    errors += check.problems + unexpected_tensors(shapes, check.consumed, bridge.ignores)
     errors += [
-        f"HF tensor {n} is exported by several parameters: {s}" for n, s in sorted(sources.items()) if len(s) > 1
+        f"HF tensor {n} is exported by several parameters: {s}"
+        for n, s in sorted(check.exporters.items())
+        if len(s) > 1
     ]
     return MappingReport(
         hf_params=sum(shape.numel() for n, shape in hf.items() if not bridge.ignores(n)),
-        exported_params=exported_params,
+        exported_params=sum(hf[n].numel() * len(s) for n, s in check.exporters.items()),
         stage_params=[sum(lp.param.numel() for lp in stage if _is_param(lp)) for stage in stages],
         stage_expert_params=[sum(lp.param.numel() for lp in stage if lp.is_expert) for stage in stages],
         errors=errors,

@@ -59,7 +59,7 @@ launch() {
 from mcore_rl.config.schema import load_run_config
 print(load_run_config(sys.argv[1], sys.argv[2:]).models.policy_trainer.parallel.tp)' \
         "$config" ${overrides[@]+"${overrides[@]}"})"
-      "$venv/bin/python" -m converters.hf2mcore "$MODEL_DIR" "$MCORE_DIR" --tp "$tp"
+      "$venv/bin/python" -m mcore_rl.convert hf2mcore "$MODEL_DIR" "$MCORE_DIR" --tp "$tp"
     fi
     overrides+=("models.policy_trainer.load=$MCORE_DIR" "models.ref_policy.load=$MCORE_DIR" "models.policy.load=$MODEL_DIR")
   fi

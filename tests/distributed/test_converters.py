@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -26,21 +27,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def cli(name: str, *args, peak_rss: bool = False) -> subprocess.CompletedProcess:
-    """``python -m converters.<name> ARGS``; with ``peak_rss`` the last stdout line is the process's peak RSS (KiB)."""
-    argv = [str(a) for a in args] + ["--quiet"]
+    """``python -m mcore_rl.convert <name> ARGS``; with ``peak_rss`` the last stdout line is the process's peak RSS
+    (KiB)."""
+    argv = [name, *(str(a) for a in args), "--quiet"]
     if peak_rss:
         code = (
             "import resource, runpy, sys\n"
-            f"sys.argv = ['{name}', *{argv!r}]\n"
+            f"sys.argv = ['convert', *{argv!r}]\n"
             "try:\n"
-            f"    runpy.run_module('converters.{name}', run_name='__main__')\n"
+            "    runpy.run_module('mcore_rl.convert', run_name='__main__')\n"
             "except SystemExit as e:\n"
             "    assert not e.code, e.code\n"
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
         )
         command = [sys.executable, "-c", code]
     else:
-        command = [sys.executable, "-m", f"converters.{name}", *argv]
+        command = [sys.executable, "-m", "mcore_rl.convert", *argv]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
@@ -208,6 +210,41 @@ def test_bad_input_is_refused_before_writing(tmp_path, tiny_models):
 
     run = ok(cli("hf2mcore", qwen2, out, "--force"))
     assert not (out / "keep.txt").exists() and (out / "model" / "metadata.json").is_file()
+
+
+def _refused(run: subprocess.CompletedProcess, message: str, output: Path) -> None:
+    """Exit status 2, one error line with ``message``, no traceback, and nothing at or beside ``output``."""
+    assert run.returncode == 2 and run.stderr.startswith("error: ") and message in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+    assert not output.exists() and not list(output.parent.glob(f".{output.name}*"))
+
+
+def test_broken_files_and_unsupported_models_are_named(tmp_path, converted, tiny_models):
+    """A truncated safetensors file, a Megatron checkpoint missing a data file or holding a corrupted one, and an
+    architecture no bridge declares: each is one error naming the file (or the architecture), and no partial output
+    is left behind, however far the conversion got."""
+    qwen3 = Path(shutil.copytree(tiny_models["Qwen3ForCausalLM"], tmp_path / "truncated"))
+    weights = qwen3 / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
+    _refused(cli("hf2mcore", qwen3, tmp_path / "a"), f"{weights}: truncated", tmp_path / "a")
+
+    gpt2 = Path(shutil.copytree(tiny_models["Qwen3ForCausalLM"], tmp_path / "gpt2"))
+    config = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps(config | {"architectures": ["GPT2LMHeadModel"]}))
+    _refused(cli("hf2mcore", gpt2, tmp_path / "b"), "architecture 'GPT2LMHeadModel' is not supported", tmp_path / "b")
+
+    source = converted["Qwen3ForCausalLM"][1]
+    for damage in ("missing", "corrupted"):
+        checkpoint = Path(shutil.copytree(source, tmp_path / damage))
+        data = sorted((checkpoint / "model").glob("*.distcp"))[-1]
+        if damage == "missing":
+            data.unlink()
+            message = f"data file {data.name} is missing"
+        else:  # same size: the metadata check passes, the conversion fails when it reads this file
+            data.write_bytes(bytes(data.stat().st_size))
+            message = f"from {data.name} failed"
+        out = tmp_path / f"hf_from_{damage}"
+        _refused(cli("mcore2hf", checkpoint, out), message, out)
 
 
 def test_block_fp8_checkpoint_converts_dequantized(tmp_path, tiny_models):
