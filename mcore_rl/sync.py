@@ -46,13 +46,14 @@ class SyncConfig:
     probe_max_tolerance: float | None = None  # None: by engine dtype, see PROBE_TOLERANCE
     probe_mean_tolerance: float | None = None
 
-    def validate(self) -> None:
+    def validate(self, prefix: str = "sync") -> None:
+        """Errors name each field under ``prefix`` (the run config's ``models.policy.sync``)."""
         if self.bucket_bytes <= 0:
-            raise ValueError(f"sync.bucket_bytes={self.bucket_bytes}: expected a positive number of bytes")
+            raise ValueError(f"{prefix}.bucket_bytes={self.bucket_bytes}: expected a positive number of bytes")
         if self.probe and (self.probe_sequences < 1 or self.probe_length < 2):
             raise ValueError(
-                f"sync.probe_sequences={self.probe_sequences}, sync.probe_length={self.probe_length}: "
-                "expected sync.probe_sequences >= 1 and sync.probe_length >= 2"
+                f"{prefix}.probe_sequences={self.probe_sequences}, {prefix}.probe_length={self.probe_length}: "
+                f"expected {prefix}.probe_sequences >= 1 and {prefix}.probe_length >= 2"
             )
 
 
@@ -230,7 +231,7 @@ class WeightSync:
             raise ProbeMismatchError(
                 f"{when}, rollout log-probs differ from the trainer's: max |Δ| {max_diff:.3g} "
                 f"(tolerance {self.max_tolerance:g}), mean |Δ| {mean_diff:.3g} (tolerance {self.mean_tolerance:g}); "
-                "the engine holds stale or mis-converted weights (set sync.probe_max_tolerance/"
+                "the engine holds stale or mis-converted weights (set models.policy.sync.probe_max_tolerance/"
                 "probe_mean_tolerance only if the difference is expected numerics)"
             )
         return max_diff, mean_diff

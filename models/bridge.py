@@ -172,6 +172,9 @@ class Bridge:
             # ranks (wrong losses on gloo); separate, overlapped send/recv is exact (tests/distributed).
             overlap_p2p_comm=interleaved,
             batch_p2p_comm=not interleaved,
+            # megatron-core 0.16.1's default ("full") is deprecated by itself, with a warning on every config; the
+            # empty list is what it turns "full" into.
+            cuda_graph_scope=[],
         )
         fields.update(self.extra_config())
         fields.update(overrides)

@@ -6,6 +6,7 @@ start-up. Every error names the field and what would fix it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -95,16 +96,13 @@ class ParallelConfig:
     ) -> None:
         """Check that the model's shapes split evenly over this layout."""
         self.stage_layers(num_layers)
-        if num_attention_heads % self.tp:
-            raise ValueError(
-                f"num_attention_heads={num_attention_heads} is not divisible by tp={self.tp}; "
-                f"choose tp among {divisors(num_attention_heads)}"
-            )
-        if num_query_groups % self.tp:
-            raise ValueError(
-                f"num_key_value_heads={num_query_groups} is not divisible by tp={self.tp}; "
-                f"choose tp among {divisors(num_query_groups)}"
-            )
+        heads = {"num_attention_heads": num_attention_heads, "num_key_value_heads": num_query_groups}
+        for name, count in heads.items():
+            if count % self.tp:  # the TP sizes offered split both head counts
+                raise ValueError(
+                    f"{name}={count} is not divisible by tp={self.tp}; choose tp among "
+                    f"{divisors(math.gcd(*heads.values()))}"
+                )
         if vocab_size < self.tp:
             raise ValueError(f"vocab_size={vocab_size} is smaller than tp={self.tp}")
         if num_experts is None:

@@ -23,6 +23,22 @@ import yaml
 _REF = re.compile(r"\$\{([^}]+)\}")
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: 1.1 wants a dot and a signed exponent (``1.0e-5``), so ``1e-5``
+    and ``2e-5`` loaded as strings and the typed config refused them."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def _parse(text: str):
+    return yaml.load(text, Loader=_Loader)  # safe: _Loader constructs plain data only
+
+
 class ConfigError(ValueError):
     """A config problem, named by its dotted key (and file/line where YAML syntax is at fault)."""
 
@@ -32,7 +48,7 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = _parse(path.read_text())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -58,7 +74,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(raw) if raw else ""
+        node[parts[-1]] = _parse(raw) if raw else ""
     return data
 
 

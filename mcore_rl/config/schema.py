@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from converters.torch_dist import find_megatron
+from converters.hf_io import HFCheckpoint
+from converters.torch_dist import Reader, find_megatron
 from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.moe import MoEConfig
@@ -16,13 +17,12 @@ from models.registry import get_bridge
 from parallel.config import ParallelConfig
 
 BUILTIN_DATA = "builtin:arithmetic"
-ROLES = ("policy_trainer", "ref_policy", "policy")
+MODEL_KEYS = ("models.policy_trainer.load", "models.ref_policy.load", "models.policy.load")
 
 
 @dataclass
 class LogConfig:
-    tensorboard: bool = True
-    console_every: int = 1  # episodes between console lines
+    tensorboard: bool = True  # metrics.jsonl and the console's progress bar are always written
 
 
 @dataclass
@@ -46,7 +46,6 @@ class RuntimeArgs:
     # fit it (mcore_rl.planner.memory); 0: the local GPU's, and no check on a CPU machine
     device_memory_gb: float = 0.0
     ray_address: str = ""  # an existing cluster ("auto" or host:port); empty: $RAY_ADDRESS, else start a local one
-    colocation: list[str] = field(default_factory=lambda: list(ROLES))
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -70,7 +69,9 @@ class TrainerConfig:
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     algorithm: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     advantage_std_norm: bool = True  # False: Dr.GRPO advantages
-    dynamic_sampling: bool = False  # drop prompt groups with constant rewards and refill
+    # Drop prompt groups with constant rewards and sample new prompts in their place (up to 3 refill rounds; then
+    # the dropped groups, whose advantages are 0, fill what is still missing)
+    dynamic_sampling: bool = False
     offload: bool = True  # GPU: weights, grads and optimizer state leave the device while the engines roll out
     # > 0: pack samples (THD, no padding to the longest) into micro-batches of at most this many tokens, balanced
     # over data-parallel ranks; micro_batch_size is then unused. 0: padded micro-batches of micro_batch_size.
@@ -127,14 +128,6 @@ class RunConfig:
 
     def _validate(self) -> None:
         rt, m = self.runtime_args, self.models
-        for role in rt.colocation:
-            if role not in ROLES:
-                raise ConfigError(f"runtime_args.colocation: unknown role {role!r}; expected some of {list(ROLES)}")
-        if sorted(rt.colocation) != sorted(ROLES):
-            raise ConfigError(
-                f"runtime_args.colocation={rt.colocation}: every role shares the devices in this version; "
-                f"list all of {list(ROLES)}"
-            )
         positive = {
             "runtime_args.num_episode": rt.num_episode,
             "runtime_args.sample_per_episode": rt.sample_per_episode,
@@ -156,6 +149,11 @@ class RunConfig:
             raise ConfigError(
                 f"runtime_args.sample_per_episode={rt.sample_per_episode} is not a multiple of "
                 f"runtime_args.train_global_batch_size={rt.train_global_batch_size}"
+            )
+        if m.policy.rollout.return_routed_experts:
+            raise ConfigError(
+                "models.policy.rollout.return_routed_experts: set by models.policy_trainer.moe.routing_replay; "
+                "remove it (set routing_replay: true to replay the rollout's routing)"
             )
         train = m.policy.rollout.train
         if train.n not in (1, n):
@@ -189,9 +187,9 @@ class RunConfig:
                 "expected 'constant', 'cosine' or 'linear'"
             )
         m.policy_trainer.algorithm.validate("models.policy_trainer.algorithm")
-        m.policy.rollout.validate()
-        m.policy.sync.validate()
-        for key in ("models.policy_trainer.load", "models.ref_policy.load", "models.policy.load"):
+        m.policy.rollout.validate("models.policy.rollout")
+        m.policy.sync.validate("models.policy.sync")
+        for key in MODEL_KEYS:
             _check_model_dir(key, self._get(key))
         if find_megatron(m.policy.load):
             raise ConfigError(
@@ -209,6 +207,26 @@ class RunConfig:
             path = self._get(key)
             if path != BUILTIN_DATA and not Path(path).is_file():
                 raise ConfigError(f"{key}={path!r}: file not found (or use {BUILTIN_DATA!r})")
+
+    def check_weights(self) -> None:
+        """The model directories' weight files are all there and whole (headers and sizes; no tensor is read). A
+        run checks this before it writes anything; a dry run needs no weights, only config.json."""
+        checked = set()
+        for key in MODEL_KEYS:
+            path = self._get(key)
+            if path in checked:  # the same directory, checked under the first key that names it
+                continue
+            checked.add(path)
+            megatron = find_megatron(path)
+            try:
+                if megatron is None:
+                    HFCheckpoint(path)  # opening it checks every safetensors file
+                    continue
+                missing = Reader(megatron).missing_data()
+            except (ValueError, OSError) as err:
+                raise ConfigError(f"{key}={path!r}: {err}") from None
+            if missing:
+                raise ConfigError(f"{key}={path!r}: incomplete Megatron checkpoint: " + "; ".join(missing))
 
     def _get(self, dotted: str):
         node = self

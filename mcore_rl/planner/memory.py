@@ -27,6 +27,7 @@ import torch
 
 from models.bridge import padded_vocab
 from models.registry import get_bridge
+from models.spec import moe_layers
 from parallel.config import ParallelConfig, divisors
 
 GiB = 1 << 30
@@ -65,12 +66,6 @@ class Architecture:
     @classmethod
     def from_bridge(cls, bridge) -> Architecture:
         c = bridge.transformer_config(ParallelConfig(), params_dtype=torch.bfloat16)
-        freq = c.moe_layer_freq
-        moe = [bool(c.num_moe_experts)] * c.num_layers
-        if c.num_moe_experts and isinstance(freq, int):
-            moe = [i % freq == 0 for i in range(c.num_layers)]
-        elif c.num_moe_experts:
-            moe = [bool(f) for f in freq]
         mla = getattr(c, "multi_latent_attention", False)
         return cls(
             layers=c.num_layers,
@@ -83,7 +78,7 @@ class Architecture:
             qkv_bias=c.add_qkv_bias,
             vocab=bridge.vocab_size,
             tied=bridge.tie_word_embeddings,
-            moe_layers=tuple(moe),
+            moe_layers=tuple(moe_layers(c)),
             experts=c.num_moe_experts or 0,
             topk=c.moe_router_topk if c.num_moe_experts else 0,
             moe_ffn=c.moe_ffn_hidden_size or 0,
@@ -384,7 +379,7 @@ def plan_memory(
     config, device_bytes: int, *, backend: str = "te", reserve_bytes: int = 5 * GiB, arch: Architecture | None = None
 ) -> MemoryPlan:
     """Every phase of a colocated episode on one device of ``config`` (a RunConfig), with the trainer's offload as
-    configured (:func:`mcore_rl.train.episode_step` moves weights and optimizer state apart). ``reserve_bytes``
+    configured (:func:`mcore_rl.driver.episode_step` moves weights and optimizer state apart). ``reserve_bytes``
     stands for the CUDA context, NCCL buffers and allocator fragmentation."""
     m, world = config.models, config.runtime_args.num_devices
     a = arch or Architecture.from_bridge(get_bridge(m.policy_trainer.load))
@@ -508,10 +503,12 @@ def remedies(config, memory: int) -> list[str]:
     """Trainer layouts that fit ``memory`` per device, best first, or what else to change."""
     suggestions = suggest_layouts(config, memory)
     if not suggestions:
-        return [
-            "  no trainer layout fits: add devices, set models.policy_trainer.recompute=full, or lower "
-            "max_token_in_packing / micro_batch_size"
-        ]
+        trainer = config.models.policy_trainer
+        changes = ["add devices"] + (
+            ["set models.policy_trainer.recompute=full"] if trainer.recompute != "full" else []
+        )
+        knob = "max_token_in_packing" if trainer.max_token_in_packing else "micro_batch_size"
+        return [f"  no trainer layout fits: {', '.join(changes)}, or lower models.policy_trainer.{knob}"]
     return ["  trainer layouts that fit these devices (models.policy_trainer.parallel), best first:"] + [
         f"    {layout_text(p)}: peak {peak / GiB:.1f} GiB" for p, peak in suggestions
     ]

@@ -72,16 +72,17 @@ class RolloutConfig:
     train: SamplingConfig = field(default_factory=SamplingConfig)
     eval: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
 
-    def validate(self) -> None:
+    def validate(self, prefix: str = "rollout") -> None:
+        """Errors name each field under ``prefix`` (the run config's ``models.policy.rollout``)."""
         if self.tensor_parallel_size < 1:
-            raise ValueError(f"rollout.tensor_parallel_size={self.tensor_parallel_size}: expected at least 1")
+            raise ValueError(f"{prefix}.tensor_parallel_size={self.tensor_parallel_size}: expected at least 1")
         if self.sleep_level not in (1, 2):
-            raise ValueError(f"rollout.sleep_level={self.sleep_level}: expected 1 or 2")
+            raise ValueError(f"{prefix}.sleep_level={self.sleep_level}: expected 1 or 2")
         for name in ("train", "eval"):
             sampling: SamplingConfig = getattr(self, name)
-            sampling.validate(f"rollout.{name}")
+            sampling.validate(f"{prefix}.{name}")
             if sampling.stop and not self.load_tokenizer:
-                raise ValueError(f"rollout.{name}.stop needs the tokenizer: set rollout.load_tokenizer=true")
+                raise ValueError(f"{prefix}.{name}.stop needs the tokenizer: set {prefix}.load_tokenizer=true")
 
 
 @dataclass(frozen=True)
@@ -249,6 +250,12 @@ class RolloutEngine:
         repairs = self.llm.collective_rpc("mcore_rl_finish_update")[0]
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         return repairs
+
+    def process_stats(self) -> dict[str, float]:
+        """Threads and resident memory of the engine's process (its worker's, when it runs in process)."""
+        from mcore_rl.metrics import process_stats
+
+        return process_stats()
 
     def shutdown(self) -> None:
         """Stop the engine core and its workers; without this, killed processes leak /dev/shm segments."""

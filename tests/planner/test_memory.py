@@ -16,6 +16,7 @@ from mcore_rl.planner.memory import (
     in_flight,
     layer_activation_bytes,
     plan_memory,
+    remedies,
     stage_params,
     suggest_layouts,
 )
@@ -168,3 +169,14 @@ def test_full_recompute_keeps_layer_inputs_only():
     layer = layer_activation_bytes(a, False, parallel, tokens, "te", 2)
     layer_input = tokens // 2 * a.hidden * 2
     assert kept.activations - recomputed.activations == pytest.approx(36 * layer - (36 * layer_input + layer), abs=2)
+
+
+def test_remedies_suggest_only_what_the_config_does_not_already_do():
+    """No layout of 8 devices holds Qwen3-8B in 4 GiB each: the advice names what is left to change, and full
+    recompute only while the config keeps activations."""
+    for recompute, suggested in (("none", True), ("full", False)):
+        config = _config("qwen3_8b_grpo", "qwen3_8b", f"models.policy_trainer.recompute={recompute}")
+        (advice,) = remedies(config, 4 * GiB)
+        assert advice.startswith("  no trainer layout fits: add devices"), advice
+        assert ("recompute=full" in advice) == suggested, advice
+        assert advice.endswith("or lower models.policy_trainer.max_token_in_packing"), advice

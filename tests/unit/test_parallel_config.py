@@ -33,8 +33,9 @@ def test_world_size_must_fit_layout():
     ("layout", "model", "match"),
     [
         (dict(pp=3), {}, r"num_layers=4 is not divisible by pp\*vpp = 3\*1"),
-        (dict(tp=3), {}, r"num_attention_heads=4 is not divisible by tp=3; choose tp among \[1, 2, 4\]"),
-        (dict(tp=4), {}, r"num_key_value_heads=2 is not divisible by tp=4"),
+        # The TP sizes offered split both head counts (4 query heads, 2 KV heads: not 4).
+        (dict(tp=3), {}, r"num_attention_heads=4 is not divisible by tp=3; choose tp among \[1, 2\]$"),
+        (dict(tp=4), {}, r"num_key_value_heads=2 is not divisible by tp=4; choose tp among \[1, 2\]$"),
         (dict(ep=3), dict(num_experts=4), r"num_experts=4 is not divisible by ep=3"),
         (dict(ep=2), {}, r"ep=2 but the model has no experts"),
         (dict(tp=2), dict(num_experts=4), r"need parallel.sequence_parallel=True"),

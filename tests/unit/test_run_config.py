@@ -45,9 +45,13 @@ def test_a_valid_config_resolves_references(run_yaml, tmp_path):
         ("models.policy.rollout.tensor_parallel_size=2", r"tensor_parallel_size=2 does not divide .*num_devices=3"),
         ("models.policy_trainer.load=/nowhere", r"models.policy_trainer.load='/nowhere': no config.json"),
         ("runtime_args.data_path=/nowhere.jsonl", r"runtime_args.data_path='/nowhere.jsonl': file not found"),
-        ("runtime_args.colocation=[policy,critic]", r"unknown role 'critic'"),
+        ("runtime_args.colocation=[policy]", r"runtime_args.colocation: unknown key"),
+        ("runtime_args.log.console_every=5", r"runtime_args.log.console_every: unknown key"),
         ("models.policy_trainer.algorithm.loss_agg=mean", r"models.policy_trainer.algorithm.loss_agg='mean'"),
-        ("models.policy.rollout.train.top_p=0", r"rollout.train.top_p=0"),
+        ("models.policy.rollout.train.top_p=0", r"^models.policy.rollout.train.top_p=0.0: expected in \(0, 1\]"),
+        ("models.policy.rollout.eval.max_new_tokens=0", r"^models.policy.rollout.eval.max_new_tokens=0: expected at"),
+        ("models.policy.sync.bucket_bytes=0", r"^models.policy.sync.bucket_bytes=0: expected a positive number"),
+        ("models.policy.rollout.return_routed_experts=true", r"set by models.policy_trainer.moe.routing_replay"),
         ("models.policy_trainer.parallel.tp=0", r"models.policy_trainer.parallel: "),
         ("models.reward.fnn=math", r"models.reward.fnn: unknown key; did you mean 'fn'\?"),
         ("models.policy_trainer.moe.aux_loss_coeff=0.01", r"moe.aux_loss_coeff=0.01: LlamaForCausalLM has no experts"),
@@ -75,8 +79,11 @@ def test_expert_bias_updates_need_routers_with_a_bias(tmp_path):
 
 
 def test_the_engine_must_load_hf_weights_the_trainer_may_load_megatron(run_yaml, tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
     converted = tmp_path / "converted"  # what mcore-rl-hf2mcore leaves: config files beside model/ (torch_dist)
-    (converted / "model").mkdir(parents=True)
+    dcp.save({"embedding.word_embeddings.weight": torch.zeros(4, 2)}, checkpoint_id=converted / "model", no_dist=True)
     (converted / "config.json").write_bytes((default_model_dir() / "config.json").read_bytes())
     (converted / "model" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     config = load_run_config(
@@ -85,3 +92,34 @@ def test_the_engine_must_load_hf_weights_the_trainer_may_load_megatron(run_yaml,
     assert config.models.ref_policy.load == str(converted)
     with pytest.raises(ConfigError, match=r"models.policy.load=.*a Megatron checkpoint.*set it to the HF directory"):
         load_run_config(run_yaml, [f"models.policy_trainer.load={converted}"])
+
+
+def _resolves(dotted: str) -> bool:
+    import dataclasses
+    import typing
+
+    from mcore_rl.config.schema import RunConfig
+
+    node = RunConfig
+    for part in dotted.split("."):
+        if not (dataclasses.is_dataclass(node) and part in {f.name for f in dataclasses.fields(node)}):
+            return False
+        hint = typing.get_type_hints(node)[part]
+        node = next((t for t in typing.get_args(hint) if dataclasses.is_dataclass(t)), hint)
+    return True
+
+
+def test_every_config_key_the_docs_name_exists():
+    """Every ``runtime_args.*`` / ``models.*`` path in the README, the scripts and the shipped configs' comments is
+    a key of the schema (a renamed key must not leave its old name in the docs)."""
+    import re
+
+    repo = Path(__file__).resolve().parents[2]
+    texts = {p: p.read_text() for p in [repo / "README.md", *(repo / "scripts").rglob("*.sh")]}
+    named = {
+        (p.name, m.group(0).rstrip("."))
+        for p, text in texts.items()
+        for m in re.finditer(r"(?<![\w/.])(?<!from )(?<!import )(?:runtime_args|models)\.[A-Za-z_][\w.]*", text)
+    }
+    assert len(named) > 20
+    assert not [(file, key) for file, key in sorted(named) if not _resolves(key)]

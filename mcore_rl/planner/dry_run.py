@@ -1,0 +1,109 @@
+"""The dry run behind ``python -m mcore_rl.planner`` (:mod:`mcore_rl.planner.__main__`): mapping check, sync
+plan and memory plan of a run config at full size, printed (and written as JSON)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from mcore_rl.planner.check import check_mappings, sync_plan
+from mcore_rl.planner.memory import (
+    Architecture,
+    describe,
+    device_bytes,
+    layout_text,
+    plan_memory,
+    remedies,
+    stage_params,
+)
+from mcore_rl.planner.meta import hf_tensors, pipeline_stages
+from models.registry import get_bridge
+from parallel.config import ParallelConfig
+
+GB = 1e9
+
+
+def plan_role(bridge, parallel, world: int, bucket_bytes: int, hf: dict[str, torch.Size]) -> dict:
+    """Mapping check and sync plan of one Megatron role's layout (bf16 weights, as trained on GPUs), and the memory
+    planner's parameter counts checked against the built stages."""
+    start = time.perf_counter()
+    stages = pipeline_stages(bridge, parallel, world)
+    report = check_mappings(bridge, parallel, stages, hf)
+    sync = sync_plan(bridge, parallel, stages, bucket_bytes)
+    built = list(zip(report.stage_params, report.stage_expert_params, strict=True))
+    counted = stage_params(Architecture.from_bridge(bridge), parallel)
+    for i, (params, (megatron, megatron_experts)) in enumerate(zip(counted, built, strict=True)):
+        if params != (megatron, megatron_experts):
+            report.errors.append(
+                f"stage {i}: the memory planner counts {params} (parameters, expert parameters) per device, the "
+                f"built model holds {(megatron, megatron_experts)}"
+            )
+    return {
+        "layout": dataclasses.asdict(parallel),
+        "data_parallel": parallel.dp(world),
+        "stage_layers": parallel.stage_layers(bridge.hf["num_hidden_layers"]),
+        "stage_params": report.stage_params,
+        "stage_expert_params": report.stage_expert_params,
+        "hf_params": report.hf_params,
+        "exported_params": report.exported_params,
+        "errors": report.errors,
+        "sync": dataclasses.asdict(sync),
+        "seconds": round(time.perf_counter() - start, 1),
+    }
+
+
+def _print(name: str, role: dict) -> None:
+    layout = layout_text(ParallelConfig(**role["layout"]))
+    print(f"{name}: {layout}, data parallel {role['data_parallel']} ({role['seconds']} s)")
+    for i, (layers, params, experts) in enumerate(
+        zip(role["stage_layers"], role["stage_params"], role["stage_expert_params"], strict=True)
+    ):
+        print(
+            f"  stage {i}: {layers} layers, {params / GB:.3f} B params per device "
+            f"({experts / GB:.3f} B expert), {2 * params / GB:.2f} GB bf16 weights"
+        )
+    sync = role["sync"]
+    print(
+        f"  rollout sync: {sync['total_bytes'] / GB:.1f} GB per engine in {sync['send_buckets']} loads "
+        f"(tensors per load min/median/max {sync['tensors_per_send_bucket']}, largest "
+        f"{sync['largest_send_bytes'] / GB:.2f} GB), {sync['gather_buckets']} gather rounds"
+    )
+    for error in role["errors"]:
+        print(f"  error: {error}")
+
+
+def dry_run(config, device_memory_gb: float | None, json_path: Path | None) -> int:
+    """Print the report of ``config`` (a validated RunConfig); 1 if the mapping check failed or it does not fit."""
+    m, world = config.models, config.runtime_args.num_devices
+    bridge = get_bridge(m.policy_trainer.load)
+    hf = hf_tensors(bridge.hf)
+    print(
+        f"{bridge.architecture} from {m.policy_trainer.load}: {sum(s.numel() for s in hf.values()) / GB:.2f} B params"
+    )
+    print(f"{world} devices, rollout tensor parallel {m.policy.rollout.tensor_parallel_size}")
+    report = {"model": m.policy_trainer.load, "devices": world, "hf_tensors": len(hf), "roles": {}}
+    bucket = m.policy.sync.bucket_bytes
+    report["roles"]["policy_trainer"] = plan_role(bridge, m.policy_trainer.parallel, world, bucket, hf)
+    if m.policy_trainer.algorithm.kl_coef and m.ref_policy.parallel != m.policy_trainer.parallel:
+        report["roles"]["ref_policy"] = plan_role(
+            get_bridge(m.ref_policy.load), m.ref_policy.parallel, world, bucket, hf
+        )
+    for name, role in report["roles"].items():
+        _print(name, role)
+    if device_memory_gb:
+        config.runtime_device_memory_gb = device_memory_gb
+    memory, fits = device_bytes(config), True
+    if memory:
+        plan = plan_memory(config, memory)
+        fits = plan.fits
+        print("\n".join(describe(plan, m.policy.rollout.max_model_len) + ([] if fits else remedies(config, memory))))
+        report["memory"] = dataclasses.asdict(plan) | {"fits": fits}
+    else:
+        print("memory: not planned (no GPU here; give runtime_device_memory_gb or --device-memory-gb)")
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=1) + "\n")
+    return 1 if not fits or any(role["errors"] for role in report["roles"].values()) else 0
