@@ -60,6 +60,15 @@ class MetricsLogger:
             self.writer.close()
 
 
+def process_stats() -> dict[str, float]:
+    """This process's thread count and resident memory: both stay flat over a healthy run (a leaked process group
+    shows as threads, a leaked buffer as memory)."""
+    import psutil
+
+    process = psutil.Process()
+    return {"threads": float(process.num_threads()), "rss_bytes": float(process.memory_info().rss)}
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """Episode records of a metrics.jsonl; after a resume the latest record of each episode wins."""
     latest: dict[int, dict] = {}

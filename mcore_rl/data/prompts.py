@@ -55,12 +55,17 @@ def read_jsonl(path: str | Path) -> list[PromptRow]:
 
 def read_parquet(path: str | Path) -> list[PromptRow]:
     """All rows of a Parquet file (columns ``messages``, ``answer``, optional ``id``); errors name the row."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: dataset file not found")
-    rows = [_check_row(row, f"{path}: row {i}") for i, row in enumerate(pq.read_table(path).to_pylist())]
+    try:
+        table = pq.read_table(path)
+    except pa.ArrowException as err:
+        raise ValueError(f"{path}: not a readable Parquet file ({err})") from None
+    rows = [_check_row(row, f"{path}: row {i}") for i, row in enumerate(table.to_pylist())]
     if not rows:
         raise ValueError(f"{path}: no rows")
     return rows
@@ -103,7 +108,9 @@ class PromptDataset:
             else:
                 self.prompts.append(Prompt(row, ids))
         if not self.prompts:
-            raise ValueError(f"every prompt is longer than max_prompt_tokens={max_prompt_tokens}")
+            raise ValueError(
+                f"every prompt is longer than max_prompt_tokens={max_prompt_tokens} (models.policy.max_prompt_tokens)"
+            )
         self.seed, self.shuffle = seed, shuffle
 
     def _order(self, epoch: int) -> list[int]:

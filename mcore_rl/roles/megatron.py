@@ -18,6 +18,7 @@ from converters.stream import load_weights
 from converters.torch_dist import model_state
 from mcore_rl.algorithms.grpo import PolicyLossConfig, Share, policy_loss
 from mcore_rl.logprobs import token_entropy, token_logprobs
+from mcore_rl.metrics import process_stats
 from mcore_rl.moe import MoEConfig, RouterLoad
 from mcore_rl.offload import StorageOffloader
 from mcore_rl.packing import pack_rows, plan_packing, rows_of
@@ -93,6 +94,9 @@ class MegatronRank:
             tokens, self.bridge.vocab_size, micro_batch_size, lengths, self.max_token_in_packing, **mine
         )
         return torch.cat([shards[0] for shards in all_gather_bucket([local], self.groups.dp)]).cpu()
+
+    def process_stats(self) -> dict[str, float]:
+        return process_stats()
 
     def memory_bytes(self) -> int:
         """Device memory in use by this process (CUDA), or its resident set size (CPU)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ray
 
-from mcore_rl.rewards.user import load_reward_fn, score
+from mcore_rl.rewards.user import Reward, RewardError
 from mcore_rl.roles.cluster import Placement
 from mcore_rl.rollout.engine import Completion, RolloutConfig, SamplingConfig
 from mcore_rl.rollout.remote import launch_engine, stop_engine
@@ -40,31 +40,30 @@ class RolloutGroup:
     def wake_up(self) -> None:
         ray.get([e.wake_up.remote() for e in self.engines])
 
+    def process_stats(self) -> list[dict[str, float]]:
+        return ray.get([e.process_stats.remote() for e in self.engines])
+
     def stop(self) -> None:
         for engine in self.engines:
             stop_engine(engine)
 
 
-class RewardWorker:
-    """Scores samples with the configured reward function, in its own CPU process."""
-
-    def __init__(self, spec: str):
-        self.fn = load_reward_fn(spec)
-
-    def score(self, samples: list[tuple[str, list[dict], str]]) -> list[float]:
-        return score(self.fn, samples)
-
-
 class RewardPool:
     def __init__(self, spec: str, num_actors: int, num_cpus: float):
-        remote = ray.remote(RewardWorker).options(num_cpus=num_cpus)
+        remote = ray.remote(Reward).options(num_cpus=num_cpus)  # each scores in its own CPU process
         self.actors = [remote.remote(spec) for _ in range(num_actors)]
 
     def score(self, samples: list[tuple[str, list[dict], str]]) -> list[float]:
+        """Rewards in sample order; a :class:`~mcore_rl.rewards.user.RewardError` in an actor is raised here as
+        itself (its message names the key, file and sample), not inside Ray's traceback."""
         parts = [p for p in _split(samples, len(self.actors)) if p]
-        return [
-            r for part in ray.get([a.score.remote(p) for a, p in zip(self.actors, parts, strict=False)]) for r in part
-        ]
+        try:
+            results = ray.get([a.score.remote(p) for a, p in zip(self.actors, parts, strict=False)])
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, RewardError):
+                raise err.cause from None
+            raise
+        return [r for part in results for r in part]
 
     def stop(self) -> None:
         for actor in self.actors:
