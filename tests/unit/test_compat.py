@@ -72,7 +72,7 @@ def test_the_silenced_notices_are_what_megatron_core_prints_and_nothing_else():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         compat.quiet_upstream_notices()
-        warnings.warn("Apex is installed but broken", UserWarning)
+        warnings.warn("Apex is installed but broken", UserWarning, stacklevel=1)
     assert [str(w.message) for w in seen] == ["Apex is installed but broken"]
 
 
