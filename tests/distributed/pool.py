@@ -1,8 +1,8 @@
 """A pool of gloo ranks that lives for the whole test session.
 
-Spawning ranks costs ~4 s of imports each; keeping them alive and re-initialising only Megatron's groups per
-case (``parallel.groups.init_parallel`` tears down the previous layout) makes a multi-rank case cost what its
-work costs. Cases are module-level functions, sent by reference and run on every rank.
+Spawning ranks costs ~10 s of imports each (Megatron-Core imports torch's compiler stack); keeping them alive and
+re-initialising only Megatron's groups per case (``parallel.groups.init_parallel`` tears down the previous layout)
+makes a multi-rank case cost what its work costs. Cases are module-level functions, sent by reference and run on every rank.
 """
 
 from __future__ import annotations
@@ -46,7 +46,11 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from parallel.groups import destroy_parallel
 
+    dist.barrier()  # the default group starts its loops on its first collective: count them in the baseline
     baseline = _gloo_threads()
+    # What is alive now (the imported modules) lives as long as the rank: the collections after each case and
+    # layout change need not scan it again (a third of their cost).
+    gc.freeze()
     while (task := tasks.get()) is not None:
         fn, kwargs = task
         faulthandler.dump_traceback_later(HANG_DUMP_S)
@@ -61,7 +65,19 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
         if ok and (left := _gloo_threads() - baseline) > 0:  # a leaked group costs every later case its threads
             ok, value = False, f"{fn.__name__} left {left} gloo threads: destroy the process groups it creates"
         results.put((rank, ok, value))
+    gc.unfreeze()
     dist.destroy_process_group()
+
+
+def _rejoin(port: int) -> None:
+    """Replace the default group by a fresh one on ``port``: what a failed case left unmatched in it is gone."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.barrier()
 
 
 def _gloo_threads() -> int:
@@ -99,9 +115,20 @@ class RankPool:
     def run(self, fn, **kwargs) -> list:
         """Run ``fn(**kwargs)`` on every rank; returns the per-rank results or raises with the failing traceback.
 
-        A rank that fails leaves its peers waiting in a collective: after the first failure the others get
-        ``PEER_GRACE_S`` to finish, then the pool is restarted so the next case starts clean.
+        A rank that fails may leave its peers waiting in a collective: after the first failure the others get
+        ``PEER_GRACE_S`` to finish. If every rank answered, they all join a fresh default group (a collective one
+        of them skipped must not pair with the next case's); otherwise the pool is restarted.
         """
+        out, errors, answered = self._run(fn, kwargs)
+        if errors:
+            if not answered or self._run(_rejoin, {"port": _free_port()})[1]:
+                self.close()
+                self._start()
+            raise RuntimeError("\n".join(errors))
+        return out
+
+    def _run(self, fn, kwargs) -> tuple[list, list[str], bool]:
+        """(per-rank results, errors, whether every rank answered)."""
         for q in self.tasks:
             q.put((fn, kwargs))
         out, errors, pending = [None] * self.world_size, [], self.world_size
@@ -124,11 +151,7 @@ class RankPool:
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
-        if errors:
-            self.close()
-            self._start()
-            raise RuntimeError("\n".join(errors))
-        return out
+        return out, errors, not pending
 
     def close(self) -> None:
         for q in self.tasks:

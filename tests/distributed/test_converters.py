@@ -1,16 +1,18 @@
 """The converter CLIs: HF -> Megatron torch_dist -> HF bit-exact for every family; converted checkpoints load under
 every layout; training checkpoints (any layout, with optimizer) convert to HF; memory stays far below the model's
-size; bad input is refused before anything is written. Every conversion runs the installed CLI in a subprocess."""
+size; bad input is refused before anything is written. Conversions run the CLI's entry point with its argv (the
+memory test runs it in processes of their own, where peak RSS is the conversion's)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import os
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from converters.hf_io import HFCheckpoint, copy_model_files
-from mcore_rl import checkpoint
+from mcore_rl import checkpoint, convert
 from tests.distributed import cases
 from tests.distributed.test_bridges import DENSE_LAYOUTS, _layouts
 from tests.tiny import FAMILIES, make_tiny
@@ -26,25 +28,33 @@ from tests.tiny import FAMILIES, make_tiny
 REPO = Path(__file__).resolve().parents[2]
 
 
-def cli(name: str, *args, peak_rss: bool = False) -> subprocess.CompletedProcess:
-    """``python -m mcore_rl.convert <name> ARGS``; with ``peak_rss`` the last stdout line is the process's peak RSS
-    (KiB)."""
-    argv = [name, *(str(a) for a in args), "--quiet"]
-    if peak_rss:
-        code = (
-            "import resource, runpy, sys\n"
-            f"sys.argv = ['convert', *{argv!r}]\n"
-            "try:\n"
-            "    runpy.run_module('mcore_rl.convert', run_name='__main__')\n"
-            "except SystemExit as e:\n"
-            "    assert not e.code, e.code\n"
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
-        )
-        command = [sys.executable, "-c", code]
-    else:
-        command = [sys.executable, "-m", "mcore_rl.convert", *argv]
+def cli(name: str, *args) -> subprocess.CompletedProcess:
+    """The converter ``name`` as its console script runs it (``mcore_rl.convert.main``: parsing, start-up checks,
+    exit status, stdout and stderr), in this process: a subprocess would spend ~10 s importing Megatron-Core."""
+    argv = [str(a) for a in (*args, "--quiet")]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            code = convert.main(name, argv)
+        except SystemExit as err:  # argparse's usage errors
+            code = err.code
+    return subprocess.CompletedProcess([name, *argv], code, stdout.getvalue(), stderr.getvalue())
+
+
+def peak_rss_kib(name: str, *args) -> int:
+    """Peak resident memory (KiB) of ``python -m mcore_rl.convert NAME ARGS`` in a process of its own."""
+    code = (
+        "import resource, runpy, sys\n"
+        f"sys.argv = ['convert', {name!r}, *{[str(a) for a in (*args, '--quiet')]!r}]\n"
+        "try:\n"
+        "    runpy.run_module('mcore_rl.convert', run_name='__main__')\n"
+        "except SystemExit as e:\n"
+        "    assert not e.code, e.code\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return int(ok(run).stdout.split()[-1])
 
 
 def ok(run: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -75,8 +85,7 @@ def converted(tmp_path_factory, tiny_models) -> dict[str, dict[str, Path]]:
         ok(cli("mcore2hf", out[2], out["hf"], "--max-shard-size", "1MB"))
         return out
 
-    with ThreadPoolExecutor(2) as pool:  # two conversions at a time: mostly interpreter start-up
-        return dict(zip(FAMILIES, pool.map(chain, FAMILIES), strict=True))
+    return {arch: chain(arch) for arch in FAMILIES}
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
@@ -92,9 +101,9 @@ def test_hf_megatron_hf_is_bit_exact(converted, tiny_models, arch):
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_converted_checkpoint_loads_under_every_layout(ranks, converted, tiny_models, arch):
     for layout in _layouts(arch, DENSE_LAYOUTS):
-        checkpoint = converted[arch][layout.get("tp", 1)]
+        source = converted[arch][layout.get("tp", 1)]
         counts = ranks.run(
-            cases.roundtrip, hf_dir=str(checkpoint), layout=layout, bucket_bytes=512 << 20, reference=tiny_models[arch]
+            cases.roundtrip, hf_dir=str(source), layout=layout, bucket_bytes=512 << 20, reference=tiny_models[arch]
         )
         assert len(set(counts)) == 1 and counts[0] > 0, (layout, counts)
 
@@ -164,13 +173,10 @@ def test_memory_stays_far_below_the_checkpoint_size(tmp_path):
     files = len(list(source.glob("*.safetensors")))
     assert total > 850e6 and files >= 8
 
-    def peak_kib(name, *args) -> int:
-        return int(ok(cli(name, *args, peak_rss=True)).stdout.split()[-1])
-
     bucket = ("--bucket-size", "32MB")
-    baseline = peak_kib("hf2mcore", source, tmp_path / "dry", "--dry-run", *bucket)
-    to_megatron = peak_kib("hf2mcore", source, tmp_path / "mcore", *bucket)
-    to_hf = peak_kib("mcore2hf", tmp_path / "mcore", tmp_path / "hf", "--max-shard-size", "100MB")
+    baseline = peak_rss_kib("hf2mcore", source, tmp_path / "dry", "--dry-run", *bucket)
+    to_megatron = peak_rss_kib("hf2mcore", source, tmp_path / "mcore", *bucket)
+    to_hf = peak_rss_kib("mcore2hf", tmp_path / "mcore", tmp_path / "hf", "--max-shard-size", "100MB")
     for peak in (to_megatron, to_hf):
         # Above the imports: one parameter (fc1: gate + up + fused, 67 MB) and one bucket, not the 0.9 GB model.
         assert (peak - baseline) * 1024 < total / 4, (peak, baseline, total)

@@ -31,7 +31,9 @@ def saved_bytes(hf_dir: str, layout: dict, lengths: list[int], seed: int = 0) ->
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights:
             seen.setdefault(storage.data_ptr(), (owner[0], storage.nbytes()))
-        return tensor
+        # Not the tensor itself: a node that saves its own output would hold it with its grad_fn, a cycle through
+        # C++ that the collector cannot free (it kept the model and a process group alive after every case).
+        return tensor.detach()
 
     torch.manual_seed(seed)
     tokens = torch.randint(4, bridge.vocab_size, (len(lengths), max(lengths)))
