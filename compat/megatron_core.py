@@ -237,6 +237,11 @@ class _CudaTypeNames(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _call_now(fn, **kwargs):
+    """torch.cuda's ``_lazy_call`` queues ``fn`` until CUDA initialises, which on CPU never happens."""
+    return fn()
+
+
 def _under_cuda_type_names(fn):
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
@@ -402,7 +407,7 @@ def install_cpu_compat() -> bool:
         importlib.import_module(name).torch = cpu_torch
 
     random = importlib.import_module("megatron.core.tensor_parallel.random")
-    random._lazy_call = lambda fn, **kwargs: fn()
+    random._lazy_call = functools.wraps(random._lazy_call)(_call_now)  # _check_targets still sees its signature
     random._lazy_init = _noop
 
     for module_name, path in _CUDA_TENSOR_CALLERS:

@@ -103,7 +103,7 @@ class System:
     def _start(self, config: RunConfig) -> None:
         import ray
 
-        from mcore_rl.roles.cluster import ActorGroup, Placement
+        from mcore_rl.roles.cluster import ActorGroup, Placement, rendezvous, wait_ready
         from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer
         from mcore_rl.roles.rollout import RewardPool, RolloutGroup
 
@@ -119,8 +119,9 @@ class System:
         name, n = rt.exp_name, rt.num_devices
         steps = rt.num_episode * (rt.sample_per_episode // rt.train_global_batch_size)
         trainer = m.policy_trainer
+        masters = rendezvous(self.placement, 1 + self.use_ref)
         self.trainer = ActorGroup(
-            PolicyTrainer, self.placement, n, f"{name}/policy_trainer",
+            PolicyTrainer, self.placement, n, f"{name}/policy_trainer", masters[0],
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
             optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
             max_token_in_packing=trainer.max_token_in_packing, moe=trainer.moe, recompute=trainer.recompute,
@@ -129,13 +130,15 @@ class System:
         if self.use_ref:
             ref = m.ref_policy
             self.ref = ActorGroup(
-                MegatronRank, self.placement, n, f"{name}/ref_policy",
+                MegatronRank, self.placement, n, f"{name}/ref_policy", masters[1],
                 hf_dir=ref.load, parallel=ref.parallel, seed=rt.seed, max_token_in_packing=ref.max_token_in_packing,
             )  # fmt: skip
             self._stops.append(self.ref.kill)
+        megatron_roles = [self.trainer] + ([self.ref] if self.use_ref else [])
+        wait_ready(*megatron_roles)  # they started side by side
         self.offload = trainer.offload  # on CPU offload and onload do nothing: there is nowhere to go
         if self.offload:  # vLLM takes its share of the memory left free when it starts
-            for role in [self.trainer] + ([self.ref] if self.use_ref else []):
+            for role in megatron_roles:
                 role.call("offload")
         rollout = dataclasses.replace(m.policy.rollout, return_routed_experts=trainer.moe.routing_replay)
         self.rollout = RolloutGroup(m.policy.load, rollout, self.placement, n, f"{name}/policy")

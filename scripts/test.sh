@@ -6,4 +6,5 @@ venv="$(bash "$repo/scripts/setup_env.sh")"
 cd "$repo"
 "$venv/bin/ruff" format --check .
 "$venv/bin/ruff" check .
-exec "$venv/bin/python" -m pytest -p no:cacheprovider "$@"
+# Two workers (one per core): the tests of the gloo rank pool in one (tests/conftest.py), the rest beside them.
+exec "$venv/bin/python" -m pytest -p no:cacheprovider -n 2 --dist loadgroup "$@"

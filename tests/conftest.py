@@ -14,6 +14,15 @@ WORLD_SIZE = 4
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the test's id
+def pytest_collection_modifyitems(items) -> None:
+    """Under ``-n 2 --dist loadgroup`` (scripts/test.sh) every test of the rank pools runs in one worker, so one set
+    of ranks exists, and the other worker takes the remaining tests beside it."""
+    for item in items:
+        if {"ranks", "ranks3"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("ranks"))
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tiny")

@@ -93,23 +93,18 @@ class Placement:
 
 
 class ActorGroup:
-    """The ranks of one Megatron role, one actor per bundle; ``call`` runs a method on all and gathers results."""
+    """The ranks of one Megatron role, one actor per bundle; ``call`` runs a method on all and gathers results.
 
-    def __init__(self, cls, placement: Placement, world: int, name: str, **kwargs):
-        from mcore_rl.roles.megatron import free_address
+    Constructing a group starts its ranks, with ``master`` (from :func:`rendezvous`) as their torch.distributed
+    rendezvous; :func:`wait_ready` waits for them, so several roles start side by side.
+    """
 
+    def __init__(self, cls, placement: Placement, world: int, name: str, master: tuple[str, int], **kwargs):
         remote = ray.remote(cls)
-        first = placement.options(0)
-        master = ray.get(ray.remote(free_address).options(**first).remote())
         self.actors = [
             remote.options(name=f"{name}-{rank}", **placement.options(rank)).remote(rank, world, master, **kwargs)
             for rank in range(world)
         ]
-        try:
-            ray.get([a.__ray_ready__.remote() for a in self.actors])
-        except BaseException:
-            self.kill()  # peers of a failed rank would wait in its collectives forever
-            raise
 
     def call(self, method: str, *args, **kwargs) -> list:
         return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
@@ -117,3 +112,21 @@ class ActorGroup:
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
+
+
+def rendezvous(placement: Placement, count: int) -> list[tuple[str, int]]:
+    """``count`` distinct addresses on the node of the placement's first bundle, where every role's rank 0 runs."""
+    from mcore_rl.roles.megatron import free_addresses
+
+    return ray.get(ray.remote(free_addresses).options(**placement.options(0)).remote(count))
+
+
+def wait_ready(*groups: ActorGroup) -> None:
+    """Wait until every rank of ``groups`` has started; if one failed, all are killed (the peers of a failed rank
+    would wait in its collectives forever) and its error raised."""
+    try:
+        ray.get([actor.__ray_ready__.remote() for group in groups for actor in group.actors])
+    except BaseException:
+        for group in groups:
+            group.kill()
+        raise

@@ -7,6 +7,7 @@ layout, so colocated roles never share a process group. Batches arrive whole on 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -32,12 +33,16 @@ from parallel.groups import init_parallel
 log = logging.getLogger(__name__)
 
 
-def free_address() -> tuple[str, int]:
-    """This node's IP and a free TCP port: the rendezvous of a role's torch.distributed world (rank 0 calls)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    return socket.gethostbyname(socket.gethostname()), port
+def free_addresses(count: int) -> list[tuple[str, int]]:
+    """This node's IP with ``count`` distinct free TCP ports: the rendezvous of roles' torch.distributed worlds (on
+    their rank 0's node). Chosen while all are held, so roles that start side by side cannot share one."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("", 0))
+        ports = [s.getsockname()[1] for s in sockets]
+    host = socket.gethostbyname(socket.gethostname())
+    return [(host, port) for port in ports]
 
 
 class MegatronRank:

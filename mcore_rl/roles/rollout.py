@@ -7,7 +7,7 @@ import ray
 from mcore_rl.rewards.user import Reward, RewardError
 from mcore_rl.roles.cluster import Placement
 from mcore_rl.rollout.engine import Completion, RolloutConfig, SamplingConfig
-from mcore_rl.rollout.remote import launch_engine, stop_engine
+from mcore_rl.rollout.remote import launch_engines, stop_engine
 
 
 def _split(items: list, parts: int) -> list[list]:
@@ -20,10 +20,14 @@ class RolloutGroup:
 
     def __init__(self, model_dir: str, config: RolloutConfig, placement: Placement, num_devices: int, name: str):
         self.tp = config.tensor_parallel_size
-        self.engines = [
-            launch_engine(model_dir, config, name=f"{name}-{i}", **placement.engine_options(first, self.tp))
-            for i, first in enumerate(range(0, num_devices, self.tp))
-        ]
+        self.engines = launch_engines(
+            model_dir,
+            config,
+            [
+                (f"{name}-{i}", placement.engine_options(first, self.tp))
+                for i, first in enumerate(range(0, num_devices, self.tp))
+            ],
+        )
 
     def engine_of(self, rank: int):
         return self.engines[rank // self.tp]

@@ -6,6 +6,7 @@ already initialised; as an actor it can sit on the same (logical) device and tak
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import ray
@@ -15,12 +16,29 @@ from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine
 NAMESPACE = "mcore_rl"  # Ray namespace of the job's named actors, so other processes can look them up
 
 
+def launch_engines(model_dir: str | Path, config: RolloutConfig, launches: list[tuple[str | None, dict]]) -> list:
+    """Start one ``RolloutEngine`` actor per ``(name, Ray actor options)`` and wait until all are up: they import
+    vLLM and load the model side by side, not in turn. Start-up errors surface here, not at the first call; the
+    engines of a launch that failed are stopped."""
+    engine = ray.remote(RolloutEngine)
+    # An engine shares its device's CPUs with the trainer it takes turns with: it reserves none.
+    actors = [
+        engine.options(name=name, **{"num_cpus": 0} | options).remote(str(model_dir), config)
+        for name, options in launches
+    ]
+    try:
+        ray.get([actor.__ray_ready__.remote() for actor in actors])
+    except BaseException:
+        for actor in actors:
+            with contextlib.suppress(Exception):  # the failed one answers nothing
+                stop_engine(actor)
+        raise
+    return actors
+
+
 def launch_engine(model_dir: str | Path, config: RolloutConfig, *, name: str | None = None, **options):
-    """Start a ``RolloutEngine`` actor; ``options`` are Ray actor options (resources, scheduling strategy)."""
-    options.setdefault("num_cpus", 0)  # the engine shares its device's CPUs with the trainer it takes turns with
-    actor = ray.remote(RolloutEngine).options(name=name, **options).remote(str(model_dir), config)
-    ray.get(actor.__ray_ready__.remote())  # surface start-up errors here, not at the first call
-    return actor
+    """One engine (see :func:`launch_engines`); ``options`` are Ray actor options (resources, scheduling)."""
+    return launch_engines(model_dir, config, [(name, options)])[0]
 
 
 def stop_engine(actor) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from mcore_rl.rollout.engine import RolloutConfig
-from mcore_rl.rollout.remote import launch_engine, stop_engine
+from mcore_rl.rollout.remote import launch_engine, launch_engines, stop_engine
 from tests.distributed import cases
 
 ENGINE = RolloutConfig(load_tokenizer=False, max_model_len=128, cpu_kv_cache_bytes=32 << 20)
@@ -32,7 +32,7 @@ CASES = [
 def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, arch, rollout_tp, layouts, owners):
     config = dataclasses.replace(ENGINE, tensor_parallel_size=rollout_tp)
     engines = {rank: f"rollout-{arch}-{rank}" for rank in owners}
-    actors = [launch_engine(tiny_models[arch], config, name=name) for name in engines.values()]
+    actors = launch_engines(tiny_models[arch], config, [(name, {}) for name in engines.values()])
     try:
         for layout in layouts:
             reports = ranks.run(
