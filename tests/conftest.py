@@ -14,10 +14,15 @@ WORLD_SIZE = 4
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
+# Longest first, so the two workers finish together: end-to-end runs, then multi-rank tests, then the rest.
+ORDER = ("tests/e2e/", "tests/distributed/", "tests/planner/", "tests/unit/")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the test's id
 def pytest_collection_modifyitems(items) -> None:
     """Under ``-n 2 --dist loadgroup`` (scripts/test.sh) every test of the rank pools runs in one worker, so one set
-    of ranks exists, and the other worker takes the remaining tests beside it."""
+    of ranks exists, and the other worker takes the remaining tests beside it, longest first."""
+    items.sort(key=lambda item: next((i for i, d in enumerate(ORDER) if item.nodeid.startswith(d)), len(ORDER)))
     for item in items:
         if {"ranks", "ranks3"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("ranks"))
