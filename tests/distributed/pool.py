@@ -2,7 +2,8 @@
 
 Spawning ranks costs ~10 s of imports each (Megatron-Core imports torch's compiler stack); keeping them alive and
 re-initialising only Megatron's groups per case (``parallel.groups.init_parallel`` tears down the previous layout)
-makes a multi-rank case cost what its work costs. Cases are module-level functions, sent by reference and run on every rank.
+makes a multi-rank case cost what its work costs. Cases are module-level functions, sent by reference and run on
+every rank.
 """
 
 from __future__ import annotations
