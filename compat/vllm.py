@@ -27,6 +27,7 @@ The weight-sync tests (tied SmolLM2 and tiny models, Qwen3-MoE and DeepSeek-V3 e
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
@@ -53,9 +54,59 @@ def begin_reload(model: torch.nn.Module) -> None:
     _layerwise().initialize_layerwise_reload(model)
 
 
-def finish_reload(model: torch.nn.Module, model_config) -> None:
-    """Process every layer still pending (vLLM's post-load step) and close the reload."""
-    _layerwise().finalize_layerwise_processing(model, model_config)
+def finish_reload(model: torch.nn.Module, model_config) -> list[str]:
+    """Process every layer still pending (vLLM's post-load step) and close the reload.
+
+    A layer that received nothing gets its previous tensors back, and vLLM warns "<class>: Failed to load weights"
+    for it. Two kinds are expected on every update and their warnings are dropped: layers whose tensors are all
+    non-persistent buffers (rotary tables, computed from the config, never in a checkpoint) and the lm_head of a
+    tied model (it is the embedding; :func:`repair_after_reload` re-ties it). Returns the names of the others:
+    they kept stale tensors, and the caller must refuse the update.
+    """
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    layerwise = _layerwise()
+    tied_head = getattr(model, "lm_head", None) if getattr(model.config, "tie_word_embeddings", False) else None
+    expected, stale = set(), {}
+    for name, layer in model.named_modules():
+        info = layerwise.LAYERWISE_INFO.get(layer)
+        # vLLM's condition for the warning (finalize_layerwise_processing); attention layers are finalised apart
+        restored = (
+            info is not None
+            and info.can_load()
+            and info.kernel_tensors is not None
+            and info.load_numel <= 0 < info.load_numel_total
+            and not layerwise.is_deferred_attention_layer(layer)
+        )
+        if not restored:
+            continue
+        params, buffers = info.kernel_tensors
+        loadable = {*params, *buffers} - SKIP_LOAD_TENSORS
+        computed = loadable <= info.kernel_non_persistent_buffers
+        if computed or layer is tied_head:
+            expected.add(type(layer).__name__)
+        else:
+            stale[name] = type(layer).__name__
+    quiet = _DropRestoredWarning(expected - set(stale.values()))
+    layerwise.logger.addFilter(quiet)
+    try:
+        layerwise.finalize_layerwise_processing(model, model_config)
+    finally:
+        layerwise.logger.removeFilter(quiet)
+    return sorted(stale)
+
+
+class _DropRestoredWarning(logging.Filter):
+    """Drops vLLM 0.32's "%s: Failed to load weights" (layerwise.py) for the given layer classes."""
+
+    MESSAGE = "%s: Failed to load weights"
+
+    def __init__(self, classes: set[str]):
+        super().__init__()
+        self.classes = classes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == self.MESSAGE and record.args and record.args[0] in self.classes)
 
 
 def detach_pending(buffer: torch.Tensor) -> None:

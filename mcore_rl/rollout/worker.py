@@ -44,7 +44,7 @@ class WeightUpdateExtension:
         """
         runner = self.model_runner
         model = runner.get_model()
-        finish_reload(model, runner.model_config)
+        stale = finish_reload(model, runner.model_config)
         runner.reset_lora_state()
         runner.reset_encoder_cache()
         runner.reset_mm_cache()
@@ -54,6 +54,8 @@ class WeightUpdateExtension:
             missing.discard("lm_head.weight")  # it is the embedding
         if missing:
             raise RuntimeError(f"weight update left {len(missing)} parameter(s) stale: {sorted(missing)[:10]}")
+        if stale:
+            raise RuntimeError(f"weight update loaded nothing into {len(stale)} layer(s): {stale[:10]}")
         return repairs
 
     def mcore_rl_free_device_bytes(self) -> int:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
+import torch
 
 import compat
 from compat import megatron_core, vllm
@@ -78,3 +80,50 @@ def test_the_silenced_notices_are_what_megatron_core_prints_and_nothing_else():
 
 def test_the_environment_form_matches_the_filters():
     assert compat.upstream_notices_env().split(",") == [f"ignore:{p}:UserWarning" for p in compat.UPSTREAM_NOTICES]
+
+
+class _Rotary(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos_sin_cache", torch.ones(4, 2), persistent=False)  # computed from the config
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.ones(3))  # persistent: a checkpoint tensor
+
+
+class _TiedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.config = types.SimpleNamespace(tie_word_embeddings=True)
+        self.embed_tokens = torch.nn.Embedding(5, 3)
+        self.lm_head = torch.nn.Linear(3, 5, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+        self.rotary_emb, self.scaled, self.norm = _Rotary(), _Scaled(), torch.nn.LayerNorm(3)
+
+
+def test_a_reload_names_layers_left_stale_and_drops_vllms_warning_for_computed_and_tied_ones():
+    """vLLM's real layer-wise reload of a model with a tied head, a rotary table and a persistent buffer, loading
+    only what a checkpoint of it holds: the rotary table and the tied head are expected to receive nothing (no
+    warning), the persistent buffer is stale (named, and vLLM's warning kept)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    model = _TiedModel()
+    layerwise.record_metadata_for_reloading(model)
+    vllm.begin_reload(model)
+    params = dict(model.named_parameters())
+    for name in ("embed_tokens.weight", "norm.weight", "norm.bias"):
+        params[name].weight_loader(params[name], torch.full(params[name].shape, 2.0))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    layerwise.logger.addHandler(handler)
+    try:
+        assert vllm.finish_reload(model, model_config=None) == ["scaled"]
+    finally:
+        layerwise.logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == ["_Scaled: Failed to load weights"]
+    assert model.embed_tokens.weight.eq(2).all() and model.norm.weight.eq(2).all()
+    assert model.rotary_emb.cos_sin_cache.eq(1).all()  # the previous table, put back
