@@ -4,15 +4,19 @@ Every workaround of the project lives here. Each names the upstream version it w
 its target (the attribute exists, the function's parameters are the ones it was read with) before patching, so
 an upgrade fails at the patch with the reason instead of misbehaving somewhere else. :func:`check_versions` runs
 once at start-up (:func:`start`, in the RL driver, the planner and the converter CLIs): another megatron-core is
-refused, another torch or vLLM is reported. This package imports no upstream at import time.
+refused, another torch or vLLM is reported. This package imports no upstream at import time; importing it
+installs :data:`AFTER_IMPORT`'s finder, which adjusts named upstream modules as they are imported.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import importlib.metadata
 import inspect
 import logging
 import re
+import sys
 import warnings
 
 log = logging.getLogger(__name__)
@@ -94,3 +98,33 @@ def start() -> list[str]:
     upstream notices, then check the upstream versions; returns the version errors (the caller exits with them)."""
     quiet_upstream_notices()
     return check_versions()
+
+
+# Upstream modules to adjust as soon as they have executed, before any other module imports names from them:
+# module -> "compat module:function" that receives it. Installed by importing ``compat``, which every first-party
+# package does in its ``__init__``, so it precedes their upstream imports (the function's module is imported when
+# the upstream module is, never by ``compat`` itself).
+AFTER_IMPORT = {"megatron.core.jit": "compat.megatron_core:compile_on_first_call"}
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds the :data:`AFTER_IMPORT` modules as the path finder does and runs their adjustment after they execute."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in AFTER_IMPORT:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module, (module_name, function) = spec.loader.exec_module, AFTER_IMPORT[name].split(":")
+
+        def exec_then_adjust(module):
+            exec_module(module)
+            getattr(importlib.import_module(module_name), function)(module)
+
+        spec.loader.exec_module = exec_then_adjust
+        return spec
+
+
+if not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _AfterImport())

@@ -1,6 +1,7 @@
 """megatron-core 0.16.1's quirks: CPU support (:func:`install_cpu_compat`), multi-latent attention without
-TransformerEngine (:func:`mla_without_te`), and models and process groups that outlive a layout
-(:func:`release_dispatcher_graphs`, :func:`destroy_groups`).
+TransformerEngine (:func:`mla_without_te`), models and process groups that outlive a layout
+(:func:`release_dispatcher_graphs`, :func:`destroy_groups`), and an import that pulls in torch's compiler for
+nothing (:func:`compile_on_first_call`).
 
 **On CPU** (gloo), for CI and laptops; a no-op on CUDA machines. Megatron-Core calls CUDA unconditionally in
 places that have no extension point. Rather than a global ``TorchFunctionMode`` (measured +30% per step on tiny
@@ -430,6 +431,31 @@ def install_cpu_compat() -> bool:
 
     setattr(megatron.core, _INSTALLED_MARK, True)
     return True
+
+
+# ---- import time ---------------------------------------------------------------------------------------------------
+def compile_on_first_call(jit: types.ModuleType) -> None:
+    """``megatron/core/jit.py`` sets ``jit_fuser = torch.compile``, and ~40 fused functions are decorated with it
+    at import: building each decorator imports torch's whole compiler stack (dynamo, inductor: 2 of Megatron-Core's
+    6 s of import), even in processes that never call one of them (the CPU build calls none). Each decorated
+    function is compiled by ``torch.compile`` as before, on its first call. Runs after ``jit.py`` executes
+    (:data:`compat.AFTER_IMPORT`), before any module imports ``jit_fuser`` from it."""
+    if jit.jit_fuser is not torch.compile:  # 0.16.1 on torch >= 2.2; anything else is left as Megatron chose
+        return
+
+    def jit_fuser(fn):
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = torch.compile(fn)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    jit.jit_fuser = jit_fuser
 
 
 # ---- MLA without TransformerEngine --------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+import compat  # noqa: F401  (its upstream import adjustments precede any upstream import of this package)

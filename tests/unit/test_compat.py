@@ -78,6 +78,25 @@ def test_the_silenced_notices_are_what_megatron_core_prints_and_nothing_else():
     assert [str(w.message) for w in seen] == ["Apex is installed but broken"]
 
 
+def test_megatron_core_imports_without_the_compiler_and_compiles_its_fused_functions_on_first_call():
+    """In a fresh process: importing our packages and Megatron-Core's fused functions leaves dynamo unimported;
+    the first call of one compiles it (dynamo is then loaded) and gives the eager result."""
+    code = (
+        "import sys, torch, parallel.groups\n"
+        "from megatron.core.fusions.fused_bias_swiglu import swiglu\n"
+        "print('torch._dynamo' in sys.modules)\n"
+        "x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))\n"
+        "a, b = x.chunk(2, -1)\n"
+        "diff = (swiglu(x) - torch.nn.functional.silu(a) * b).abs().max().item()\n"
+        "print('torch._dynamo' in sys.modules, diff)\n"
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True, capture_output=True, text=True)
+    at_import, after_call = out.stdout.splitlines()
+    assert at_import == "False"
+    compiled, diff = after_call.split()
+    assert compiled == "True" and float(diff) <= 1e-6
+
+
 def test_the_environment_form_matches_the_filters():
     assert compat.upstream_notices_env().split(",") == [f"ignore:{p}:UserWarning" for p in compat.UPSTREAM_NOTICES]
 
