@@ -47,9 +47,10 @@ def ranks():
     yield from _pool(WORLD_SIZE)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ranks3():
-    """Three ranks, for layouts of models whose head counts are multiples of 3 (SmolLM2: 9 heads, 3 KV)."""
+    """Three ranks, for layouts of models whose head counts are multiples of 3 (SmolLM2: 9 heads, 3 KV); they
+    hold the real model's state, so they end with the module that uses them."""
     yield from _pool(3)
 
 

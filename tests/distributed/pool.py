@@ -8,6 +8,7 @@ every rank.
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import gc
 import os
@@ -52,6 +53,7 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
     # What is alive now (the imported modules) lives as long as the rank: the collections after each case and
     # layout change need not scan it again (a third of their cost).
     gc.freeze()
+    libc = ctypes.CDLL(None)
     while (task := tasks.get()) is not None:
         fn, kwargs = task
         faulthandler.dump_traceback_later(HANG_DUMP_S)
@@ -63,6 +65,7 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
             faulthandler.cancel_dump_traceback_later()
             destroy_parallel()
         gc.collect()
+        libc.malloc_trim(0)  # hand the case's freed heap back: four long-lived ranks must not hold their peaks
         if ok and (left := _gloo_threads() - baseline) > 0:  # a leaked group costs every later case its threads
             ok, value = False, f"{fn.__name__} left {left} gloo threads: destroy the process groups it creates"
         results.put((rank, ok, value))
