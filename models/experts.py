@@ -35,6 +35,13 @@ def grouped_linear(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor
     return _ContiguousGrad.apply(F.grouped_mm(x, weights.transpose(-2, -1), offs=offsets))
 
 
+def has_bias(linear: torch.nn.Module) -> bool:
+    """Whether a linear layer adds a bias: Megatron's local linears built without one keep ``None``,
+    TransformerEngine's an empty tensor (Megatron-Core's TE extension reads both as no bias)."""
+    bias = getattr(linear, "bias", None)
+    return isinstance(bias, torch.Tensor) and bias.numel() > 0
+
+
 class GroupedExperts(SequentialMLP):
     """``SequentialMLP``'s parameters and state dict; one grouped GEMM per projection."""
 
@@ -50,7 +57,7 @@ class GroupedExperts(SequentialMLP):
             )
         if config.glu_linear_offset or config.activation_func_clamp_value is not None:
             raise ValueError("grouped experts implement plain (gated) activations: no glu offset or clamp")
-        if any(e.linear_fc1.bias is not None or e.linear_fc2.bias is not None for e in self.local_experts):
+        if any(has_bias(e.linear_fc1) or has_bias(e.linear_fc2) for e in self.local_experts):
             raise ValueError("grouped experts have no bias support; MoE models need add_bias_linear=False")
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
