@@ -13,6 +13,7 @@ import faulthandler
 import gc
 import os
 import queue
+import signal
 import socket
 import sys
 import time
@@ -21,6 +22,7 @@ import traceback
 import torch.multiprocessing as mp
 
 CASE_TIMEOUT_S = 300
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 HANG_DUMP_S = 120  # a rank still busy after this prints its stack (stderr): hangs show where they are
 PEER_GRACE_S = 20  # after one rank failed, how long the others get before the pool is restarted
 
@@ -32,6 +34,8 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None:
+    libc = ctypes.CDLL(None)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a killed test session takes its ranks with it
     sys.path.insert(0, repo)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -53,7 +57,6 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
     # What is alive now (the imported modules) lives as long as the rank: the collections after each case and
     # layout change need not scan it again (a third of their cost).
     gc.freeze()
-    libc = ctypes.CDLL(None)
     while (task := tasks.get()) is not None:
         fn, kwargs = task
         faulthandler.dump_traceback_later(HANG_DUMP_S)
