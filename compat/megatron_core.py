@@ -437,8 +437,9 @@ def install_cpu_compat() -> bool:
 def compile_on_first_call(jit: types.ModuleType) -> None:
     """``megatron/core/jit.py`` sets ``jit_fuser = torch.compile``, and ~40 fused functions are decorated with it
     at import: building each decorator imports torch's whole compiler stack (dynamo, inductor: 2 of Megatron-Core's
-    6 s of import), even in processes that never call one of them (the CPU build calls none). Each decorated
-    function is compiled by ``torch.compile`` as before, on its first call. Runs after ``jit.py`` executes
+    6 s of import), even in processes that never call one of them (rollout engines, converters, the planner, dense
+    models on CPU; MoE routers call ``_apply_expert_bias`` on every forward). Each decorated function is compiled
+    by ``torch.compile`` as before, on its first call. Runs after ``jit.py`` executes
     (:data:`compat.AFTER_IMPORT`), before any module imports ``jit_fuser`` from it."""
     if jit.jit_fuser is not torch.compile:  # 0.16.1 on torch >= 2.2; anything else is left as Megatron chose
         return

@@ -1,6 +1,6 @@
 """A pool of gloo ranks that lives for the whole test session.
 
-Spawning ranks costs ~10 s of imports each (Megatron-Core imports torch's compiler stack); keeping them alive and
+Spawning ranks costs seconds of imports each (torch, Megatron-Core); keeping them alive and
 re-initialising only Megatron's groups per case (``parallel.groups.init_parallel`` tears down the previous layout)
 makes a multi-rank case cost what its work costs. Cases are module-level functions, sent by reference and run on
 every rank.
@@ -22,9 +22,9 @@ import traceback
 import torch.multiprocessing as mp
 
 CASE_TIMEOUT_S = 300
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 HANG_DUMP_S = 120  # a rank still busy after this prints its stack (stderr): hangs show where they are
 PEER_GRACE_S = 20  # after one rank failed, how long the others get before the pool is restarted
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _free_port() -> int:
