@@ -332,6 +332,39 @@ def load_model(chunks: list[torch.nn.Module], directory: str | Path) -> None:
             f"{directory}: the vocabulary is padded to {stored} rows, this layout pads it to {ours.num_embeddings}; "
             f"convert it for this TP size with mcore-rl-mcore2mcore"
         )
-    state = dist_checkpointing.load(model_state(chunks), str(directory))
+    request = model_state(chunks)
+    kept = _unrequest_absent_extra_state(request, set(reader.metadata.state_dict_metadata))
+    state = dist_checkpointing.load(request, str(directory))
+    for path, value in kept.items():
+        _put(state, path, value)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state[f"model{i}"])
+
+
+def _unrequest_absent_extra_state(state: dict, stored: set[str]) -> dict[tuple, object]:
+    """Take the ``_extra_state`` objects the checkpoint does not hold out of the load request ``state``; returns
+    them (path -> the module's current value) for the caller to put back after the load.
+
+    TransformerEngine's modules checkpoint an ``_extra_state`` (FP8 scaling metadata) that Megatron's local modules
+    lack: a checkpoint converted with the local layout (hf2mcore's) has none for TransformerEngine's core attention,
+    and Megatron's load fails on every key it requests and does not find. Such a module keeps its initial state,
+    which is what it starts from in any run without FP8 history.
+    """
+    kept = {}
+
+    def walk(node: dict, path: tuple) -> None:
+        for key, value in list(node.items()):
+            if isinstance(value, dict):
+                walk(value, (*path, key))
+            elif isinstance(value, ShardedObject) and key.endswith("_extra_state") and value.unique_key not in stored:
+                kept[(*path, key)] = value.data
+                del node[key]
+
+    walk(state, ())
+    return kept
+
+
+def _put(state: dict, path: tuple, value) -> None:
+    for key in path[:-1]:
+        state = state[key]
+    state[path[-1]] = value

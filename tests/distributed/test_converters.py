@@ -290,3 +290,16 @@ def test_block_fp8_checkpoint_converts_dequantized(tmp_path, tiny_models):
     run = cli("hf2mcore", fp8, tmp_path / "gptq")
     assert run.returncode == 2 and "quant_method='gptq'" in run.stderr, run.stderr
     assert not (tmp_path / "gptq").exists()
+
+
+def test_a_converted_checkpoint_loads_into_modules_with_extra_state(ranks, converted, tiny_models):
+    """TransformerEngine's core attention checkpoints an ``_extra_state`` that a checkpoint converted with the local
+    layout lacks (issue 17, defect 7): a model with such modules loads it, and holds exactly its weights."""
+    arch = "LlamaForCausalLM"
+    absent = ranks.run(
+        cases.load_into_te_like_attention,
+        checkpoint_dir=str(converted[arch][2]),
+        hf_dir=tiny_models[arch],
+        layout=dict(tp=2),
+    )
+    assert absent[0] > 0  # the model did request state the checkpoint does not hold
