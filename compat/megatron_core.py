@@ -1,9 +1,9 @@
-"""megatron-core 0.16.1's quirks: CPU support (:func:`install_cpu_compat`), multi-latent attention without
-TransformerEngine (:func:`mla_without_te`), models and process groups that outlive a layout
+"""megatron-core 0.16.1's quirks: CPU support (:func:`install_cpu_compat`), torch Adam's checkpoints
+(:func:`install_adam_fixes`), multi-latent attention without TransformerEngine (:func:`mla_without_te`), models and process groups that outlive a layout
 (:func:`release_dispatcher_graphs`, :func:`destroy_groups`), and an import that pulls in torch's compiler for
 nothing (:func:`compile_on_first_call`).
 
-**On CPU** (gloo), for CI and laptops; a no-op on CUDA machines. Megatron-Core calls CUDA unconditionally in
+**On CPU** (gloo), for CI and laptops; installed by :func:`parallel.groups.init_parallel` on CPU machines only. Megatron-Core calls CUDA unconditionally in
 places that have no extension point. Rather than a global ``TorchFunctionMode`` (measured +30% per step on tiny
 models, and it disables dynamo), this module rebinds the name ``torch`` *inside the listed Megatron modules only*
 to a proxy that forwards everything to torch except:
@@ -49,14 +49,17 @@ What a module-level proxy cannot reach is patched narrowly:
   tensors with their CUDA type names and makes ``.cuda()`` the identity.
 * token_dispatcher.py:876-892 converts the alltoall split sizes to numpy only for CUDA tensors; CPU tensors
   reach ``all_to_all_single``, which rejects them. The CPU version converts them too.
-* distrib_optimizer.py:940 (torch.optim's Adam, used without Apex/TE, i.e. always on CPU) fails to load its own
-  checkpoint with ``KeyError: 'step'``; the loaded tensors get the already-restored step added. Its load also
-  shares one ``step`` tensor among all parameters (:825), which Adam then advances once per parameter per
-  step; the loaded states get their own copies.
 * moe_utils.py:1192 reads ``te_general_gemm``, which is unbound when TransformerEngine is absent.
 * mappings.py:150/190 gather and reduce-scatter *uneven* token counts (the alltoall dispatcher with expert-TP
   > 1) as lists of different sizes, which NCCL accepts and gloo rejects. The CPU versions pad to the longest
   split (gather) or all-reduce and slice (reduce-scatter); even splits still take Megatron's path.
+
+**torch Adam's checkpoints, on any device.** Megatron-Core falls back to ``torch.optim.AdamW`` where neither
+TransformerEngine nor Apex imports: always on CPU, and on GPUs without them. Its distributed optimizer then fails
+to load its own checkpoint with ``KeyError: 'step'`` (distrib_optimizer.py:940; the loaded tensors get the
+already-restored step added), and its load shares one ``step`` tensor among all parameters (:825), which Adam then
+advances once per parameter per step (the loaded states get their own copies). :func:`install_adam_fixes`
+installs both wherever that fallback is in use.
 
 ``torch_norm``'s sequence-parallel assert is not patched: our layer spec substitutes its own norm module
 (:mod:`models.spec`), Megatron's intended extension point. ``tests/distributed/test_cpu_compat.py`` fails when a
@@ -332,7 +335,7 @@ def _set_attr_path(module, path: str, wrap) -> None:
         setattr(owner, name, wrap(raw))
 
 
-_INSTALLED_MARK = "_mcore_rl_cpu_compat"
+_INSTALLED_MARK = "_mcore_rl_installed"
 
 # Functions the CPU support wraps, with the parameters they had in 0.16.1 (checked before wrapping).
 _WRAPPED = {
@@ -353,13 +356,13 @@ _WRAPPED = {
         "input_split_sizes",
         "use_global_buffer",
     ),
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer._set_main_param_and_optimizer_states"): (
-        "self",
-        "model_param",
-        "tensors",
-    ),
-    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer.load_state_dict"): ("self", "state_dict"),
     ("megatron.core.tensor_parallel.random", "_lazy_call"): ("callable", "kwargs"),  # torch.cuda's, by name
+}
+
+# The distributed optimizer's methods the torch-Adam fixes wrap, with their 0.16.1 parameters.
+_ADAM_WRAPPED = {
+    "DistributedOptimizer._set_main_param_and_optimizer_states": ("self", "model_param", "tensors"),
+    "DistributedOptimizer.load_state_dict": ("self", "state_dict"),
 }
 
 
@@ -384,23 +387,44 @@ def _check_targets() -> None:
         expect_parameters(_target(module_name, path), params, f"{module_name}.{path}")
 
 
-def install_cpu_compat() -> bool:
-    """Make Megatron-Core runnable on this process's CPU; returns whether anything was installed.
+def _check_version(what: str) -> None:
+    import megatron.core
 
-    Idempotent; does nothing when CUDA is available. Refuses (``UpstreamChangedError``) a megatron-core whose patched
-    functions are not the ones the call sites above were read from.
-    """
-    if torch.cuda.is_available():
+    if megatron.core.__version__ != MEGATRON_CORE:
+        raise UpstreamChangedError(
+            f"compat.megatron_core's {what} targets megatron-core=={MEGATRON_CORE}, found "
+            f"{megatron.core.__version__}; re-read its call sites before changing the pin"
+        )
+
+
+def install_adam_fixes() -> bool:
+    """Fix torch Adam's distributed-optimizer checkpoints (module docstring) where Megatron-Core uses torch's
+    AdamW; returns whether they are installed. Idempotent; checks its targets first."""
+    optimizer = importlib.import_module("megatron.core.optimizer")
+    if optimizer.Adam is not torch.optim.AdamW:  # TransformerEngine's or Apex's FusedAdam: nothing to fix
         return False
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    if getattr(distrib.DistributedOptimizer, _INSTALLED_MARK, False):
+        return True
+    _check_version("torch-Adam fix")
+    for path, params in _ADAM_WRAPPED.items():
+        expect_parameters(_target(distrib.__name__, path), params, f"{distrib.__name__}.{path}")
+    _set_attr_path(distrib, "DistributedOptimizer._set_main_param_and_optimizer_states", _keep_adam_step)
+    _set_attr_path(distrib, "DistributedOptimizer.load_state_dict", _unshare_adam_steps)
+    setattr(distrib.DistributedOptimizer, _INSTALLED_MARK, True)
+    return True
+
+
+def install_cpu_compat() -> bool:
+    """Make Megatron-Core runnable on this process's CPU (never call it on a CUDA machine: it reroutes
+    Megatron's CUDA calls); returns True. Idempotent. Refuses (``UpstreamChangedError``) a megatron-core whose
+    patched functions are not the ones the call sites above were read from.
+    """
     import megatron.core
 
     if getattr(megatron.core, _INSTALLED_MARK, False):
         return True
-    if megatron.core.__version__ != MEGATRON_CORE:
-        raise UpstreamChangedError(
-            f"compat.megatron_core supports megatron-core=={MEGATRON_CORE} on CPU, found "
-            f"{megatron.core.__version__}; re-read its CUDA call sites before changing the pin"
-        )
+    _check_version("CPU support")
     _check_targets()
 
     cpu_torch = _CpuTorch()
@@ -420,10 +444,6 @@ def install_cpu_compat() -> bool:
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
     mappings._gather_along_first_dim = _gloo_uneven_gather(mappings._gather_along_first_dim)
     mappings._reduce_scatter_along_first_dim = _gloo_uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
-
-    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
-    _set_attr_path(distrib, "DistributedOptimizer._set_main_param_and_optimizer_states", _keep_adam_step)
-    _set_attr_path(distrib, "DistributedOptimizer.load_state_dict", _unshare_adam_steps)
 
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if not hasattr(moe_utils, "te_general_gemm"):

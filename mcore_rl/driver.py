@@ -29,6 +29,7 @@ from mcore_rl.data.arithmetic import arithmetic_splits
 from mcore_rl.data.prompts import PromptDataset, read_rows
 from mcore_rl.metrics import MetricsLogger, plot_curves
 from mcore_rl.rewards.user import Reward
+from parallel.device import Device
 
 log = logging.getLogger("mcore_rl")
 
@@ -145,9 +146,8 @@ class System:
         self._stops.append(self.rollout.stop)
         self.rewards = RewardPool(m.reward.fn, m.reward.num_actors, m.reward.num_cpus)
         self._stops.append(self.rewards.stop)
-        dtype = m.policy.rollout.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if self.placement.resource == "GPU" else "float32"
+        # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
+        dtype = Device("cuda" if self.placement.resource == "GPU" else "cpu").engine_dtype(m.policy.rollout.dtype)
         ray.get(
             [
                 actor.connect_engine.remote(self.rollout.engine_of(rank), self.rollout.tp, m.policy.sync, dtype)

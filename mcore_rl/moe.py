@@ -109,7 +109,11 @@ class RouterLoad:
 
     def __init__(self, chunks: list[torch.nn.Module], groups: ProcessGroupCollection, sequence_parallel: bool):
         self.routers = routers(chunks)
-        self.counts = {n: torch.zeros(r.config.num_moe_experts, dtype=torch.float64) for n, r in self.routers.items()}
+        device = next(chunks[0].parameters()).device  # reduced over NCCL on GPUs, which takes device tensors only
+        self.counts = {
+            n: torch.zeros(r.config.num_moe_experts, dtype=torch.float64, device=device)
+            for n, r in self.routers.items()
+        }
         # Each data rank routes its own tokens; under sequence parallelism each TP rank routes a slice of them.
         self.group = groups.tp_dp_cp if sequence_parallel else groups.dp_cp
         self.pp = groups.pp

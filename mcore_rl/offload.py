@@ -20,13 +20,17 @@ def _storages(tensors) -> dict[int, torch.UntypedStorage]:
 
 
 class StorageOffloader:
-    """Moves the storages behind ``keep`` (copied) and ``discard`` (dropped) tensors to ``host`` and back."""
+    """Moves the storages behind ``keep`` (copied) and ``discard`` (dropped) tensors to ``host`` and back;
+    ``pin``: host copies in pinned memory, copied asynchronously (:attr:`parallel.device.Device.pin_host_copies`)."""
 
-    def __init__(self, keep: list[torch.Tensor], discard: list[torch.Tensor], host: str | torch.device = "cpu"):
+    def __init__(
+        self, keep: list[torch.Tensor], discard: list[torch.Tensor], host: str | torch.device = "cpu", pin=False
+    ):
         self.keep = list(_storages(keep).values())
         kept = {s.data_ptr() for s in self.keep}
         self.discard = [s for ptr, s in _storages(discard).items() if ptr not in kept]
         self.host = torch.device(host)
+        self.pin = pin and self.host.type == "cpu"
         self.sizes = [s.nbytes() for s in self.keep + self.discard]
         self.copies: list[torch.UntypedStorage] | None = None
 
@@ -38,14 +42,13 @@ class StorageOffloader:
         """Free the storages (after copying the kept ones to ``host``); returns the bytes freed."""
         if self.offloaded:
             return 0
-        pin = self.host.type == "cpu" and torch.cuda.is_available()
         self.copies = []
         for storage in self.keep:
-            copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=self.host, pin_memory=pin)
-            copy.untyped_storage().copy_(storage, non_blocking=pin)
+            copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=self.host, pin_memory=self.pin)
+            copy.untyped_storage().copy_(storage, non_blocking=self.pin)
             self.copies.append(copy.untyped_storage())
-        if pin:
-            torch.cuda.synchronize()
+        if self.pin:
+            torch.cuda.synchronize()  # the asynchronous copies must land before the storages are freed
         for storage in self.keep + self.discard:
             storage.resize_(0)
         return sum(self.sizes)

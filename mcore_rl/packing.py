@@ -120,7 +120,10 @@ def pack_rows(tokens: torch.Tensor, lengths: list[int], indices: list[int], alig
     padding follows the sample, so causal attention keeps it out of the sample's scores). ``cu_seqlens`` keep
     samples from attending to each other. ``extra`` tensors stay per sample: per-position ones ([N, S-1, ...]) cut
     or padded to the longest sample's width, and ``batch["unpack"]`` maps packed model outputs to those rows.
+    Everything is built on ``tokens``' device (the model's): TransformerEngine's attention kernels take
+    ``cu_seqlens`` only as int32 tensors on the GPU.
     """
+    device = tokens.device
     spans = [math.ceil((lengths[i] - 1) / align) * align for i in indices]
     width = max(spans)
     ids, labels, rows, cols = [], [], [], []
@@ -128,9 +131,9 @@ def pack_rows(tokens: torch.Tensor, lengths: list[int], indices: list[int], alig
         seq = torch.nn.functional.pad(tokens[i, : lengths[i]], (0, span + 1 - lengths[i]))
         ids.append(seq[:-1])
         labels.append(seq[1:])
-        rows.append(torch.full((span,), row))
-        cols.append(torch.arange(span))
-    offsets = torch.tensor([0, *itertools.accumulate(spans)], dtype=torch.int32)
+        rows.append(torch.full((span,), row, device=device))
+        cols.append(torch.arange(span, device=device))
+    offsets = torch.tensor([0, *itertools.accumulate(spans)], dtype=torch.int32, device=device)
     params = PackedSeqParams(
         qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets, max_seqlen_q=width, max_seqlen_kv=width
     )

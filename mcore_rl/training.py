@@ -23,6 +23,7 @@ from mcore_rl.moe import end_replay, replay_routing
 from mcore_rl.packing import pack_rows, plan_packing, rows_of, to_width
 from parallel.comm import all_gather_objects, all_reduce_, broadcast_bucket
 from parallel.context import shard_micro_batch
+from parallel.device import Device
 
 # loss_fn(batch, logits) -> (scalar loss to differentiate, {metric name: detached value})
 LossFn = Callable[[dict, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -180,7 +181,10 @@ class MegatronTrainStep(MegatronModel):
         config: TransformerConfig,
         optimizer: OptimizerConfig,
         groups: ProcessGroupCollection,
+        device: Device | None = None,
     ):
+        """``device``: whose choices the optimizer follows (this machine's unless given)."""
+        device = device or Device.current()
         ddp = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=optimizer.use_distributed_optimizer
         )
@@ -189,9 +193,7 @@ class MegatronTrainStep(MegatronModel):
         ]
         super().__init__(wrapped, groups)
         config.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = get_megatron_optimizer(
-            optimizer, self.model, use_gloo_process_groups=torch.cuda.is_available(), pg_collection=groups
-        )
+        self.optimizer = get_megatron_optimizer(optimizer, self.model, pg_collection=groups, **device.optimizer_args())
 
     def step(self, microbatches: list[dict], loss_fn: LossFn) -> StepResult:
         """Forward/backward over ``microbatches`` (dicts with input_ids/position_ids [b, s] and loss inputs)."""

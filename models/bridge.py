@@ -20,8 +20,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from converters.mapping import QKV, Direct, GatedMLP, Mapping, Vocab
-from models.spec import block_spec, resolve_backend
+from models.spec import block_spec
 from parallel.config import ParallelConfig
+from parallel.device import Device
 
 # (HF config.json key, TransformerConfig attribute): read one way on load, the other way on export.
 # Every family's decoder fields; DENSE_CONFIG adds grouped-query attention's (MLA families add their own).
@@ -138,12 +139,11 @@ class Bridge:
     ) -> TransformerConfig:
         """Megatron config for this model under ``parallel``; ``overrides`` set further TransformerConfig fields.
 
-        ``params_dtype`` defaults to bf16 on CUDA and fp32 on CPU (CPUs without bf16 instructions ran bf16 steps
-        12x slower).
+        ``params_dtype`` defaults to this machine's (:attr:`parallel.device.Device.params_dtype`).
         """
         self.validate_layout(parallel)
         if params_dtype is None:
-            params_dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+            params_dtype = Device.current().params_dtype
         interleaved = parallel.vpp > 1
         fields = {mcore: self.hf[key] for key, mcore in self.config_table if key in self.hf}
         fields.update(
@@ -204,15 +204,11 @@ class Bridge:
         """This rank's model chunks (one per virtual pipeline stage), on the current device, weights initialised;
         ``meta``: on the meta device instead (shapes without memory, for full-size dry runs);
         ``padded_vocab_size``: instead of this layout's padding (a checkpoint converted for another TP size)."""
-        backend = resolve_backend(backend)
+        machine = Device.current()
+        backend = machine.layer_backend(backend)
         vocab = padded_vocab_size or self.padded_vocab_size(parallel_state.get_tensor_model_parallel_world_size())
         vpp = config.virtual_pipeline_model_parallel_size or 1
-        if meta:
-            device = torch.device("meta")
-        elif torch.cuda.is_available():
-            device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            device = torch.device("cpu")
+        device = torch.device("meta") if meta else machine.torch_device()
         chunks = []
         for stage in range(vpp):
             vp_stage = stage if vpp > 1 else None

@@ -1,4 +1,5 @@
-"""Megatron layer specs per backend: TransformerEngine on CUDA when installed, Megatron's local modules otherwise.
+"""Megatron layer specs per backend: TransformerEngine's or Megatron's local modules (which one:
+:meth:`parallel.device.Device.layer_backend`).
 
 The local spec is Megatron's own, with modules substituted through the spec (its intended extension point):
 
@@ -15,7 +16,6 @@ Dense and MoE layers follow ``moe_layer_freq`` (DeepSeek's first dense layers).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 
 import torch
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -37,8 +37,6 @@ from compat.megatron_core import mla_without_te
 from models.attention import SDPAttention
 from models.experts import GroupedExperts
 
-BACKENDS = ("auto", "local", "te")
-
 
 class TorchNorm:
     """``torch.nn.RMSNorm``/``LayerNorm`` built from a TransformerConfig, usable with sequence parallelism."""
@@ -51,18 +49,6 @@ class TorchNorm:
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
-
-
-def resolve_backend(backend: str) -> str:
-    """``auto`` -> ``te`` on a CUDA machine with TransformerEngine installed, else ``local``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
-    if backend == "auto":
-        has_te = importlib.util.find_spec("transformer_engine") is not None
-        return "te" if torch.cuda.is_available() and has_te else "local"
-    if backend == "te" and importlib.util.find_spec("transformer_engine") is None:
-        raise ValueError("backend='te' needs the transformer-engine package (pip install -e .[gpu])")
-    return backend
 
 
 def _with_norm(spec: ModuleSpec | type, norm: type) -> ModuleSpec | type:

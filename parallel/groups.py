@@ -13,24 +13,29 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from compat.megatron_core import destroy_groups, install_cpu_compat
+from compat.megatron_core import destroy_groups, install_adam_fixes, install_cpu_compat
 from compat.torch import fake_store, release_groups
 from parallel.config import ParallelConfig
+from parallel.device import Device
 
 
-def init_parallel(parallel: ParallelConfig, *, seed: int = 1234, timeout_minutes: int = 30) -> ProcessGroupCollection:
+def init_parallel(
+    parallel: ParallelConfig, *, seed: int = 1234, timeout_minutes: int = 30, device: Device | None = None
+) -> ProcessGroupCollection:
     """Initialise torch.distributed from the environment (if needed) and Megatron's groups for ``parallel``.
 
     Returns the explicit process groups (``tp``, ``pp``, ``ep``, ``expt_tp``, ``dp``, ...) that the project's
-    collectives take; nothing downstream reads Megatron's global state for groups.
+    collectives take; nothing downstream reads Megatron's global state for groups. ``device``: this machine's
+    (:meth:`Device.current`) unless given.
     """
-    cuda = torch.cuda.is_available()
-    if not cuda:
+    device = device or Device.current()
+    if not device.cuda:
         install_cpu_compat()
+    install_adam_fixes()
     if not dist.is_initialized():
-        if cuda:
+        if device.cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=timeout_minutes))
+        dist.init_process_group(device.dist_backend, timeout=timedelta(minutes=timeout_minutes))
     parallel.validate_world(dist.get_world_size())
     destroy_parallel()
     parallel_state.initialize_model_parallel(
@@ -41,8 +46,9 @@ def init_parallel(parallel: ParallelConfig, *, seed: int = 1234, timeout_minutes
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.expert_tp,
         distributed_timeout_minutes=timeout_minutes,
-        # On CPU the default backend already is gloo; a second set of gloo groups would only cost start-up.
-        create_gloo_process_groups=cuda,
+        # Megatron's own gloo copies of the groups serve only callers without explicit groups; the optimizer takes
+        # ours (see Device.optimizer_args), so they would only cost start-up and threads.
+        create_gloo_process_groups=False,
     )
     model_parallel_cuda_manual_seed(seed)
     return ProcessGroupCollection.use_mpu_process_groups()

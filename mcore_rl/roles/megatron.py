@@ -28,6 +28,7 @@ from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches, re
 from models.registry import get_bridge
 from parallel.comm import all_gather_bucket, all_reduce_scalar
 from parallel.config import ParallelConfig
+from parallel.device import Device
 from parallel.groups import init_parallel
 
 log = logging.getLogger(__name__)
@@ -62,11 +63,11 @@ class MegatronRank:
         os.environ.update(
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0"
         )
-        if not torch.cuda.is_available():  # colocated roles take turns, so each may use its device's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        self.machine = Device.current()
+        self.machine.share_cores(world)
         self.rank, self.parallel = rank, parallel
         self.max_token_in_packing = max_token_in_packing  # > 0: THD packs instead of padded micro-batches
-        self.groups = init_parallel(parallel, seed=seed)
+        self.groups = init_parallel(parallel, seed=seed, device=self.machine)
         self.bridge = get_bridge(hf_dir)
         self.config = self.bridge.transformer_config(parallel, **(overrides or {}))
         self.chunks = self.bridge.build_model(self.config)
@@ -105,11 +106,7 @@ class MegatronRank:
 
     def memory_bytes(self) -> int:
         """Device memory in use by this process (CUDA), or its resident set size (CPU)."""
-        if torch.cuda.is_available():
-            return torch.cuda.memory_allocated()
-        import psutil
-
-        return psutil.Process().memory_info().rss
+        return self.machine.memory_in_use()
 
     offload_parts: tuple[str, ...] = ("weights",)
 
@@ -120,14 +117,14 @@ class MegatronRank:
     def offload(self, parts: list[str] | None = None) -> int:
         """Free the device memory of ``parts`` (default: all) while other roles run; returns the bytes freed (CUDA;
         on CPU there is nothing to move to)."""
-        if self.device.type != "cuda":
+        if not self.machine.offloads:
             return 0
         freed = 0
         for part in parts or self.offload_parts:
             if part not in self.offloaders:
-                self.offloaders[part] = StorageOffloader(*self._offloadable(part))
+                self.offloaders[part] = StorageOffloader(*self._offloadable(part), pin=self.machine.pin_host_copies)
             freed += self.offloaders[part].offload()
-        torch.cuda.empty_cache()
+        self.machine.release_cached_memory()
         return freed
 
     def onload(self, parts: list[str] | None = None) -> int:
@@ -165,7 +162,7 @@ class PolicyTrainer(MegatronRank):
         config = OptimizerConfig(
             optimizer="adam", bf16=self.config.bf16, use_distributed_optimizer=True, min_lr=min_lr, **settings
         )
-        self.model = MegatronTrainStep(self.chunks, self.config, config, self.groups)
+        self.model = MegatronTrainStep(self.chunks, self.config, config, self.groups, self.machine)
         self.scheduler = OptimizerParamScheduler(
             self.model.optimizer,
             init_lr=0.0 if warmup else config.lr,
@@ -308,7 +305,7 @@ class PolicyTrainer(MegatronRank):
         (Path(directory) / "policy").mkdir(exist_ok=True)
         dist_checkpointing.save(self._sharded_state(is_loading=False), str(Path(directory) / "policy"))
         rng = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-        if torch.cuda.is_available():
+        if self.machine.cuda:
             rng["cuda"] = torch.cuda.get_rng_state()
         torch.save(rng, Path(directory) / f"rng_rank{self.rank}.pt")
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from mcore_rl.rollout.transport import BucketHandle
 from models.registry import get_bridge
+from parallel.device import Device
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,10 @@ class RolloutConfig:
     load_tokenizer: bool = True  # False for token-id-only use (no stop strings); tiny test models have none
     gpu_memory_utilization: float = 0.5  # CUDA: the engine's share, the colocated trainer keeps the rest
     cpu_kv_cache_bytes: int = 1 << 30  # CPU: the KV cache is sized explicitly (vLLM would guess from free RAM)
-    sleep_level: int = 1  # CUDA sleep mode: 1 offloads weights to host memory, 2 discards them
+    # CUDA sleep mode: 2 discards the weights (every sleep of the RL loop is followed by a full weight sync, which
+    # refuses an update that leaves a parameter stale); 1 copies them to host memory and back, for engines that
+    # must wake with the weights they slept with.
+    sleep_level: int = 2
     # CPU: "auto" splits this process's cores evenly over the TP workers (vLLM's own default pins one core per
     # NUMA node and refuses TP > NUMA nodes); otherwise vLLM's VLLM_CPU_OMP_THREADS_BIND syntax, e.g. "0-3|4-7".
     cpu_threads_bind: str = "auto"
@@ -112,12 +115,9 @@ class RolloutEngine:
     def __init__(self, model_dir: str | Path, config: RolloutConfig):
         config.validate()
         self.config = config
-        self.cuda = torch.cuda.is_available()
-        # vLLM reads these when the engine is built; the engine owns its process (a Ray actor).
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if config.in_process else "1"
-        if not self.cuda:
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(config)
-            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"  # colocated: the trainer is idle while we run
+        self.machine = Device.current()
+        self.cuda = self.machine.cuda
+        os.environ.update(self.machine.engine_env(config, cpu_thread_binding(config)))
         from vllm import LLM
 
         routing = {}
@@ -129,26 +129,16 @@ class RolloutEngine:
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             routing = dict(enable_return_routed_experts=True)
-        memory = (
-            dict(enable_sleep_mode=True, gpu_memory_utilization=config.gpu_memory_utilization)
-            if self.cuda
-            else dict(kv_cache_memory_bytes=config.cpu_kv_cache_bytes)
-        )
-        # An engine over several GPUs: vLLM's Ray executor puts one worker on each of the engine's placement-group
-        # bundles (``Placement.engine_options``), beside the trainer rank that feeds it; its multiprocessing
-        # executor would need the GPUs visible to this actor, and on one node only. CPU workers share the host.
-        executor = dict(distributed_executor_backend="ray") if self.cuda and config.tensor_parallel_size > 1 else {}
         self.llm = LLM(
             model=str(model_dir),
             tensor_parallel_size=config.tensor_parallel_size,
-            dtype=config.dtype if config.dtype != "auto" else ("bfloat16" if self.cuda else "float32"),
+            dtype=self.machine.engine_dtype(config.dtype),
             max_model_len=config.max_model_len,
             seed=config.seed,
             enforce_eager=config.enforce_eager,
             skip_tokenizer_init=not config.load_tokenizer,
             worker_extension_cls=WORKER_EXTENSION,
-            **memory,
-            **executor,
+            **self.machine.engine_args(config),
             **routing,
             **get_bridge(model_dir).rollout_engine_args(self.cuda),
         )

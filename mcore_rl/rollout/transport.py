@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from compat.torch import rebuild_cuda_tensor
+from parallel.device import Device
 
 ALIGN = 64  # byte alignment of each tensor inside a bucket (vectorised copies, any dtype)
 SHM_DIR = Path("/dev/shm")
@@ -82,9 +83,11 @@ class BucketSender:
     """Trainer side: owns the shared buffer (grown when a bucket needs more) and packs buckets into it."""
 
     def __init__(self, device: torch.device, reserve_bytes: int = 0):
-        if device.type != "cuda":
-            _remove_stale_segments()
         self.device = device
+        self.machine = Device(device.type)
+        self.kind = self.machine.bucket_transport
+        if self.kind == "shm":
+            _remove_stale_segments()
         self._buffer: torch.Tensor | None = None
         self._ref: BufferRef | None = None
         self._path: Path | None = None
@@ -96,7 +99,7 @@ class BucketSender:
         if self._buffer is not None and self._buffer.numel() >= nbytes:
             return
         self.close()
-        if self.device.type == "cuda":
+        if self.kind == "cuda_ipc":
             from torch.multiprocessing.reductions import reduce_tensor
 
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -112,9 +115,9 @@ class BucketSender:
         self._ensure(nbytes)
         for (_, src), (_, dst) in zip(tensors, _views(self._buffer, metas), strict=True):
             dst.copy_(src)
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the receiver reads on its own stream
-        return BucketHandle("cuda_ipc" if self.device.type == "cuda" else "shm", (self._ref,), nbytes, tuple(metas))
+        if (stream := self.machine.stream(self.device)) is not None:
+            stream.synchronize()  # the receiver reads on its own stream
+        return BucketHandle(self.kind, (self._ref,), nbytes, tuple(metas))
 
     @property
     def capacity(self) -> int:

@@ -13,6 +13,51 @@ import torch
 
 from compat.vllm import begin_reload, check_reloadable, detach_pending, finish_reload, is_derived, repair_after_reload
 from mcore_rl.rollout.transport import BucketHandle, open_bucket
+from parallel.device import Device
+
+
+class WeightUpdate:
+    """One streamed update of a worker's model (vLLM's layer-wise reload, open from construction to
+    :meth:`finish`), tracking which parameters received tensors."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, rank: int, machine: Device):
+        self.model, self.device, self.dtype, self.rank, self.machine = model, device, dtype, rank, machine
+        self.expected = {name for name, _ in model.named_parameters() if not is_derived(name)}
+        self.loaded: set[str] = set()
+        begin_reload(model)
+
+    def load(self, handle: BucketHandle) -> int:
+        """Load one bucket of HF-named full tensors into this worker's shard, cast to the engine's dtype.
+
+        Returns (acknowledges the bucket) only once nothing reads the sender's buffer any more: the sender packs
+        the bucket after next into it as soon as this returns, while copies queued on the worker's stream could
+        still be reading it.
+        """
+        buffer, tensors = open_bucket(handle, self.device, self.rank)
+        self.loaded |= self.model.load_weights((n, t.to(device=self.device, dtype=self.dtype)) for n, t in tensors)
+        detach_pending(buffer)
+        stream = self.machine.stream(self.device)
+        if stream is not None:
+            stream.synchronize()
+        return handle.nbytes
+
+    def finish(self, model_config) -> list[str]:
+        """Process layers still pending, apply build-specific repairs, and give the reload's temporary memory back
+        (the trainer's weights come back next). Returns the repairs applied.
+
+        Raises if some parameter received nothing: it would silently keep its old value.
+        """
+        stale = finish_reload(self.model, model_config)
+        repairs = repair_after_reload(self.model)
+        self.machine.release_cached_memory()
+        missing = self.expected - self.loaded
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            missing.discard("lm_head.weight")  # it is the embedding
+        if missing:
+            raise RuntimeError(f"weight update left {len(missing)} parameter(s) stale: {sorted(missing)[:10]}")
+        if stale:
+            raise RuntimeError(f"weight update loaded nothing into {len(stale)} layer(s): {stale[:10]}")
+        return repairs
 
 
 class WeightUpdateExtension:
@@ -22,41 +67,22 @@ class WeightUpdateExtension:
         check_reloadable(self.model_runner.get_model())
 
     def mcore_rl_begin_update(self) -> None:
-        model = self.model_runner.get_model()
-        self._mcore_rl_expected = {name for name, _ in model.named_parameters() if not is_derived(name)}
-        self._mcore_rl_loaded: set[str] = set()
-        begin_reload(model)
+        runner = self.model_runner
+        self._mcore_rl_update = WeightUpdate(
+            runner.get_model(), runner.device, runner.model_config.dtype, self.rank, Device.current()
+        )
 
     def mcore_rl_load_bucket(self, handle: BucketHandle) -> int:
-        """Load one bucket of HF-named full tensors into this worker's shard, cast to the engine's dtype."""
-        dtype = self.model_runner.model_config.dtype
-        device = self.model_runner.device
-        buffer, tensors = open_bucket(handle, device, self.rank)
-        model = self.model_runner.get_model()
-        self._mcore_rl_loaded |= model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in tensors)
-        detach_pending(buffer)
-        return handle.nbytes
+        return self._mcore_rl_update.load(handle)
 
     def mcore_rl_finish_update(self) -> list[str]:
-        """Process layers still pending, drop state derived from old weights, apply build-specific repairs.
-
-        Raises if some parameter received nothing: it would silently keep its old value.
-        """
+        """Complete the update and drop the runner's state derived from the old weights."""
+        update, self._mcore_rl_update = self._mcore_rl_update, None
         runner = self.model_runner
-        model = runner.get_model()
-        stale = finish_reload(model, runner.model_config)
         runner.reset_lora_state()
         runner.reset_encoder_cache()
         runner.reset_mm_cache()
-        repairs = repair_after_reload(model)
-        missing = self._mcore_rl_expected - self._mcore_rl_loaded
-        if getattr(model.config, "tie_word_embeddings", False):
-            missing.discard("lm_head.weight")  # it is the embedding
-        if missing:
-            raise RuntimeError(f"weight update left {len(missing)} parameter(s) stale: {sorted(missing)[:10]}")
-        if stale:
-            raise RuntimeError(f"weight update loaded nothing into {len(stale)} layer(s): {stale[:10]}")
-        return repairs
+        return update.finish(runner.model_config)
 
     def mcore_rl_free_device_bytes(self) -> int:
         return torch.cuda.mem_get_info(self.model_runner.device)[0]

@@ -20,6 +20,7 @@ from mcore_rl.training import MegatronModel, MegatronTrainStep
 from models.experts import GroupedExperts
 from models.registry import get_bridge
 from parallel.config import ParallelConfig
+from parallel.device import Device
 from parallel.groups import init_parallel
 
 
@@ -65,11 +66,14 @@ def logits(hf_dir: str, layout: dict, input_ids: torch.Tensor) -> torch.Tensor:
     return _full_vocab(local, groups, bridge.vocab_size)
 
 
-def train_step(hf_dir: str, layout: dict, tokens: torch.Tensor, micro_batch_size: int) -> tuple[float, float]:
-    """One Adam step on ``tokens`` ([global_batch, seq+1]) split over DP ranks; returns (loss, grad norm)."""
+def train_step(
+    hf_dir: str, layout: dict, tokens: torch.Tensor, micro_batch_size: int, device: str | None = None
+) -> tuple[float, float]:
+    """One Adam step on ``tokens`` ([global_batch, seq+1]) split over DP ranks; returns (loss, grad norm).
+    ``device``: the optimizer takes the arguments that device's branch gives (default: this machine's)."""
     bridge, config, chunks, groups = _load(hf_dir, layout)
     optimizer = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, use_distributed_optimizer=True)
-    step = MegatronTrainStep(chunks, config, optimizer, groups)
+    step = MegatronTrainStep(chunks, config, optimizer, groups, Device(device, None) if device else None)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     mine = tokens.chunk(dp)[dp_rank]
     positions = torch.arange(mine.shape[1] - 1).expand(micro_batch_size, -1)
@@ -580,3 +584,58 @@ def layout_changes_release_threads(hf_dir: str, layouts: list[dict], tokens: tor
         peak = max(peak, threads().total())
         destroy_parallel()
     return dict(baseline=baseline, peak=peak, after=threads())
+
+
+def load_into_te_like_attention(checkpoint_dir: str, hf_dir: str, layout: dict) -> int:
+    """A converted checkpoint (local layout) loaded into a model whose core attention checkpoints an
+    ``_extra_state``, as TransformerEngine's does; exports the weights and asserts them equal to ``hf_dir``'s.
+    Returns how many ``_extra_state`` objects the model requested that the checkpoint lacked."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from converters.torch_dist import Reader, find_megatron, load_model
+    from models.attention import SDPAttention
+
+    class WithExtraState(SDPAttention):  # TransformerEngine's modules keep FP8 metadata this way
+        def get_extra_state(self):
+            return torch.zeros(0)
+
+        def set_extra_state(self, state) -> None:
+            assert state is None or torch.is_tensor(state), state
+
+    parallel = ParallelConfig(**layout)
+    groups = init_parallel(parallel)
+    bridge = get_bridge(hf_dir)
+    chunks = bridge.build_model(bridge.transformer_config(parallel))
+    for module in chunks[0].modules():
+        if type(module) is SDPAttention:
+            module.__class__ = WithExtraState
+    checkpoint_dir = find_megatron(checkpoint_dir)
+    stored = set(Reader(checkpoint_dir).metadata.state_dict_metadata)
+    state = chunks[0].sharded_state_dict()
+    absent = [
+        k
+        for k, v in state.items()
+        if isinstance(v, ShardedObject) and "core_attention" in k and v.unique_key not in stored
+    ]
+    load_model(chunks, checkpoint_dir)
+    ckpt = HFCheckpoint(hf_dir)
+    for name, tensor in export_hf(chunks, bridge, groups):
+        assert torch.equal(tensor, ckpt.get(name)), name
+    return len(absent)
+
+
+def optimizer_with_megatrons_gloo_groups(hf_dir: str) -> str:
+    """What megatron-core 0.16.1 says to the arguments the trainer passed on CUDA before (its own gloo groups
+    beside explicit ones)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    _, config, chunks, groups = _load(hf_dir, {})
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True)
+    model = [DistributedDataParallel(config, ddp, chunk) for chunk in chunks]
+    optimizer = OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True)
+    try:
+        get_megatron_optimizer(optimizer, model, use_gloo_process_groups=True, pg_collection=groups)
+    except ValueError as err:
+        return str(err)
+    return ""

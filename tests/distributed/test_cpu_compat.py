@@ -30,6 +30,6 @@ def test_training_step_reaches_no_cuda_call(ranks, tiny_models, arch, layout):
 
 def test_other_megatron_versions_are_refused(monkeypatch):
     monkeypatch.setattr(megatron.core, "__version__", "0.99.0")
-    monkeypatch.delattr(megatron.core, "_mcore_rl_cpu_compat", raising=False)
-    with pytest.raises(RuntimeError, match=r"supports megatron-core==0.16.1 on CPU, found 0.99.0"):
+    monkeypatch.delattr(megatron.core, "_mcore_rl_installed", raising=False)
+    with pytest.raises(RuntimeError, match=r"CPU support targets megatron-core==0.16.1, found 0.99.0"):
         megatron_core.install_cpu_compat()

@@ -1,0 +1,178 @@
+"""Every choice that differs between a CUDA machine and a CPU-only one, made in one place.
+
+:meth:`Device.current` describes the machine this process runs on; the rest of the project asks it instead of
+calling ``torch.cuda.is_available()``. A ``Device("cuda")`` can be built anywhere, so CPU tests check the CUDA
+branch of every decision that is testable without a GPU (the optimizer arguments Megatron-Core accepts, the layer
+spec when TransformerEngine is broken, the engine's arguments, ...); what needs a GPU to run is in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TYPES = ("cpu", "cuda")
+BACKENDS = ("auto", "local", "te")
+# How to build TransformerEngine where no wheel fits (it compiles against the installed torch and CUDA).
+TE_BUILD = 'pip install --no-build-isolation "transformer-engine[core_cu13,pytorch]==2.20.2"'
+
+
+@functools.cache
+def transformer_engine_problem() -> str | None:
+    """Why TransformerEngine's PyTorch API cannot be used here, or None when it imports. A package that is found
+    but fails to import (a CUDA or torch it was not built for) counts as unusable, with its error."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return "transformer-engine is not installed"
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as err:  # noqa: BLE001 - a broken build raises anything from OSError to RuntimeError
+        return f"transformer-engine is installed but does not import ({type(err).__name__}: {err})"
+    return None
+
+
+@dataclass(frozen=True)
+class Device:
+    """The accelerator of this process (``cuda``) or none (``cpu``), and what follows from it.
+
+    ``te_problem``: why TransformerEngine is unusable (None: it imports); only consulted on CUDA.
+    """
+
+    type: str
+    te_problem: str | None = "not checked"
+
+    def __post_init__(self):
+        if self.type not in TYPES:
+            raise ValueError(f"device type {self.type!r}: expected one of {TYPES}")
+
+    @staticmethod
+    def current() -> Device:
+        if torch.cuda.is_available():
+            return Device("cuda", transformer_engine_problem())
+        return Device("cpu")
+
+    @property
+    def cuda(self) -> bool:
+        return self.type == "cuda"
+
+    # ---- processes and process groups ---------------------------------------------------------------------------
+    @property
+    def dist_backend(self) -> str:
+        return "nccl" if self.cuda else "gloo"
+
+    def torch_device(self) -> torch.device:
+        """Where this process's tensors live: its GPU (``LOCAL_RANK``'s, see :func:`parallel.groups.init_parallel`)
+        or the CPU."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
+
+    def share_cores(self, world_size: int) -> None:
+        """On CPU, give each of a role's ``world_size`` ranks its share of the cores (colocated roles take turns,
+        so each may use all of its share); GPU ranks keep torch's default."""
+        if not self.cuda:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+    def optimizer_args(self) -> dict:
+        """Keyword arguments of Megatron-Core's ``get_megatron_optimizer`` besides the config and the model.
+
+        The project passes explicit process groups (``pg_collection``); megatron-core 0.16.1 then refuses gloo
+        groups of its own (``ValueError``), on CUDA as on CPU, and none are needed: the distributed optimizer's
+        checkpoint format (``fully_reshardable``) gathers over the data-parallel group itself.
+        """
+        return dict(use_gloo_process_groups=False)
+
+    # ---- model ----------------------------------------------------------------------------------------------------
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """Default parameter dtype: bf16 on GPUs; fp32 on CPUs (those without bf16 instructions ran bf16 steps 12x
+        slower)."""
+        return torch.bfloat16 if self.cuda else torch.float32
+
+    def layer_backend(self, requested: str) -> str:
+        """The layer spec for ``requested`` (``auto``, ``local`` or ``te``): ``auto`` takes TransformerEngine on
+        CUDA when it imports and says why not when it is installed but broken; ``te`` without a usable
+        TransformerEngine is an error that names the cause and the build command."""
+        if requested not in BACKENDS:
+            raise ValueError(f"backend={requested!r}: expected one of {BACKENDS}")
+        if requested == "local" or (requested == "auto" and not self.cuda):
+            return "local"
+        if requested == "te" and not self.cuda:
+            raise ValueError("backend='te': TransformerEngine needs a CUDA device; use 'local' or 'auto' on CPU")
+        if self.te_problem is None:
+            return "te"
+        if requested == "te":
+            raise ValueError(f"backend='te': {self.te_problem}; build it with: {TE_BUILD}")
+        if "not installed" not in self.te_problem:
+            log.warning("using Megatron's local layers: %s; to build it: %s", self.te_problem, TE_BUILD)
+        return "local"
+
+    # ---- memory ---------------------------------------------------------------------------------------------------
+    @property
+    def offloads(self) -> bool:
+        """Whether a role moves its state to host memory while another runs; on CPU it already is there."""
+        return self.cuda
+
+    @property
+    def pin_host_copies(self) -> bool:
+        """Offloaded copies in pinned host memory (asynchronous DMA); plain memory where nothing is copied."""
+        return self.cuda
+
+    def memory_in_use(self) -> int:
+        """Device memory this process allocated (CUDA), or its resident set (CPU)."""
+        if self.cuda:
+            return torch.cuda.memory_allocated()
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def release_cached_memory(self) -> None:
+        """Hand memory the caching allocator keeps back to the device, for the colocated role that runs next."""
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+    def stream(self, device: torch.device):
+        """The stream whose queued work reads ``device``'s tensors (``synchronize()`` waits for it); None on CPU,
+        where copies finish before they return."""
+        return torch.cuda.current_stream(device) if self.cuda and device.type == "cuda" else None
+
+    # ---- weight transport -----------------------------------------------------------------------------------------
+    @property
+    def bucket_transport(self) -> str:
+        """How a trainer hands a bucket to the engine on its device: a CUDA IPC handle, or POSIX shared memory."""
+        return "cuda_ipc" if self.cuda else "shm"
+
+    # ---- rollout engine -------------------------------------------------------------------------------------------
+    def engine_dtype(self, requested: str) -> str:
+        """The engine's dtype for ``rollout.dtype``: ``auto`` is the trainer's default (see :attr:`params_dtype`)."""
+        if requested != "auto":
+            return requested
+        return "bfloat16" if self.cuda else "float32"
+
+    def engine_args(self, config) -> dict:
+        """``vllm.LLM`` arguments for memory and workers under a ``RolloutConfig``.
+
+        CUDA: sleep mode (the engine gives its memory to the colocated trainer between rollouts), a share of the
+        GPU, and over several GPUs vLLM's Ray executor, which places one worker on each of the engine's
+        placement-group bundles beside the trainer rank that feeds it. CPU: an explicit KV-cache size (vLLM would
+        guess from free RAM) and workers in the engine's process group, sharing the host.
+        """
+        if not self.cuda:
+            return dict(kv_cache_memory_bytes=config.cpu_kv_cache_bytes)
+        args = dict(enable_sleep_mode=True, gpu_memory_utilization=config.gpu_memory_utilization)
+        if config.tensor_parallel_size > 1:
+            args["distributed_executor_backend"] = "ray"
+        return args
+
+    def engine_env(self, config, cpu_threads_bind: str) -> dict[str, str]:
+        """Environment vLLM reads when the engine is built (the engine owns its process: a Ray actor)."""
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process else "1"}
+        if not self.cuda:
+            # Colocated: the trainer is idle while the engine runs, so no core is held back for it.
+            env |= {"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        return env

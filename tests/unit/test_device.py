@@ -1,0 +1,199 @@
+"""The CUDA branch of every device decision that can be checked without a GPU (issue 17's defects 3-6 and 8),
+against the upstream code that consumes it where there is one (vLLM's engine arguments and layer-wise reload)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from mcore_rl.packing import pack_rows
+from mcore_rl.rollout.engine import RolloutConfig
+from mcore_rl.rollout.transport import BucketSender
+from mcore_rl.rollout.worker import WeightUpdate
+from parallel import device as device_module
+from parallel.device import TE_BUILD, Device, transformer_engine_problem
+
+CPU, CUDA = Device("cpu"), Device("cuda", te_problem=None)
+NO_TE = Device("cuda", te_problem="transformer-engine is not installed")
+
+
+def test_this_machine_is_a_cpu_one_and_unknown_types_are_refused():
+    assert Device.current() == CPU
+    assert (CPU.dist_backend, CUDA.dist_backend) == ("gloo", "nccl")
+    assert (CPU.params_dtype, CUDA.params_dtype) == (torch.float32, torch.bfloat16)
+    assert (CPU.bucket_transport, CUDA.bucket_transport) == ("shm", "cuda_ipc")
+    assert (CPU.offloads, CPU.pin_host_copies, CUDA.offloads, CUDA.pin_host_copies) == (False, False, True, True)
+    with pytest.raises(ValueError, match=r"device type 'gpu': expected one of \('cpu', 'cuda'\)"):
+        Device("gpu")
+
+
+def test_the_optimizer_never_asks_megatron_for_gloo_groups_beside_explicit_ones():
+    """megatron-core 0.16.1 refuses ``use_gloo_process_groups=True`` with a ``pg_collection`` (defect 1: every
+    trainer died at construction on CUDA); tests/distributed/test_device.py builds the optimizer with these."""
+    assert CUDA.optimizer_args() == CPU.optimizer_args() == {"use_gloo_process_groups": False}
+
+
+def test_layer_backend_takes_transformer_engine_only_where_it_imports(caplog):
+    assert CPU.layer_backend("auto") == "local" and CUDA.layer_backend("auto") == "te"
+    assert CUDA.layer_backend("local") == "local" and CUDA.layer_backend("te") == "te"
+    with caplog.at_level(logging.WARNING, logger=device_module.__name__):
+        assert NO_TE.layer_backend("auto") == "local"
+    assert caplog.records == []  # not installed: the local layers are the plain choice, nothing to warn about
+    with pytest.raises(ValueError, match=r"backend='te': transformer-engine is not installed; build it with: pip"):
+        NO_TE.layer_backend("te")
+    with pytest.raises(ValueError, match="backend='te': TransformerEngine needs a CUDA device"):
+        CPU.layer_backend("te")
+    with pytest.raises(ValueError, match=r"backend='fast': expected one of \('auto', 'local', 'te'\)"):
+        CPU.layer_backend("fast")
+
+
+def test_a_broken_transformer_engine_falls_back_to_local_layers_with_the_build_command(tmp_path, monkeypatch, caplog):
+    """Defect 8: TransformerEngine was chosen because ``find_spec`` found it, and a build for another CUDA failed
+    later, inside the model. It is tried now; the error and the command that builds it are reported."""
+    package = tmp_path / "transformer_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise OSError('libcudart.so.12: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    transformer_engine_problem.cache_clear()
+    try:
+        problem = transformer_engine_problem()
+    finally:
+        transformer_engine_problem.cache_clear()
+        for name in [m for m in sys.modules if m.startswith("transformer_engine")]:
+            del sys.modules[name]
+    assert problem == (
+        "transformer-engine is installed but does not import (OSError: libcudart.so.12: cannot open shared object file)"
+    )
+    broken = Device("cuda", problem)
+    with caplog.at_level(logging.WARNING, logger=device_module.__name__):
+        assert broken.layer_backend("auto") == "local"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"using Megatron's local layers: {problem}; to build it: {TE_BUILD}"
+    ]
+    with pytest.raises(ValueError, match=r"does not import \(OSError: libcudart.so.12.*build it with"):
+        broken.layer_backend("te")
+
+
+def test_packed_batches_are_built_on_the_tokens_device_with_int32_offsets():
+    """Defect 3: ``cu_seqlens`` and positions were built on the CPU whatever the model's device; TransformerEngine
+    takes int32 ``cu_seqlens`` on the GPU. The meta device stands in for the GPU: nothing may land elsewhere."""
+    tokens = torch.randint(0, 50, (3, 9)).to("meta")
+    batch = pack_rows(tokens, [9, 5, 7], [0, 2, 1], align=2, routed=torch.zeros(3, 8, 2, device="meta"))
+    params = batch["packed_seq_params"]
+    for tensor in (params.cu_seqlens_q, params.cu_seqlens_kv):
+        assert tensor.device.type == "meta" and tensor.dtype == torch.int32
+    tensors = [batch["input_ids"], batch["labels"], batch["position_ids"], batch["routed"]]
+    assert all(t.device.type == "meta" for t in [*tensors, batch["unpack"].rows, batch["unpack"].cols])
+    cpu = pack_rows(torch.arange(27).view(3, 9), [9, 5, 7], [0, 2, 1], align=2)["packed_seq_params"]
+    assert cpu.cu_seqlens_q.tolist() == [0, 8, 14, 18] and cpu.max_seqlen_q == 8
+
+
+def test_engine_arguments_are_ones_vllm_accepts():
+    from vllm.engine.arg_utils import EngineArgs
+
+    config = RolloutConfig(tensor_parallel_size=2)
+    cuda = CUDA.engine_args(config)
+    assert cuda == dict(enable_sleep_mode=True, gpu_memory_utilization=0.5, distributed_executor_backend="ray")
+    assert CUDA.engine_args(RolloutConfig()) == dict(enable_sleep_mode=True, gpu_memory_utilization=0.5)
+    assert CPU.engine_args(config) == dict(kv_cache_memory_bytes=1 << 30)
+    for args in (cuda, CPU.engine_args(config)):
+        EngineArgs(model="unused", **args)  # a misspelt or removed argument is a TypeError here
+    assert (CUDA.engine_dtype("auto"), CPU.engine_dtype("auto"), CPU.engine_dtype("bfloat16")) == (
+        "bfloat16",
+        "float32",
+        "bfloat16",
+    )
+    assert CUDA.engine_env(config, "0|1") == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert CPU.engine_env(config, "0|1") == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+
+
+def test_engines_discard_weights_the_sync_replaces():
+    """Defect 5: sleep level 1 copied every weight to host and back each episode, for the sync to overwrite them."""
+    assert RolloutConfig().sleep_level == 2
+
+
+class _Model(torch.nn.Module):
+    """A vLLM-style model: ``load_weights`` takes (name, tensor) pairs through each parameter's weight loader."""
+
+    def __init__(self, log: list[str]):
+        super().__init__()
+        self.config = types.SimpleNamespace(tie_word_embeddings=False)
+        self.proj, self.norm = torch.nn.Linear(4, 4, bias=False), torch.nn.LayerNorm(4)
+        self.log = log
+
+    def load_weights(self, weights) -> set[str]:
+        params, loaded = dict(self.named_parameters()), set()
+        for name, tensor in weights:
+            params[name].weight_loader(params[name], tensor)
+            loaded.add(name)
+        self.log.append("load")
+        return loaded
+
+
+class _RecordingStream:
+    def __init__(self, log: list[str]):
+        self.log = log
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+
+
+class _RecordingDevice(Device):
+    """A CUDA device whose stream is a recording fake (the worker's device here is the CPU)."""
+
+    def stream(self, device: torch.device):
+        return _RecordingStream(self.log)
+
+
+def test_the_engine_acknowledges_a_bucket_only_after_its_stream_read_it(monkeypatch):
+    """Defect 4: the sender packs bucket k+2 into the buffer of bucket k once the engine's load of k returns; on a
+    GPU the copies out of that buffer are queued on the worker's stream and may not have run yet. The update waits
+    for the stream before it returns, and gives the reload's cached memory back when it finishes (defect 5)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    log: list[str] = []
+    machine = _RecordingDevice("cuda", te_problem=None)
+    object.__setattr__(machine, "log", log)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
+    model = _Model(log)
+    layerwise.record_metadata_for_reloading(model)
+    weights = {n: torch.full_like(p, i + 2.0) for i, (n, p) in enumerate(model.named_parameters())}
+    sender = BucketSender(torch.device("cpu"))
+    try:
+        update = WeightUpdate(model, torch.device("cpu"), torch.float32, 0, machine)
+        for name, tensor in weights.items():
+            assert update.load(sender.pack([(name, tensor)])) == 64
+            log.append("acknowledged")
+        assert log == ["load", "synchronize", "acknowledged"] * len(weights)
+        assert update.finish(model_config=None) == []
+    finally:
+        sender.close()
+    assert log[-1] == "empty_cache"
+    for name, param in model.named_parameters():
+        assert torch.equal(param, weights[name]), name
+
+
+def test_torch_adams_checkpoint_fixes_do_not_depend_on_the_cpu_support():
+    """Defect 6: the fixes were installed with the CPU support only, though Megatron-Core falls back to torch's
+    AdamW on any GPU without TransformerEngine or Apex. In a process without the CPU support they install."""
+    code = (
+        "import compat.megatron_core as m, megatron.core, torch\n"
+        "from megatron.core.optimizer import Adam\n"
+        "from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D\n"
+        "assert Adam is torch.optim.AdamW\n"
+        "assert m.install_adam_fixes() and m.install_adam_fixes()\n"  # idempotent
+        "assert D.load_state_dict.__wrapped__ and D._set_main_param_and_optimizer_states.__wrapped__\n"
+        "assert not getattr(megatron.core, m._INSTALLED_MARK, False)\n"  # no CPU support in this process
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
