@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 TYPES = ("cpu", "cuda")
 BACKENDS = ("auto", "local", "te")
 # How to build TransformerEngine where no wheel fits (it compiles against the installed torch and CUDA).
+UNCHECKED = "not checked yet"
 TE_BUILD = 'pip install --no-build-isolation "transformer-engine[core_cu13,pytorch]==2.20.2"'
 
 
@@ -42,11 +43,12 @@ def transformer_engine_problem() -> str | None:
 class Device:
     """The accelerator of this process (``cuda``) or none (``cpu``), and what follows from it.
 
-    ``te_problem``: why TransformerEngine is unusable (None: it imports); only consulted on CUDA.
+    ``te_problem``: why TransformerEngine is unusable (None: it imports); checked when the layer spec is chosen
+    on CUDA unless given (importing it takes seconds, which processes that build no model never spend).
     """
 
     type: str
-    te_problem: str | None = "not checked"
+    te_problem: str | None = UNCHECKED
 
     def __post_init__(self):
         if self.type not in TYPES:
@@ -54,9 +56,7 @@ class Device:
 
     @staticmethod
     def current() -> Device:
-        if torch.cuda.is_available():
-            return Device("cuda", transformer_engine_problem())
-        return Device("cpu")
+        return Device("cuda" if torch.cuda.is_available() else "cpu")
 
     @property
     def cuda(self) -> bool:
@@ -104,12 +104,13 @@ class Device:
             return "local"
         if requested == "te" and not self.cuda:
             raise ValueError("backend='te': TransformerEngine needs a CUDA device; use 'local' or 'auto' on CPU")
-        if self.te_problem is None:
+        problem = transformer_engine_problem() if self.te_problem is UNCHECKED else self.te_problem
+        if problem is None:
             return "te"
         if requested == "te":
-            raise ValueError(f"backend='te': {self.te_problem}; build it with: {TE_BUILD}")
-        if "not installed" not in self.te_problem:
-            log.warning("using Megatron's local layers: %s; to build it: %s", self.te_problem, TE_BUILD)
+            raise ValueError(f"backend='te': {problem}; build it with: {TE_BUILD}")
+        if "not installed" not in problem:
+            log.warning("using Megatron's local layers: %s; to build it: %s", problem, TE_BUILD)
         return "local"
 
     # ---- memory ---------------------------------------------------------------------------------------------------

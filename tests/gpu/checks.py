@@ -123,7 +123,7 @@ def megatron_vs_hf() -> str:
     bridge = get_bridge(hf_dir)
     tokens = _tokens(bridge.vocab_size)
     want = _hf_logprobs(hf_dir, tokens)
-    backends = ["local"] + (["te"] if Device.current().te_problem is None else [])
+    backends = ["local"] + (["te"] if Device.current().layer_backend("auto") == "te" else [])
     for backend in backends:
         groups = init_parallel(ParallelConfig())
         chunks = bridge.build_model(bridge.transformer_config(ParallelConfig()), backend=backend)

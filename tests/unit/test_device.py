@@ -40,6 +40,7 @@ def test_the_optimizer_never_asks_megatron_for_gloo_groups_beside_explicit_ones(
 
 def test_layer_backend_takes_transformer_engine_only_where_it_imports(caplog):
     assert CPU.layer_backend("auto") == "local" and CUDA.layer_backend("auto") == "te"
+    assert Device("cuda").layer_backend("auto") == "local"  # checked when asked: not installed on this machine
     assert CUDA.layer_backend("local") == "local" and CUDA.layer_backend("te") == "te"
     with caplog.at_level(logging.WARNING, logger=device_module.__name__):
         assert NO_TE.layer_backend("auto") == "local"
