@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 
 TYPES = ("cpu", "cuda")
 BACKENDS = ("auto", "local", "te")
+UNCHECKED = "not checked yet"  # Device.te_problem until the layer spec is chosen
 # How to build TransformerEngine where no wheel fits (it compiles against the installed torch and CUDA).
-UNCHECKED = "not checked yet"
 TE_BUILD = 'pip install --no-build-isolation "transformer-engine[core_cu13,pytorch]==2.20.2"'
 
 
