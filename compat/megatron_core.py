@@ -1,10 +1,10 @@
 """megatron-core 0.16.1's quirks: CPU support (:func:`install_cpu_compat`), torch Adam's checkpoints
-(:func:`install_adam_fixes`), multi-latent attention without TransformerEngine (:func:`mla_without_te`), models and process groups that outlive a layout
-(:func:`release_dispatcher_graphs`, :func:`destroy_groups`), and an import that pulls in torch's compiler for
-nothing (:func:`compile_on_first_call`).
+(:func:`install_adam_fixes`), multi-latent attention without TransformerEngine (:func:`mla_without_te`), models
+and process groups that outlive a layout (:func:`release_dispatcher_graphs`, :func:`destroy_groups`), and an
+import that pulls in torch's compiler for nothing (:func:`compile_on_first_call`).
 
-**On CPU** (gloo), for CI and laptops; installed by :func:`parallel.groups.init_parallel` on CPU machines only. Megatron-Core calls CUDA unconditionally in
-places that have no extension point. Rather than a global ``TorchFunctionMode`` (measured +30% per step on tiny
+**On CPU** (gloo), for CI and laptops; installed by :func:`parallel.groups.init_parallel` on CPU machines only.
+Megatron-Core calls CUDA unconditionally in places that have no extension point. Rather than a global ``TorchFunctionMode`` (measured +30% per step on tiny
 models, and it disables dynamo), this module rebinds the name ``torch`` *inside the listed Megatron modules only*
 to a proxy that forwards everything to torch except:
 
@@ -359,10 +359,10 @@ _WRAPPED = {
     ("megatron.core.tensor_parallel.random", "_lazy_call"): ("callable", "kwargs"),  # torch.cuda's, by name
 }
 
-# The distributed optimizer's methods the torch-Adam fixes wrap, with their 0.16.1 parameters.
+# The distributed optimizer's methods the torch-Adam fixes wrap: their 0.16.1 parameters, and the wrapper.
 _ADAM_WRAPPED = {
-    "DistributedOptimizer._set_main_param_and_optimizer_states": ("self", "model_param", "tensors"),
-    "DistributedOptimizer.load_state_dict": ("self", "state_dict"),
+    "DistributedOptimizer._set_main_param_and_optimizer_states": (("self", "model_param", "tensors"), _keep_adam_step),
+    "DistributedOptimizer.load_state_dict": (("self", "state_dict"), _unshare_adam_steps),
 }
 
 
@@ -407,10 +407,10 @@ def install_adam_fixes() -> bool:
     if getattr(distrib.DistributedOptimizer, _INSTALLED_MARK, False):
         return True
     _check_version("torch-Adam fix")
-    for path, params in _ADAM_WRAPPED.items():
+    for path, (params, _) in _ADAM_WRAPPED.items():  # every target checked before any is patched
         expect_parameters(_target(distrib.__name__, path), params, f"{distrib.__name__}.{path}")
-    _set_attr_path(distrib, "DistributedOptimizer._set_main_param_and_optimizer_states", _keep_adam_step)
-    _set_attr_path(distrib, "DistributedOptimizer.load_state_dict", _unshare_adam_steps)
+    for path, (_, wrap) in _ADAM_WRAPPED.items():
+        _set_attr_path(distrib, path, wrap)
     setattr(distrib.DistributedOptimizer, _INSTALLED_MARK, True)
     return True
 

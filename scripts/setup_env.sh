@@ -40,16 +40,21 @@ fi
 python="${MCORE_RL_PYTHON:?no python3.11 or python3.12 found; set MCORE_RL_PYTHON}"
 
 # The extra pip arguments a stack needs: on CPU, PyTorch's CPU index where pip finds no local torch CPU wheel.
-index_args=()
-if [[ "$device" == cpu ]]; then
-  torch_pin="$(grep -E '^torch==' "$req/cpu.txt" | cut -d' ' -f1)"
-  if ! "$python" -m pip install --disable-pip-version-check -q --dry-run --no-deps --ignore-installed \
-    "$torch_pin" >/dev/null 2>&1; then
-    index_args=(--extra-index-url "${MCORE_RL_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}")
+# Asked only when a stack is resolved or installed (it consults the package index), never on an up-to-date venv.
+set_index_args() {
+  index_args=()
+  if [[ "$device" == cpu ]]; then
+    local torch_pin
+    torch_pin="$(grep -E '^torch==' "$req/cpu.txt" | cut -d' ' -f1)"
+    if ! "$python" -m pip install --disable-pip-version-check -q --dry-run --no-deps --ignore-installed \
+      "$torch_pin" >/dev/null 2>&1; then
+      index_args=(--extra-index-url "${MCORE_RL_TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}")
+    fi
   fi
-fi
+}
 
 if [[ "${1:-}" == --dry-run ]]; then
+  set_index_args
   target=()
   if [[ "$device" == cuda ]]; then  # older pips take platform options only with --target (nothing lands there)
     scratch="$(mktemp -d)" && trap 'rm -rf "$scratch"' EXIT
@@ -69,6 +74,7 @@ want="$( (echo "$device" && cat "$req"/*.txt "$repo"/setup.py) | sha256sum | cut
 
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   echo "[setup_env] building $venv for $device" >&2
+  set_index_args
   "$python" -m venv "$venv"
   pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
   "${pip[@]}" install --upgrade pip

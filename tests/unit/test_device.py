@@ -3,6 +3,7 @@ against the upstream code that consumes it where there is one (vLLM's engine arg
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import sys
@@ -148,8 +149,11 @@ class _RecordingStream:
         self.log.append("synchronize")
 
 
+@dataclasses.dataclass(frozen=True)
 class _RecordingDevice(Device):
     """A CUDA device whose stream is a recording fake (the worker's device here is the CPU)."""
+
+    log: list = dataclasses.field(default_factory=list)
 
     def stream(self, device: torch.device):
         return _RecordingStream(self.log)
@@ -162,8 +166,7 @@ def test_the_engine_acknowledges_a_bucket_only_after_its_stream_read_it(monkeypa
     from vllm.model_executor.model_loader.reload import layerwise
 
     log: list[str] = []
-    machine = _RecordingDevice("cuda", te_problem=None)
-    object.__setattr__(machine, "log", log)
+    machine = _RecordingDevice("cuda", te_problem=None, log=log)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append("empty_cache"))
     model = _Model(log)
     layerwise.record_metadata_for_reloading(model)
