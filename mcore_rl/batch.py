@@ -27,8 +27,8 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]], texts
 
 def training_batch(samples: list[Sample], rewards: list[float], group_size: int, normalize_std: bool) -> dict:
     """Right-padded tensors of prompt + response: ``tokens`` [N, L]; per next-token position ([N, L-1]) the
-    response ``mask`` and the engine's ``rollout_logp``; per sample ``lengths`` (real tokens), ``advantages`` and
-    ``rewards``; and when the engine returned them, ``routed_experts`` [N, L-1, layers, top-k]."""
+    response ``mask`` and the engine's ``rollout_logp``; per sample ``lengths`` and ``prompt_lengths`` (real
+    tokens), ``advantages`` and ``rewards``; and when the engine returned them, ``routed_experts`` [N, L-1, layers, top-k]."""
     sequences = [s.prompt.token_ids + s.completion.token_ids for s in samples]
     length = max(map(len, sequences))
     n = len(samples)
@@ -45,6 +45,7 @@ def training_batch(samples: list[Sample], rewards: list[float], group_size: int,
     batch = {
         "tokens": tokens,
         "lengths": torch.tensor([len(seq) for seq in sequences]),
+        "prompt_lengths": torch.tensor([len(s.prompt.token_ids) for s in samples]),
         "mask": mask,
         "rollout_logp": rollout_logp,
         "advantages": advantages,

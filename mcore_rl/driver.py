@@ -125,7 +125,8 @@ class System:
             PolicyTrainer, self.placement, n, f"{name}/policy_trainer", masters[0],
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
             optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
-            max_token_in_packing=trainer.max_token_in_packing, moe=trainer.moe, recompute=trainer.recompute,
+            max_token_in_packing=trainer.max_token_in_packing, share_prompts=trainer.share_prompts, moe=trainer.moe,
+            recompute=trainer.recompute,
         )  # fmt: skip
         self._stops.append(self.trainer.kill)
         if self.use_ref:
@@ -133,6 +134,7 @@ class System:
             self.ref = ActorGroup(
                 MegatronRank, self.placement, n, f"{name}/ref_policy", masters[1],
                 hf_dir=ref.load, parallel=ref.parallel, seed=rt.seed, max_token_in_packing=ref.max_token_in_packing,
+                share_prompts=ref.share_prompts,
             )  # fmt: skip
             self._stops.append(self.ref.kill)
         megatron_roles = [self.trainer] + ([self.ref] if self.use_ref else [])
@@ -299,7 +301,9 @@ def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsL
             with system.on_device(system.ref):
                 batch["ref_logp"] = system.ref.call("logprobs", batch, m.ref_policy.micro_batch_size)[0]
         phase("ref_logprobs")
-        batch["old_logp"] = system.trainer.call("logprobs", batch, m.policy_trainer.micro_batch_size)[0]
+        later = {k: v[rt.train_global_batch_size :] for k, v in batch.items()}  # the first step's are its own
+        if len(later["tokens"]):
+            batch["old_logp"] = system.trainer.call("logprobs", later, m.policy_trainer.micro_batch_size)[0]
         phase("old_logprobs")
         with system.on_device(system.trainer, ["optimizer"]) as optimizer:
             steps = system.trainer.call("train", batch, rt.train_global_batch_size, m.policy_trainer.micro_batch_size)
@@ -317,6 +321,10 @@ def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsL
     metrics |= {
         "time/episode": sum(timings.values()),
         "throughput/response_tokens_per_s": tokens / sum(timings.values()),
+        "batch/tokens": float(batch["lengths"].sum()),
+        "batch/response_tokens": tokens,
+        "batch/tokens_prompts_once": tokens
+        + float(batch["prompt_lengths"][:: m.policy.num_inference_per_prompt].sum()),
         "memory/trainer_bytes": memory,
         "memory/engine_freed_bytes": freed,
         "memory/trainer_offloaded_bytes": weights.offloaded + optimizer.offloaded,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -51,7 +52,7 @@ class MetricsLogger:
     def event(self, name: str, **fields) -> None:
         """A one-off record (start, resume, checkpoint) in metrics.jsonl and the log."""
         with self.jsonl.open("a") as f:
-            f.write(json.dumps({"event": name, **fields}) + "\n")
+            f.write(json.dumps({"event": name, "time": time.time(), **fields}) + "\n")
         log.info("%s: %s", name, fields)
 
     def close(self) -> None:

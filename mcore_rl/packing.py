@@ -157,3 +157,98 @@ def rows_of(batch: dict, values: torch.Tensor) -> torch.Tensor:
     if "context_shard" in batch:
         values = batch["context_shard"].gather(values)
     return batch["unpack"](values) if "unpack" in batch else values
+
+
+def prompt_groups(tokens: torch.Tensor, prompt_lengths: list[int]) -> list[list[int]]:
+    """Runs of consecutive rows of ``tokens`` that share their prompt (its length and tokens): GRPO's samples of
+    one prompt, in the order the driver lays them out."""
+    groups: list[list[int]] = []
+    for i, n in enumerate(prompt_lengths):
+        first = groups[-1][0] if groups else None
+        if first is not None and prompt_lengths[first] == n and torch.equal(tokens[first, :n], tokens[i, :n]):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def shared_prompt_tokens(lengths: list[int], prompt_lengths: list[int], group: list[int]) -> int:
+    """Positions a group takes in a shared-prompt row: its prompt once, then each response but its last token."""
+    prompt = prompt_lengths[group[0]]
+    return prompt + sum(max(0, lengths[i] - prompt - 1) for i in group)
+
+
+def share_prompt_rows(
+    tokens: torch.Tensor,
+    lengths: list[int],
+    prompt_lengths: list[int],
+    groups: list[list[int]],
+    align: int,
+    **extra: torch.Tensor,
+) -> dict:
+    """A micro-batch of prompt ``groups`` (sample indices sharing a prompt) in one row [1, T] that holds each
+    prompt once.
+
+    A group's prompt is followed by each response without its last token (a label only); position ids restart
+    after the prompt for every response, and the ``attention_mask`` [1, 1, T, T] (True: masked, Megatron's
+    convention) lets a response see its prompt and itself, causally, so every position sees exactly the
+    context it has in its own padded row. The model scores only the positions that predict response tokens
+    (``output_index``; the prompt's last position predicts every response's first token) against ``labels``;
+    ``batch["unpack"]`` puts those scores at the samples' next-token positions [n, width] like :func:`pack_rows`.
+    ``extra`` tensors are per sample (per-position ones cut or padded to ``width``). The row is padded to a multiple
+    of ``align``; a padding position sees itself only.
+    """
+    device = tokens.device
+    ids, positions, spans = [], [], []  # spans: (query start, end, visible prompt start, prompt length)
+    index, labels, rows, cols = [], [], [], []
+    offset = 0
+    samples = [i for group in groups for i in group]
+    row_of = {i: row for row, i in enumerate(samples)}
+    for group in groups:
+        prompt = prompt_lengths[group[0]]
+        ids.append(tokens[group[0], :prompt])
+        positions.append(torch.arange(prompt, device=device))
+        spans.append((offset, offset + prompt, offset, 0))
+        prompt_start, offset = offset, offset + prompt
+        for i in group:
+            count = lengths[i] - prompt
+            if count <= 0:
+                continue
+            ids.append(tokens[i, prompt : lengths[i] - 1])
+            positions.append(torch.arange(prompt, lengths[i] - 1, device=device))
+            spans.append((offset, offset + count - 1, prompt_start, prompt))
+            index += [prompt_start + prompt - 1, *range(offset, offset + count - 1)]
+            labels.append(tokens[i, prompt : lengths[i]])
+            rows += [row_of[i]] * count
+            cols += range(prompt - 1, prompt - 1 + count)
+            offset += count - 1
+    total = offset + (-offset % align)
+    visible = torch.eye(total, dtype=torch.bool, device=device)
+    for start, end, prompt_start, prompt in spans:
+        visible[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool, device=device).tril()
+        visible[start:end, prompt_start : prompt_start + prompt] = True
+    width = max(lengths[i] for i in samples) - 1
+    batch = {
+        "input_ids": torch.nn.functional.pad(torch.cat(ids), (0, total - offset))[None],
+        "position_ids": torch.nn.functional.pad(torch.cat(positions), (0, total - offset))[None],
+        "attention_mask": ~visible[None, None],
+        "output_index": torch.tensor(index, dtype=torch.long, device=device),
+        "labels": torch.cat(labels)[None],
+        "unpack": Unpack(torch.tensor(rows, device=device), torch.tensor(cols, device=device), (len(samples), width)),
+    }
+    for name, value in extra.items():
+        value = value[samples]
+        batch[name] = to_width(value, width) if value.dim() >= 2 else value
+    return batch
+
+
+def plan_shared_prompts(
+    tokens: torch.Tensor, lengths: list[int], prompt_lengths: list[int], max_tokens: int, dp: int = 1, multiple: int = 1
+) -> list[list[list[list[int]]]]:
+    """Whole prompt groups (:func:`prompt_groups`) for ``dp`` ranks x the same number of micro-batches of at most
+    ``max_tokens`` shared-prompt positions (a larger group gets a micro-batch of its own), token-balanced like
+    :func:`plan_packing`: ``plan[rank][micro_batch]`` = that micro-batch's groups of sample indices."""
+    groups = prompt_groups(tokens, prompt_lengths)
+    sizes = [shared_prompt_tokens(lengths, prompt_lengths, g) for g in groups]
+    plan = plan_packing(sizes, max(max_tokens, *sizes), dp, multiple=multiple)
+    return [[[groups[g] for g in mb] for mb in rank] for rank in plan.ranks]

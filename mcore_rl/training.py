@@ -6,21 +6,24 @@ and optimizer. The loss is a callable so algorithm math stays outside (pure func
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from compat.megatron_core import release_dispatcher_graphs
 from mcore_rl.logprobs import token_logprobs
 from mcore_rl.moe import end_replay, replay_routing
-from mcore_rl.packing import pack_rows, plan_packing, rows_of, to_width
+from mcore_rl.packing import pack_rows, plan_packing, plan_shared_prompts, rows_of, share_prompt_rows, to_width
 from parallel.comm import all_gather_objects, all_reduce_, broadcast_bucket
 from parallel.context import shard_micro_batch
 from parallel.device import Device
@@ -66,6 +69,43 @@ def recompute_overrides(mode: str) -> dict:
     )
 
 
+@contextlib.contextmanager
+def shared_prompt_forward(model: torch.nn.Module, batch: dict, tp_group):
+    """A shared-prompt row (:func:`mcore_rl.packing.share_prompt_rows`) through Megatron's ``GPTModel``: rotary
+    embeddings at the row's position ids (``GPTModel`` rotates by place in the row) and the LM head only at the
+    positions that predict response tokens (``output_index``). Under sequence parallelism the LM head's input is
+    gathered first, as Megatron's own last-token inference path does, with a gradient that keeps this rank's part
+    of the already reduced input gradient. Plain batches pass through."""
+    if "output_index" not in batch:
+        yield
+        return
+    gpt = next(m for m in model.modules() if isinstance(m, GPTModel))
+    positions = batch["position_ids"][0]
+    handles = []
+    if getattr(gpt, "rotary_pos_emb", None) is not None:
+        rope = gpt.rotary_pos_emb
+        handles.append(rope.register_forward_hook(lambda m, a, out: m.get_emb(int(positions.max()) + 1)[positions]))
+    layer = gpt.output_layer if gpt.post_process else None
+    sequence_parallel = layer is not None and layer.sequence_parallel
+
+    def select(module, args):
+        hidden = args[0]
+        if sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False, group=tp_group)
+        return (hidden[batch["output_index"]], *args[1:])
+
+    if layer is not None:
+        handles.append(layer.register_forward_pre_hook(select))
+        layer.sequence_parallel = False
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        if layer is not None:
+            layer.sequence_parallel = sequence_parallel
+
+
 class MegatronModel:
     """This rank's model chunks (plain or DDP-wrapped) and the schedule that runs them over micro-batches."""
 
@@ -91,20 +131,24 @@ class MegatronModel:
             batch = shard_micro_batch(batch, self.groups.cp)
         if "routed_experts" in batch:
             replay_routing(model, batch, self.groups)
-        output = model(
-            batch["input_ids"], batch["position_ids"], None, packed_seq_params=batch.get("packed_seq_params")
-        )
+        with shared_prompt_forward(model, batch, self.groups.tp):
+            output = model(
+                batch["input_ids"],
+                batch["position_ids"],
+                batch.get("attention_mask"),
+                packed_seq_params=batch.get("packed_seq_params"),
+            )
         return output, partial(self._loss, loss_fn, batch)
 
     def _schedule(self, microbatches: list[dict], loss_fn: LossFn, forward_only: bool) -> list[dict]:
         """Megatron's pipeline schedule over the micro-batches; metrics exist on the last stage only. Packed
-        micro-batches differ in length: pipeline stages then exchange shapes first (``variable_seq_lengths``).
+        and shared-prompt micro-batches differ in length: pipeline stages then exchange shapes first (``variable_seq_lengths``).
         Under CP each rank computes its share of the whole sequences given here (``shard_micro_batch``); with
         ``routed_experts`` in the micro-batches the routers replay them (:func:`mcore_rl.moe.replay_routing`)."""
         batch_size, seq_length = microbatches[0]["input_ids"].shape  # Megatron divides by CP itself
         data = [iter(microbatches) for _ in self.model]
         config = self.model[0].config
-        config.variable_seq_lengths = "packed_seq_params" in microbatches[0]
+        config.variable_seq_lengths = len({mb["input_ids"].shape for mb in microbatches}) > 1
         try:
             return get_forward_backward_func()(
                 forward_step_func=partial(self._forward, loss_fn),
@@ -128,20 +172,30 @@ class MegatronModel:
         micro_batch_size: int,
         lengths: list[int] | None = None,
         max_tokens: int = 0,
+        prompt_lengths: list[int] | None = None,
+        shared_plan: list[list[list[int]]] | None = None,
         **extra: torch.Tensor,
     ) -> torch.Tensor:
         """log p(tokens[:, i] | tokens[:, :i]) for i >= 1, shape [b, s-1], on every rank (fp32).
 
         ``max_tokens`` > 0: the rows (``lengths`` real tokens each) are scored in THD packs of at most that many
         tokens (:mod:`mcore_rl.packing`) instead of padded micro-batches; positions past a row's length are not
-        the sample's (callers mask them). Under interleaved pipelining Megatron's schedule needs a multiple of PP micro-batches, so a batch given as
+        the sample's (callers mask them). ``prompt_lengths``: rows sharing a prompt are scored in shared-prompt rows
+        (:func:`mcore_rl.packing.share_prompt_rows`; ``max_tokens`` positions each, or ``micro_batch_size`` rows'
+        worth), and only response positions are scored (the rest are 0); ``shared_plan``: only these micro-batches of
+        prompt groups (:func:`mcore_rl.packing.plan_shared_prompts`), the other rows are 0. Under interleaved pipelining Megatron's schedule needs a multiple of PP micro-batches, so a batch given as
         one micro-batch (the post-sync probe) is split further: into the largest equal size that makes PP of them.
         ``extra``: per-row model inputs besides the tokens (``routed_experts`` to replay).
         """
         length, align, multiple = tokens.shape[1] - 1, self.align, self.micro_batch_multiple
         pp = torch.distributed.get_world_size(self.groups.pp)
         order = list(range(tokens.shape[0]))
-        if max_tokens:
+        if prompt_lengths is not None:
+            budget = max_tokens or micro_batch_size * max(lengths)
+            plan = shared_plan or plan_shared_prompts(tokens, lengths, prompt_lengths, budget, multiple=multiple)[0]
+            batches = [share_prompt_rows(tokens, lengths, prompt_lengths, mb, align, **extra) for mb in plan]
+            order = [i for mb in plan for group in mb for i in group]
+        elif max_tokens:
             plan = plan_packing([n - 1 for n in lengths], max_tokens, 1, align=align, multiple=multiple)
             batches = [pack_rows(tokens, lengths, mb, align, **extra) for mb in plan.ranks[0]]
             order = [i for mb in plan.ranks[0] for i in mb]
@@ -166,7 +220,7 @@ class MegatronModel:
         is_last = torch.distributed.get_rank(self.groups.pp) == pp - 1
         local = None
         if is_last:
-            local = [torch.empty(len(order), length, device=tokens.device)]
+            local = [torch.zeros(tokens.shape[0], length, device=tokens.device)]
             local[0][order] = torch.cat([o["logprobs"] for o in outputs])
         shape = torch.Size([tokens.shape[0], length])
         return broadcast_bucket(local, [shape], torch.float32, pp - 1, self.groups.pp, tokens.device)[0]

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from converters.mapping import QKV, Direct, GatedMLP, Mapping, Vocab
 from models.spec import block_spec
@@ -121,6 +121,10 @@ class Bridge:
     @property
     def num_experts(self) -> int | None:
         return None
+
+    @property
+    def multi_latent_attention(self) -> bool:
+        return issubclass(self.config_class, MLATransformerConfig)
 
     def padded_vocab_size(self, tp: int) -> int:
         return padded_vocab(self.vocab_size, tp)

@@ -76,6 +76,10 @@ class TrainerConfig:
     # > 0: pack samples (THD, no padding to the longest) into micro-batches of at most this many tokens, balanced
     # over data-parallel ranks; micro_batch_size is then unused. 0: padded micro-batches of micro_batch_size.
     max_token_in_packing: int = 0
+    # Train and score each prompt's samples in one row holding the prompt once (responses see it through a block
+    # attention mask; the LM head runs only where response tokens are predicted). Exact; saves the prompt's
+    # repeats, so most when prompts are long next to responses. Not with MLA models or context parallelism.
+    share_prompts: bool = False
     moe: MoEConfig = field(default_factory=MoEConfig)  # load balancing and router metrics (MoE models only)
     recompute: str = "none"  # "full": each layer keeps only its input and recomputes the rest in backward
 
@@ -86,6 +90,7 @@ class ReferenceConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     micro_batch_size: int = 2
     max_token_in_packing: int = "${models.policy_trainer.max_token_in_packing}"  # as the trainer's; 0: padded
+    share_prompts: bool = "${models.policy_trainer.share_prompts}"
 
 
 @dataclass
@@ -203,6 +208,26 @@ class RunConfig:
             except ValueError as err:
                 raise ConfigError(f"{key}.parallel: {err}") from None
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
+        for key in ("models.policy_trainer", "models.ref_policy"):
+            role = self._get(key)
+            if role.share_prompts and (get_bridge(role.load).multi_latent_attention or role.parallel.cp > 1):
+                raise ConfigError(
+                    f"{key}.share_prompts: shared-prompt rows need whole rows per rank (parallel.cp="
+                    f"{role.parallel.cp}) and rotary embeddings outside attention ({role.load!r} uses MLA: "
+                    f"{get_bridge(role.load).multi_latent_attention}); set it to false"
+                )
+        groups, dp = rt.train_global_batch_size // n, m.policy_trainer.parallel.dp(rt.num_devices)
+        if m.policy_trainer.share_prompts and groups < dp:
+            raise ConfigError(
+                f"models.policy_trainer.share_prompts: a step's {groups} prompt groups (train_global_batch_size / "
+                f"num_inference_per_prompt) cannot give each of the {dp} data-parallel ranks a whole group; raise "
+                "runtime_args.train_global_batch_size or set share_prompts to false"
+            )
+        if m.policy_trainer.share_prompts and m.policy_trainer.moe.routing_replay:
+            raise ConfigError(
+                "models.policy_trainer.share_prompts: routing replay takes per-sample rows; set share_prompts or "
+                "moe.routing_replay to false"
+            )
         for key in ("runtime_args.data_path", "runtime_args.eval_data_path"):
             path = self._get(key)
             if path != BUILTIN_DATA and not Path(path).is_file():

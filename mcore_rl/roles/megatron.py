@@ -22,11 +22,11 @@ from mcore_rl.logprobs import token_entropy, token_logprobs
 from mcore_rl.metrics import process_stats
 from mcore_rl.moe import MoEConfig, RouterLoad
 from mcore_rl.offload import StorageOffloader
-from mcore_rl.packing import pack_rows, plan_packing, rows_of
+from mcore_rl.packing import pack_rows, plan_packing, plan_shared_prompts, rows_of, share_prompt_rows
 from mcore_rl.sync import SyncConfig, WeightSync
 from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
 from models.registry import get_bridge
-from parallel.comm import all_gather_bucket, all_reduce_scalar
+from parallel.comm import all_gather_bucket, all_reduce_, all_reduce_scalar
 from parallel.config import ParallelConfig
 from parallel.device import Device
 from parallel.groups import init_parallel
@@ -58,8 +58,11 @@ class MegatronRank:
         parallel: ParallelConfig,
         seed: int,
         max_token_in_packing: int = 0,
+        share_prompts: bool = False,
         overrides: dict | None = None,
     ):
+        """``share_prompts``: score (and train) each prompt's samples in one row that holds the prompt once
+        (:func:`mcore_rl.packing.share_prompt_rows`); needs whole groups per data-parallel rank and step."""
         os.environ.update(
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0"
         )
@@ -70,7 +73,9 @@ class MegatronRank:
         self.groups = init_parallel(parallel, seed=seed, device=self.machine)
         self.bridge = get_bridge(hf_dir)
         self.config = self.bridge.transformer_config(parallel, **(overrides or {}))
-        self.chunks = self.bridge.build_model(self.config)
+        self.share_prompts = share_prompts
+        # Shared-prompt rows carry a block attention mask, which TransformerEngine's fused attention does not take.
+        self.chunks = self.bridge.build_model(self.config, **({"backend": "local"} if share_prompts else {}))
         load_weights(self.chunks, self.bridge, hf_dir, self.groups)
         self.device = next(self.chunks[0].parameters()).device
         self.model = MegatronModel(self.chunks, self.groups)
@@ -93,13 +98,25 @@ class MegatronRank:
     def logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         """Log-probs [N, L-1] of ``batch["tokens"]``; each DP rank scores its share, every rank gets all rows."""
         size, rank = self.dp
+        vocab, packing = self.bridge.vocab_size, self.max_token_in_packing
+        if self.share_prompts:  # whole prompt groups, token-balanced: the ranks' shares differ in rows
+            tokens = batch["tokens"].to(self.device)
+            lengths, prompts = batch["lengths"].tolist(), batch["prompt_lengths"].tolist()
+            plan = self._shared_plan(tokens, lengths, prompts, micro_batch_size)[rank]
+            local = self.model.logprobs(tokens, vocab, micro_batch_size, lengths, packing, prompts, plan)
+            return all_reduce_(local, self.groups.dp).cpu()  # each row is scored on one rank, 0 on the others
         mine = {k: batch[k].chunk(size)[rank].to(self.device) for k in ("tokens", *self._routing(batch))}
-        lengths = batch["lengths"].chunk(size)[rank].tolist() if self.max_token_in_packing else None
+        lengths = batch["lengths"].chunk(size)[rank].tolist()
         tokens = mine.pop("tokens")
-        local = self.model.logprobs(
-            tokens, self.bridge.vocab_size, micro_batch_size, lengths, self.max_token_in_packing, **mine
-        )
+        local = self.model.logprobs(tokens, vocab, micro_batch_size, lengths, packing, **mine)
         return torch.cat([shards[0] for shards in all_gather_bucket([local], self.groups.dp)]).cpu()
+
+    def _shared_plan(self, tokens, lengths: list[int], prompts: list[int], micro_batch_size: int):
+        """Micro-batches of whole prompt groups for every data-parallel rank, as many on each (expert-parallel
+        ranks exchange tokens in every one): ``max_token_in_packing`` positions each, or ``micro_batch_size``
+        padded rows' worth."""
+        budget = self.max_token_in_packing or micro_batch_size * max(lengths)
+        return plan_shared_prompts(tokens, lengths, prompts, budget, self.dp[0], self.model.micro_batch_multiple)
 
     def process_stats(self) -> dict[str, float]:
         return process_stats()
@@ -146,6 +163,7 @@ class PolicyTrainer(MegatronRank):
         loss: PolicyLossConfig,
         total_steps: int,
         max_token_in_packing: int = 0,
+        share_prompts: bool = False,
         moe: MoEConfig | None = None,
         recompute: str = "none",
         overrides: dict | None = None,
@@ -153,7 +171,7 @@ class PolicyTrainer(MegatronRank):
         """``overrides``: TransformerConfig fields beyond what the run config sets (a test's ``params_dtype``)."""
         moe = moe or MoEConfig()
         overrides = moe.overrides(get_bridge(hf_dir)) | recompute_overrides(recompute) | (overrides or {})
-        super().__init__(rank, world, master, hf_dir, parallel, seed, max_token_in_packing, overrides)
+        super().__init__(rank, world, master, hf_dir, parallel, seed, max_token_in_packing, share_prompts, overrides)
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -188,13 +206,15 @@ class PolicyTrainer(MegatronRank):
     def _loss_fn(self, batch: dict, output: torch.Tensor):
         vocab = self.bridge.vocab_size
         logp = rows_of(batch, token_logprobs(output, batch["labels"], vocab))
+        # The first step's old policy is the current one: its old log-probs are its own, detached (ratio 1).
+        old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
         # Logged, and optimised only with a coefficient: without one, no graph keeps its [tokens, V/tp] tensors.
         with torch.set_grad_enabled(bool(self.loss.entropy_coef) and torch.is_grad_enabled()):
             entropy = rows_of(batch, token_entropy(output, vocab, self.groups.tp))
         loss, metrics = policy_loss(
             self.loss,
             logp,
-            batch["old_logp"],
+            old_logp,
             batch["advantages"],
             batch["mask"],
             ref_logp=batch.get("ref_logp"),
@@ -205,14 +225,27 @@ class PolicyTrainer(MegatronRank):
         return loss, metrics | {"loss": loss.detach()}
 
     def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
-        """Optimizer steps over ``batch`` in global batches of ``global_batch_size`` rows; metrics per step."""
+        """Optimizer steps over ``batch`` in global batches of ``global_batch_size`` rows; metrics per step.
+
+        ``batch["old_logp"]`` covers its last rows (all, or those after the first step): a step without them is
+        the first, whose old policy is the current one (:meth:`_loss_fn`).
+        """
         size, rank = self.dp
+        batch = dict(batch)
+        old = batch.pop("old_logp", None)
+        first_old = batch["tokens"].shape[0] - (old.shape[0] if old is not None else 0)
         per_token = ("mask", "old_logp", "rollout_logp", "ref_logp", *self._routing(batch))
         results = []
         for start in range(0, batch["tokens"].shape[0], global_batch_size):
             step = {k: v[start : start + global_batch_size] for k, v in batch.items()}
+            if start >= first_old:
+                step["old_logp"] = old[start - first_old : start - first_old + global_batch_size]
+            elif start + global_batch_size > first_old:
+                raise ValueError(f"old_logp starts at row {first_old}, inside the step of rows {start}+")
             names = [k for k in (*per_token, "advantages") if k in step]
-            if self.max_token_in_packing:
+            if self.share_prompts:
+                mbs, packing = self._shared(step, names, size, rank, micro_batch_size)
+            elif self.max_token_in_packing:
                 mbs, packing = self._packed(step, names, size, rank)
             else:
                 rows = {k: v.chunk(size)[rank].to(self.device) for k, v in step.items()}
@@ -236,6 +269,19 @@ class PolicyTrainer(MegatronRank):
     def router_metrics(self) -> dict:
         """Router load over the training steps since the last call (:class:`RouterLoad`); {} for dense models."""
         return self.router_load.collect() if self.router_load is not None else {}
+
+    def _shared(self, step: dict, names: list[str], size: int, rank: int, micro_batch_size: int):
+        """This rank's shared-prompt micro-batches of a global batch: whole prompt groups, token-balanced over
+        data-parallel ranks and micro-batches; and their positions per sample position."""
+        lengths, prompts = step["lengths"].tolist(), step["prompt_lengths"].tolist()
+        plan = self._shared_plan(step["tokens"], lengths, prompts, micro_batch_size)
+        rows = {k: step[k].to(self.device) for k in ("tokens", *names)}
+        extra = {k: rows[k] for k in names}
+        mbs = [share_prompt_rows(rows["tokens"], lengths, prompts, mb, self.model.align, **extra) for mb in plan[rank]]
+        positions = sum(mb["input_ids"].shape[1] for mb in mbs) / sum(
+            lengths[i] - 1 for mb in plan[rank] for group in mb for i in group
+        )
+        return mbs, {"packing/shared_prompt_positions": positions, "packing/micro_batches": float(len(mbs))}
 
     def _packed(self, step: dict, names: list[str], size: int, rank: int) -> tuple[list[dict], dict]:
         """This rank's THD micro-batches of a global batch, token-balanced over DP ranks and micro-batches."""

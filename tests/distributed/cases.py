@@ -548,7 +548,13 @@ def packed_vs_padded_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, len
 
 
 def policy_trainer_first_step(
-    hf_dir: str, layout: dict, batch: dict, loss: dict, params_dtype: str, micro_batch_size: int = 2
+    hf_dir: str,
+    layout: dict,
+    batch: dict,
+    loss: dict,
+    params_dtype: str,
+    micro_batch_size: int = 2,
+    share_prompts: bool = False,
 ) -> dict:
     """The policy-trainer role's old log-probs of ``batch`` ([N, L-1], every rank) and the metrics of one
     optimizer step over the whole batch (computed at the weights the log-probs were scored with)."""
@@ -559,11 +565,30 @@ def policy_trainer_first_step(
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
     trainer = PolicyTrainer(
         rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(**loss), 1,
-        overrides={"params_dtype": getattr(torch, params_dtype)},
+        share_prompts=share_prompts, overrides={"params_dtype": getattr(torch, params_dtype)},
     )  # fmt: skip
     logprobs = trainer.logprobs(batch, micro_batch_size)
     (step,) = trainer.train(batch, global_batch_size=batch["tokens"].shape[0], micro_batch_size=micro_batch_size)
     return dict(logprobs=logprobs, step=step)
+
+
+def policy_trainer_steps(
+    hf_dir: str, layout: dict, batch: dict, share_prompts: bool, global_batch_size: int, micro_batch_size: int
+) -> dict:
+    """The policy-trainer role's log-probs of ``batch`` and its optimizer steps over it, as the driver runs them:
+    old log-probs only for the rows after the first step (whose are its own)."""
+    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.roles.megatron import PolicyTrainer
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
+    trainer = PolicyTrainer(
+        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 2,
+        share_prompts=share_prompts,
+    )  # fmt: skip
+    logprobs = trainer.logprobs(batch, micro_batch_size)
+    steps = trainer.train(batch | {"old_logp": logprobs[global_batch_size:]}, global_batch_size, micro_batch_size)
+    return dict(logprobs=logprobs * batch["mask"], steps=steps)
 
 
 def layout_changes_release_threads(hf_dir: str, layouts: list[dict], tokens: torch.Tensor) -> dict:

@@ -160,3 +160,49 @@ def test_packed_scoring_matches_padded(ranks, tiny_models, arch):
             cases.packed_vs_padded_scores, hf_dir=tiny_models[arch], layout=layout, tokens=tokens, lengths=lengths
         ):
             assert padded.abs().sum() > 0 and (packed - padded).abs().max().item() <= 1e-5, layout
+
+
+def _grouped_batch(generator: torch.Generator, groups: int, group_size: int, vocab: int) -> dict:
+    """A GRPO batch: ``groups`` prompts of different lengths, each with ``group_size`` responses of 1-9 tokens."""
+    prompts = [torch.randint(4, vocab, (int(n),), generator=generator) for n in torch.randint(3, 12, (groups,))]
+    rows = [(p, torch.randint(4, vocab, (int(n),), generator=generator)) for p in prompts for n in
+            torch.randint(1, 10, (group_size,), generator=generator)]  # fmt: skip
+    width = max(len(p) + len(r) for p, r in rows)
+    tokens, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width - 1)
+    for i, (p, r) in enumerate(rows):
+        tokens[i, : len(p) + len(r)] = torch.cat([p, r])
+        mask[i, len(p) - 1 : len(p) + len(r) - 1] = 1
+    return {
+        "tokens": tokens,
+        "lengths": torch.tensor([len(p) + len(r) for p, r in rows]),
+        "prompt_lengths": torch.tensor([len(p) for p, _ in rows]),
+        "mask": mask,
+        "rollout_logp": torch.zeros_like(mask),
+        "advantages": torch.randn(len(rows), generator=generator),
+    }
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_shared_prompts_match_padded(ranks, tiny_models, arch):
+    """Each prompt's samples in one row (the prompt once, a block mask, RoPE at the samples' positions, the LM head
+    only where responses are predicted) give the padded rows' log-probs, losses and gradient norms over two
+    optimizer steps, under data, tensor (with sequence parallelism), pipeline and expert parallelism."""
+    batch = _grouped_batch(torch.Generator().manual_seed(9), groups=8, group_size=2, vocab=100)
+    for layout in _layouts(arch, [dict(), dict(tp=2, sequence_parallel=True), dict(pp=2)]):
+        padded, shared = (
+            ranks.run(
+                cases.policy_trainer_steps,
+                hf_dir=tiny_models[arch],
+                layout=layout,
+                batch=batch,
+                share_prompts=share,
+                global_batch_size=8,
+                micro_batch_size=2,
+            )  # fmt: skip
+            for share in (False, True)
+        )
+        for a, b in zip(padded, shared, strict=True):
+            assert a["logprobs"].abs().sum() > 0 and (a["logprobs"] - b["logprobs"]).abs().max().item() <= 1e-5
+            for step_a, step_b in zip(a["steps"], b["steps"], strict=True):
+                for key in ("loss", "grad_norm", "ratio_mean"):
+                    assert step_b[key] == pytest.approx(step_a[key], rel=1e-5, abs=1e-7), (layout, key)

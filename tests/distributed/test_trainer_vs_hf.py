@@ -62,6 +62,7 @@ def _batch(hf_dir: str, prompts: list[list[int]], new_tokens: int, seed: int) ->
     return {
         "tokens": tokens,
         "lengths": torch.tensor([len(p) + len(r) for p, r in sequences]),
+        "prompt_lengths": torch.tensor([len(p) for p, _ in sequences]),
         "mask": mask,
         "old_logp": old,
         "rollout_logp": (old + 0.1 * torch.randn(old.shape, generator=generator)) * mask,
@@ -121,10 +122,13 @@ def _hf_step(hf_dir: str, batch: dict, dtype: torch.dtype) -> tuple[torch.Tensor
     return logp.detach(), {k: v.item() for k, v in metrics.items()}
 
 
-def _check(pool, hf_dir: str, layout: dict, batch: dict, params_dtype: str) -> dict:
+def _check(pool, hf_dir: str, layout: dict, batch: dict, params_dtype: str, share_prompts: bool = False) -> dict:
     token_tol, metric_tol, grad_tol = TOLERANCE[params_dtype]
     logp, expected = _hf_step(hf_dir, batch, getattr(torch, params_dtype))
     real = torch.arange(batch["tokens"].shape[1] - 1)[None] < batch["lengths"][:, None] - 1
+    if share_prompts:  # shared-prompt rows score response positions only
+        assert batch["mask"].sum() < real.sum()
+        real = batch["mask"].bool()
     for result in pool.run(
         cases.policy_trainer_first_step,
         hf_dir=hf_dir,
@@ -132,6 +136,7 @@ def _check(pool, hf_dir: str, layout: dict, batch: dict, params_dtype: str) -> d
         batch=batch,
         loss=LOSS,
         params_dtype=params_dtype,
+        share_prompts=share_prompts,
     ):
         diff = (result["logprobs"].double() - logp).abs()[real]
         assert diff.max().item() <= token_tol, (layout, params_dtype, diff.max().item())
@@ -161,13 +166,17 @@ def test_tiny_trainer_quantities_match_hf(ranks, models, model, params_dtype):
 
 
 def test_smollm2_trainer_quantities_match_hf(ranks, models):
-    """The real model: unpadded 49152-row vocabulary, tied embeddings, 9 query / 3 KV heads, sampled responses."""
+    """The real model: unpadded 49152-row vocabulary, tied embeddings, 9 query / 3 KV heads, sampled responses; in
+    padded rows and in shared-prompt rows (each prompt sampled twice, as GRPO groups are)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(models["smollm2"])
-    questions = ["What is 12 + 30?", "Name a primary colour.", "Finish: the quick brown fox", "What is 7 x 6?"]
+    questions = [
+        q for q in ("What is 12 + 30?", "Name a primary colour.", "Finish: the fox", "What is 7 x 6?") for _ in "ab"
+    ]
     prompts = [
         tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
         for q in questions
     ]
     batch = _batch(models["smollm2"], prompts, new_tokens=16, seed=0)
-    expected = _check(ranks, models["smollm2"], dict(tp=1), batch, "float32")
+    for share_prompts in (False, True):
+        expected = _check(ranks, models["smollm2"], dict(tp=1), batch, "float32", share_prompts)
     assert 0.5 < expected["entropy"] < 5  # about 2 nats per response token; ln(49152) = 10.8

@@ -3,8 +3,9 @@
 import random
 
 import pytest
+import torch
 
-from mcore_rl.packing import plan_packing
+from mcore_rl.packing import plan_packing, plan_shared_prompts, prompt_groups, share_prompt_rows
 
 
 def _check(plan, lengths, max_tokens, dp):
@@ -39,3 +40,38 @@ def test_fewest_micro_batches_and_edge_cases():
     assert [len(mb) for mb in plan.ranks[0]] == [1, 1, 1, 1]
     with pytest.raises(ValueError, match="sample 1 has 11 tokens .* more than max_tokens=10"):
         plan_packing([4, 11], max_tokens=10, dp=1)
+
+
+def test_prompt_groups_are_runs_of_one_prompt():
+    tokens = torch.tensor([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9, 9], [1, 2, 9, 8], [7, 7, 7, 7]])
+    # rows 2-3 share two tokens with rows 0-1 but their prompts are longer; row 4 is alone
+    assert prompt_groups(tokens, [3, 3, 3, 3, 2]) == [[0, 1], [2, 3], [4]]
+
+
+def test_shared_prompt_rows_layout():
+    """Two groups in one row: each prompt once, each response without its last token; positions restart after the
+    prompt; a response sees its prompt and itself; the prompt's last position predicts every first token."""
+    tokens = torch.tensor([[1, 2, 3, 4, 5], [1, 2, 3, 6, 0], [7, 8, 9, 10, 11]])
+    lengths, prompts = [5, 4, 5], [3, 3, 2]
+    mask = torch.arange(4)[None].expand(3, -1).float()
+    batch = share_prompt_rows(tokens, lengths, prompts, [[0, 1], [2]], align=3, mask=mask)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 7, 8, 9, 10, 0]]  # padded to a multiple of 3
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0]]
+    assert batch["output_index"].tolist() == [2, 3, 2, 5, 6, 7]
+    assert batch["labels"].tolist() == [[4, 5, 6, 9, 10, 11]]
+    visible = ~batch["attention_mask"][0, 0]
+    assert visible[3].nonzero().flatten().tolist() == [0, 1, 2, 3]  # sample 0's response token: its prompt, itself
+    assert visible[7].nonzero().flatten().tolist() == [4, 5, 6, 7]  # group 2 never sees group 1
+    assert visible[2].nonzero().flatten().tolist() == [0, 1, 2]  # causal prompt
+    assert visible[8].nonzero().flatten().tolist() == [8]  # padding sees itself only
+    scores = batch["unpack"](torch.arange(1.0, 7.0)[None])  # scores back at each sample's next-token positions
+    assert scores.tolist() == [[0, 0, 1, 2], [0, 0, 3, 0], [0, 4, 5, 6]]
+    assert torch.equal(batch["mask"], mask[[0, 1, 2]])
+
+
+def test_plan_shared_prompts_keeps_groups_whole_and_ranks_even():
+    tokens = torch.tensor([[i // 2, 1, 2, 3] for i in range(8)])  # 4 prompts of 1 token, 2 samples each
+    plan = plan_shared_prompts(tokens, [4] * 8, [1] * 8, max_tokens=10, dp=2)  # a group: 1 + 2 x 2 positions
+    assert [len(rank) for rank in plan] == [1, 1]  # as many micro-batches on every rank
+    groups = [g for rank in plan for mb in rank for g in mb]
+    assert sorted(groups) == [[0, 1], [2, 3], [4, 5], [6, 7]]

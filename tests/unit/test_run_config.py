@@ -123,3 +123,20 @@ def test_every_config_key_the_docs_name_exists():
     }
     assert len(named) > 20
     assert not [(file, key) for file, key in sorted(named) if not _resolves(key)]
+
+
+def test_shared_prompts_are_checked_up_front(run_yaml, tmp_path):
+    from tests.tiny import make_tiny
+
+    share = "models.policy_trainer.share_prompts=true"
+    assert load_run_config(run_yaml, [share]).models.ref_policy.share_prompts  # the reference follows the trainer
+    with pytest.raises(ConfigError, match=r"share_prompts: a step's 1 prompt groups .* each of the 3 data-parallel"):
+        load_run_config(
+            run_yaml, [share, "models.policy_trainer.parallel.tp=1", "runtime_args.train_global_batch_size=6"]
+        )
+    with pytest.raises(ConfigError, match=r"models.policy_trainer.share_prompts: .*parallel.cp=3"):
+        load_run_config(run_yaml, [share, "models.policy_trainer.parallel.tp=1", "models.policy_trainer.parallel.cp=3"])
+    deepseek = make_tiny("DeepseekV3ForCausalLM", tmp_path / "deepseek")
+    with pytest.raises(ConfigError, match=r"models.ref_policy.share_prompts: .*uses MLA: True"):
+        load_run_config(run_yaml, ["models.ref_policy.share_prompts=true", f"models.ref_policy.load={deepseek}",
+                                   "models.ref_policy.parallel.tp=1"])  # fmt: skip
