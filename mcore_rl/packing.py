@@ -190,9 +190,11 @@ def share_prompt_rows(
     prompt once.
 
     A group's prompt is followed by each response without its last token (a label only); position ids restart
-    after the prompt for every response, and the ``attention_mask`` [1, 1, T, T] (True: masked, Megatron's
-    convention) lets a response see its prompt and itself, causally, so every position sees exactly the
-    context it has in its own padded row. The model scores only the positions that predict response tokens
+    after the prompt for every response, and the ``attention_mask`` lets a response see its prompt and itself,
+    causally, so every position sees exactly the context it has in its own padded row. Groups never see each
+    other: ``packed_seq_params`` (format ``sbhd``, so Megatron applies no THD handling) bounds them, and the mask
+    [1, 1, T, longest group] (True: masked, Megatron's convention) gives each position's keys relative to its
+    group's start (:class:`models.attention.SDPAttention` attends group by group). The model scores only the positions that predict response tokens
     (``output_index``; the prompt's last position predicts every response's first token) against ``labels``;
     ``batch["unpack"]`` puts those scores at the samples' next-token positions [n, width] like :func:`pack_rows`.
     ``extra`` tensors are per sample (per-position ones cut or padded to ``width``). The row is padded to a multiple
@@ -204,8 +206,10 @@ def share_prompt_rows(
     offset = 0
     samples = [i for group in groups for i in group]
     row_of = {i: row for row, i in enumerate(samples)}
+    group_starts = []
     for group in groups:
         prompt = prompt_lengths[group[0]]
+        group_starts.append(offset)
         ids.append(tokens[group[0], :prompt])
         positions.append(torch.arange(prompt, device=device))
         spans.append((offset, offset + prompt, offset, 0))
@@ -223,15 +227,28 @@ def share_prompt_rows(
             cols += range(prompt - 1, prompt - 1 + count)
             offset += count - 1
     total = offset + (-offset % align)
-    visible = torch.eye(total, dtype=torch.bool, device=device)
+    bounds = [*group_starts, offset] + ([total] if total > offset else [])
+    segment = max(b - a for a, b in itertools.pairwise(bounds))
+    visible = torch.zeros(total, segment, dtype=torch.bool, device=device)  # keys relative to the group's start
+    for a, b in itertools.pairwise(bounds):
+        visible[a:b, : b - a] = torch.eye(b - a, dtype=torch.bool, device=device)  # padding: itself only
     for start, end, prompt_start, prompt in spans:
-        visible[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool, device=device).tril()
-        visible[start:end, prompt_start : prompt_start + prompt] = True
+        own = torch.ones(end - start, end - start, dtype=torch.bool, device=device).tril()
+        visible[start:end, start - prompt_start : end - prompt_start] = own
+        visible[start:end, :prompt] = True
+    offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
     width = max(lengths[i] for i in samples) - 1
     batch = {
         "input_ids": torch.nn.functional.pad(torch.cat(ids), (0, total - offset))[None],
         "position_ids": torch.nn.functional.pad(torch.cat(positions), (0, total - offset))[None],
         "attention_mask": ~visible[None, None],
+        "packed_seq_params": PackedSeqParams(
+            qkv_format="sbhd",
+            cu_seqlens_q=offsets,
+            cu_seqlens_kv=offsets,
+            max_seqlen_q=segment,
+            max_seqlen_kv=segment,
+        ),  # fmt: skip
         "output_index": torch.tensor(index, dtype=torch.long, device=device),
         "labels": torch.cat(labels)[None],
         "unpack": Unpack(torch.tensor(rows, device=device), torch.tensor(cols, device=device), (len(samples), width)),

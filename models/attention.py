@@ -7,12 +7,16 @@ different query/key and value head sizes. :class:`SDPAttention` replaces it thro
 * padded batches (``sbhd``): one causal SDPA call;
 * packed batches (``thd``, ``PackedSeqParams.cu_seqlens_*``): one causal call per sequence, so no token attends
   across a sequence boundary;
+* shared-prompt rows (``sbhd`` segments with a mask, :func:`mcore_rl.packing.share_prompt_rows`): one masked call
+  per segment;
 * context parallelism: each CP rank holds chunks ``r`` and ``2*CP-1-r`` of every sequence (Megatron's
   load-balanced split, also what its RoPE assumes); keys and values are all-gathered over the CP group (one
   collective for both) and each query attends to the keys at or before its global position.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +83,11 @@ class SDPAttention(MegatronModule):
         mask_type = attn_mask_type or self.attn_mask_type
         if attention_mask is None and mask_type not in CAUSAL:
             raise NotImplementedError(f"SDPAttention: mask type {mask_type} without a mask is not supported")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "sbhd":
+            if attention_mask is None or self.cp > 1:
+                raise NotImplementedError("SDPAttention: sbhd segments need a segment mask and no context parallelism")
+            out = self._segments(query, key, value, attention_mask, packed_seq_params)
+            return out.reshape(out.shape[0], out.shape[1], -1)
         if packed_seq_params is not None:
             if attention_mask is not None:
                 raise NotImplementedError("SDPAttention: packed sequences take no attention_mask")
@@ -110,6 +119,17 @@ class SDPAttention(MegatronModule):
                 parts = [part[start:end].transpose(0, 1)[None] for part in kv]
                 out = self._attend_gathered(qi, parts, k.shape[-1], 2)
             outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    def _segments(self, q, k, v, mask, params: PackedSeqParams) -> torch.Tensor:
+        """Independent segments of one sbhd row (shared-prompt groups): ``cu_seqlens_q`` bounds them and ``mask``
+        [1, 1, s, longest segment] masks each position's keys relative to its segment's start; no position
+        attends outside its segment, so nothing is computed there."""
+        bounds = params.cu_seqlens_q.tolist()
+        outs = []
+        for start, end in itertools.pairwise(bounds):
+            qi, ki, vi = (x[start:end].permute(1, 2, 0, 3) for x in (q, k, v))  # [1, heads, len, d]
+            outs.append(self._sdpa(qi, ki, vi, mask=~mask[:, :, start:end, : end - start]).permute(2, 0, 1, 3))
         return torch.cat(outs)
 
     def _causal(self, q, k, v, seq_dim: int) -> torch.Tensor:

@@ -59,11 +59,12 @@ def test_shared_prompt_rows_layout():
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0]]
     assert batch["output_index"].tolist() == [2, 3, 2, 5, 6, 7]
     assert batch["labels"].tolist() == [[4, 5, 6, 9, 10, 11]]
-    visible = ~batch["attention_mask"][0, 0]
+    assert batch["packed_seq_params"].cu_seqlens_q.tolist() == [0, 4, 8, 9]  # two groups and the padding
+    visible = ~batch["attention_mask"][0, 0]  # [positions, keys from the group's start]
     assert visible[3].nonzero().flatten().tolist() == [0, 1, 2, 3]  # sample 0's response token: its prompt, itself
-    assert visible[7].nonzero().flatten().tolist() == [4, 5, 6, 7]  # group 2 never sees group 1
+    assert visible[7].nonzero().flatten().tolist() == [0, 1, 2, 3]  # group 2's own positions 4-7 only
     assert visible[2].nonzero().flatten().tolist() == [0, 1, 2]  # causal prompt
-    assert visible[8].nonzero().flatten().tolist() == [8]  # padding sees itself only
+    assert visible[8].nonzero().flatten().tolist() == [0]  # padding sees itself only
     scores = batch["unpack"](torch.arange(1.0, 7.0)[None])  # scores back at each sample's next-token positions
     assert scores.tolist() == [[0, 0, 1, 2], [0, 0, 3, 0], [0, 4, 5, 6]]
     assert torch.equal(batch["mask"], mask[[0, 1, 2]])
