@@ -1,32 +1,23 @@
-"""Weight-sync benchmark: Megatron (one trainer rank) -> rollout engine (Ray actor), in memory.
+"""The ``sync`` suite: Megatron (one trainer rank) -> rollout engine (Ray actor), in memory.
 
 For each model it times several syncs (the first one allocates the transfer buffers), reports GB/s of HF tensor
-bytes delivered into the engine, and sets that against this machine's memcpy bandwidth (a sync has to copy every
-byte at least once: into the shared bucket; the engine's loader copies it again into its own layout).
-
-    python benchmarks/bench_weight_sync.py                      # SmolLM2-135M and a synthetic 0.5B Llama
-    python benchmarks/bench_weight_sync.py --models smollm2 --syncs 5 --bucket-mb 256
-
-Writes ``benchmarks/reports/weight_sync_<hardware>_<date>.md``.
+bytes delivered into the engine, and sets that against the measured memcpy bandwidth: a sync copies every byte
+at least once, into the shared bucket, and the engine's loader copies it again into its own layout. The trainer
+side (export + pack, overlapped with the engine through two buffers) is the time not spent waiting on the
+engine. Models: SmolLM2-135M and a synthetic 0.5B Llama (random weights).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from mcore_rl.sync import SyncConfig, WeightSync  # noqa: E402 - after the repository is on the path
+from benchmarks.report import Report, pyplot, table
+from mcore_rl.sync import SyncConfig, WeightSync
 
 # A Llama-architecture model ~4x SmolLM2 (about 0.5B parameters, 2 GB in fp32), random weights.
 SYNTHETIC = dict(
@@ -43,21 +34,6 @@ SYNTHETIC = dict(
 
 
 TRANSPORT_BYTES = 2 << 30
-
-
-def memcpy_gbps(nbytes: int = 512 << 20, repeats: int = 5) -> float:
-    """Best-of-``repeats`` bandwidth of one tensor copy (bytes copied / s), the yardstick for the sync."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    return nbytes / best / 1e9
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _transport_rank(rank: int, port: int, total: int, bucket: int, results) -> None:
@@ -157,49 +133,7 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> list:
         stop_engine(engine)
 
 
-def report(rows: list[tuple[str, list]], memcpy: float, transport: dict[str, float], args, started: str) -> str:
-    lines = [
-        f"# Weight sync, {platform.node()} ({os.cpu_count()} CPUs), {started}",
-        "",
-        f"Command: `python benchmarks/bench_weight_sync.py {' '.join(sys.argv[1:])}`  ",
-        f"torch {torch.__version__}; trainer: 1 rank (TP=PP=1), fp32; engine: vLLM in a Ray actor, TP=1, fp32; "
-        f"bucket {args.bucket_mb} MiB; memcpy bandwidth (one tensor copy, best of 5): **{memcpy:.2f} GB/s**.",
-        "",
-        "| model | sync | seconds | waiting on engine (s) | MB | buckets | GB/s | % of memcpy | probe max abs diff |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, reports in rows:
-        for r in reports:
-            lines.append(
-                f"| {name} | {'first' if r.index == 0 else r.index} | {r.seconds:.3f} | {r.engine_wait_seconds:.3f} | "
-                f"{r.bytes / 1e6:.0f} | "
-                f"{r.buckets} | {r.gb_per_s:.2f} | {100 * r.gb_per_s / memcpy:.0f}% | {r.probe_max_abs_diff:.2g} |"
-            )
-    lines += ["", "| model | first / later syncs (time) |", "|---|---|"]
-    for name, reports in rows:
-        later = sum(r.seconds for r in reports[1:]) / max(1, len(reports) - 1)
-        lines.append(f"| {name} | {reports[0].seconds / later:.2f}x |")
-    lines += [
-        "",
-        f"Transport alone, trainer process -> engine process, {TRANSPORT_BYTES >> 20} MiB in "
-        f"{args.bucket_mb} MiB buckets, one bucket in flight (what the CPU choice of shared memory rests on):",
-        "",
-        "| transport | GB/s | % of memcpy |",
-        "|---|---|---|",
-    ]
-    for method, label in (("shm", "shared memory: pack, map, copy out"), ("gloo", "gloo send/recv")):
-        lines.append(f"| {label} | {transport[method]:.2f} | {100 * transport[method] / memcpy:.0f}% |")
-    return "\n".join(lines) + "\n"
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="smollm2,synthetic", help="comma-separated: smollm2, synthetic")
-    parser.add_argument("--syncs", type=int, default=4)
-    parser.add_argument("--bucket-mb", type=int, default=SyncConfig.bucket_bytes >> 20)
-    parser.add_argument("--out", type=Path, default=None, help="report path (default: benchmarks/reports/...)")
-    args = parser.parse_args()
-    started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+def suite(out: Path, hardware, report: Report, syncs: int = 4, bucket_mb: int = SyncConfig.bucket_bytes >> 20) -> None:
     for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1").items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -208,21 +142,58 @@ def main() -> None:
     from mcore_rl.rollout.remote import NAMESPACE
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
-    rows = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for name in args.models.split(","):
-            rows.append((name, bench_model(name, model_dir(name, Path(scratch)), args.syncs, args.bucket_mb << 20)))
-    ray.shutdown()
-    memcpy = memcpy_gbps()
-    transport = transport_gbps(TRANSPORT_BYTES, args.bucket_mb << 20)
-    text = report(rows, memcpy, transport, args, started)
-    hardware = "cuda" if torch.cuda.is_available() else f"cpu{os.cpu_count()}"
-    out = args.out or REPO / "benchmarks" / "reports" / f"weight_sync_{hardware}_{started[:10]}.md"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text)
-    print(f"report written to {out}")
-
-
-if __name__ == "__main__":
-    main()
+    runs = []
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            for name in ("smollm2", "synthetic"):
+                runs.append((name, bench_model(name, model_dir(name, Path(scratch)), syncs, bucket_mb << 20)))
+    finally:
+        ray.shutdown()
+    memcpy = hardware.memcpy_gbps
+    transport = transport_gbps(TRANSPORT_BYTES, bucket_mb << 20)
+    rows, summary = [], []
+    for name, reports in runs:
+        for r in reports:
+            trainer = r.bytes / max(r.seconds - r.engine_wait_seconds, 1e-9) / 1e9
+            rows.append([name, "first" if r.index == 0 else r.index, r.seconds, r.engine_wait_seconds,
+                         r.bytes / 1e6, r.buckets, r.gb_per_s, f"{100 * r.gb_per_s / memcpy:.0f}%",
+                         f"{100 * trainer / memcpy:.0f}%", f"{r.probe_max_abs_diff:.2g}"])  # fmt: skip
+        later = sum(r.seconds for r in reports[1:]) / max(1, len(reports) - 1)
+        summary.append([name, f"{reports[0].seconds / later:.2f}x"])
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for name, reports in runs:
+        ax.plot([r.index for r in reports], [r.gb_per_s for r in reports], marker="o", label=name)
+    ax.axhline(memcpy, color="gray", linestyle="--", label="memcpy")
+    ax.set_xlabel("sync")
+    ax.set_ylabel("GB/s into the engine")
+    ax.legend()
+    report.add(
+        "sync: trainer -> rollout engine",
+        f"Trainer: 1 rank (TP=PP=1); engine: vLLM in a Ray actor, TP=1; bucket {bucket_mb} MiB; "
+        f"memcpy {memcpy:.2f} GB/s. Trainer side = bytes / (seconds - waiting on the engine).",
+        table(
+            [
+                "model",
+                "sync",
+                "seconds",
+                "waiting on engine s",
+                "MB",
+                "buckets",
+                "GB/s",
+                "of memcpy",
+                "trainer side of memcpy",
+                "probe max abs diff",
+            ],
+            rows,
+        ),  # fmt: skip
+        table(["model", "first / later syncs (time)"], summary),
+        table(
+            ["transport (one bucket in flight)", "GB/s", "of memcpy"],
+            [
+                ["shared memory: pack, map, copy out", transport["shm"], f"{100 * transport['shm'] / memcpy:.0f}%"],
+                ["gloo send/recv", transport["gloo"], f"{100 * transport['gloo'] / memcpy:.0f}%"],
+            ],
+        ),  # fmt: skip
+        report.figure(fig, "sync_gbps", "GB/s per sync"),
+    )

@@ -15,7 +15,8 @@
 #
 # --dry-run: resolve the stack against the indexes without installing anything, writing pip's report to
 # $MCORE_RL_REPORT (default: stdout). A cuda stack resolves for Linux x86_64 and Python $MCORE_RL_PYTHON_VERSION
-# (default 3.12), so a machine without a GPU can check it.
+# (default 3.12), so a machine without a GPU can check it. --index-args: print the extra pip arguments this machine
+# needs for the pinned torch (one per line; none where pip finds it).
 set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -52,6 +53,12 @@ set_index_args() {
     fi
   fi
 }
+
+if [[ "${1:-}" == --index-args ]]; then  # for other venvs on this machine (the benchmarks' peer): one per line
+  set_index_args
+  printf '%s\n' "${index_args[@]}"
+  exit
+fi
 
 if [[ "${1:-}" == --dry-run ]]; then
   set_index_args

