@@ -106,7 +106,7 @@ class MegatronRank:
             local = self.model.logprobs(tokens, vocab, micro_batch_size, lengths, packing, prompts, plan)
             return all_reduce_(local, self.groups.dp).cpu()  # each row is scored on one rank, 0 on the others
         mine = {k: batch[k].chunk(size)[rank].to(self.device) for k in ("tokens", *self._routing(batch))}
-        lengths = batch["lengths"].chunk(size)[rank].tolist()
+        lengths = batch["lengths"].chunk(size)[rank].tolist() if packing else None
         tokens = mine.pop("tokens")
         local = self.model.logprobs(tokens, vocab, micro_batch_size, lengths, packing, **mine)
         return torch.cat([shards[0] for shards in all_gather_bucket([local], self.groups.dp)]).cpu()
