@@ -6,13 +6,13 @@ layer (hidden 512, expert FFN 256, gated SiLU) in the machine's parameter dtype.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks import single_process_world
 from benchmarks.report import Report, pyplot, table
 
 EXPERTS = (8, 32, 128)
@@ -63,8 +63,7 @@ def suite(out: Path, hardware, report: Report) -> None:
 
     from models.experts import GroupedExperts
 
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29534", RANK="0", WORLD_SIZE="1").items():
-        os.environ.setdefault(key, value)
+    single_process_world()
     generator = torch.Generator().manual_seed(0)
     rows, results = [], {}
     with tempfile.TemporaryDirectory() as scratch:

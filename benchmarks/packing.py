@@ -7,13 +7,13 @@ responses) on one rank; a small Llama (hidden 256, 4 layers) keeps it to seconds
 from __future__ import annotations
 
 import dataclasses
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks import single_process_world
 from benchmarks.report import Report, pyplot, table
 
 PROMPTS, GROUP, PROMPT_TOKENS, CAP = 8, 8, 64, 512
@@ -74,8 +74,7 @@ def padded_utilization(lengths: list[int], micro_batch_size: int) -> float:
 def suite(out: Path, hardware, report: Report) -> None:
     from tests.tiny import make_tiny
 
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29535", RANK="0", WORLD_SIZE="1").items():
-        os.environ.setdefault(key, value)
+    single_process_world()
     generator = torch.Generator().manual_seed(0)
     vocab = 8192
     batch = long_tailed_batch(generator, vocab)

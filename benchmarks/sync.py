@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import single_process_world
 from benchmarks.report import Report, pyplot, table
 from mcore_rl.sync import SyncConfig, WeightSync
 
@@ -134,8 +135,7 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> list:
 
 
 def suite(out: Path, hardware, report: Report, syncs: int = 4, bucket_mb: int = SyncConfig.bucket_bytes >> 20) -> None:
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK="0", WORLD_SIZE="1").items():
-        os.environ.setdefault(key, value)
+    single_process_world()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
 

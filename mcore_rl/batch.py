@@ -28,7 +28,8 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]], texts
 def training_batch(samples: list[Sample], rewards: list[float], group_size: int, normalize_std: bool) -> dict:
     """Right-padded tensors of prompt + response: ``tokens`` [N, L]; per next-token position ([N, L-1]) the
     response ``mask`` and the engine's ``rollout_logp``; per sample ``lengths`` and ``prompt_lengths`` (real
-    tokens), ``advantages`` and ``rewards``; and when the engine returned them, ``routed_experts`` [N, L-1, layers, top-k]."""
+    tokens), ``advantages`` and ``rewards``; and when the engine returned them, ``routed_experts``
+    [N, L-1, layers, top-k]."""
     sequences = [s.prompt.token_ids + s.completion.token_ids for s in samples]
     length = max(map(len, sequences))
     n = len(samples)

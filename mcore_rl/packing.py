@@ -194,9 +194,10 @@ def share_prompt_rows(
     causally, so every position sees exactly the context it has in its own padded row. Groups never see each
     other: ``packed_seq_params`` (format ``sbhd``, so Megatron applies no THD handling) bounds them, and the mask
     [1, 1, T, longest group] (True: masked, Megatron's convention) gives each position's keys relative to its
-    group's start (:class:`models.attention.SDPAttention` attends group by group). The model scores only the positions that predict response tokens
-    (``output_index``; the prompt's last position predicts every response's first token) against ``labels``;
-    ``batch["unpack"]`` puts those scores at the samples' next-token positions [n, width] like :func:`pack_rows`.
+    group's start (:class:`models.attention.SDPAttention` attends group by group). The model scores only the
+    positions that predict response tokens (``output_index``; the prompt's last position predicts every
+    response's first token) against ``labels``; ``batch["unpack"]`` puts those scores at the samples' next-token
+    positions [n, width] like :func:`pack_rows`.
     ``extra`` tensors are per sample (per-position ones cut or padded to ``width``). The row is padded to a multiple
     of ``align``; a padding position sees itself only.
     """
@@ -248,7 +249,7 @@ def share_prompt_rows(
             cu_seqlens_kv=offsets,
             max_seqlen_q=segment,
             max_seqlen_kv=segment,
-        ),  # fmt: skip
+        ),
         "output_index": torch.tensor(index, dtype=torch.long, device=device),
         "labels": torch.cat(labels)[None],
         "unpack": Unpack(torch.tensor(rows, device=device), torch.tensor(cols, device=device), (len(samples), width)),

@@ -23,7 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from compat.megatron_core import release_dispatcher_graphs
 from mcore_rl.logprobs import token_logprobs
 from mcore_rl.moe import end_replay, replay_routing
-from mcore_rl.packing import pack_rows, plan_packing, plan_shared_prompts, rows_of, share_prompt_rows, to_width
+from mcore_rl.packing import pack_rows, plan_packing, rows_of, share_prompt_rows, to_width
 from parallel.comm import all_gather_objects, all_reduce_, broadcast_bucket
 from parallel.context import shard_micro_batch
 from parallel.device import Device
@@ -141,8 +141,9 @@ class MegatronModel:
         return output, partial(self._loss, loss_fn, batch)
 
     def _schedule(self, microbatches: list[dict], loss_fn: LossFn, forward_only: bool) -> list[dict]:
-        """Megatron's pipeline schedule over the micro-batches; metrics exist on the last stage only. Packed
-        and shared-prompt micro-batches differ in length: pipeline stages then exchange shapes first (``variable_seq_lengths``).
+        """Megatron's pipeline schedule over the micro-batches; metrics exist on the last stage only. Packed and
+        shared-prompt micro-batches differ in length: pipeline stages then exchange shapes first
+        (``variable_seq_lengths``).
         Under CP each rank computes its share of the whole sequences given here (``shard_micro_batch``); with
         ``routed_experts`` in the micro-batches the routers replay them (:func:`mcore_rl.moe.replay_routing`)."""
         batch_size, seq_length = microbatches[0]["input_ids"].shape  # Megatron divides by CP itself
@@ -180,21 +181,19 @@ class MegatronModel:
 
         ``max_tokens`` > 0: the rows (``lengths`` real tokens each) are scored in THD packs of at most that many
         tokens (:mod:`mcore_rl.packing`) instead of padded micro-batches; positions past a row's length are not
-        the sample's (callers mask them). ``prompt_lengths``: rows sharing a prompt are scored in shared-prompt rows
-        (:func:`mcore_rl.packing.share_prompt_rows`; ``max_tokens`` positions each, or ``micro_batch_size`` rows'
-        worth), and only response positions are scored (the rest are 0); ``shared_plan``: only these micro-batches of
-        prompt groups (:func:`mcore_rl.packing.plan_shared_prompts`), the other rows are 0. Under interleaved pipelining Megatron's schedule needs a multiple of PP micro-batches, so a batch given as
+        the sample's (callers mask them). ``shared_plan`` (with ``lengths`` and ``prompt_lengths``): only these
+        micro-batches of prompt groups (:func:`mcore_rl.packing.plan_shared_prompts`) are scored, in shared-prompt
+        rows (:func:`mcore_rl.packing.share_prompt_rows`), and only at response positions; everything else is 0.
+        Under interleaved pipelining Megatron's schedule needs a multiple of PP micro-batches, so a batch given as
         one micro-batch (the post-sync probe) is split further: into the largest equal size that makes PP of them.
         ``extra``: per-row model inputs besides the tokens (``routed_experts`` to replay).
         """
         length, align, multiple = tokens.shape[1] - 1, self.align, self.micro_batch_multiple
         pp = torch.distributed.get_world_size(self.groups.pp)
         order = list(range(tokens.shape[0]))
-        if prompt_lengths is not None:
-            budget = max_tokens or micro_batch_size * max(lengths)
-            plan = shared_plan or plan_shared_prompts(tokens, lengths, prompt_lengths, budget, multiple=multiple)[0]
-            batches = [share_prompt_rows(tokens, lengths, prompt_lengths, mb, align, **extra) for mb in plan]
-            order = [i for mb in plan for group in mb for i in group]
+        if shared_plan is not None:
+            batches = [share_prompt_rows(tokens, lengths, prompt_lengths, mb, align, **extra) for mb in shared_plan]
+            order = [i for mb in shared_plan for group in mb for i in group]
         elif max_tokens:
             plan = plan_packing([n - 1 for n in lengths], max_tokens, 1, align=align, multiple=multiple)
             batches = [pack_rows(tokens, lengths, mb, align, **extra) for mb in plan.ranks[0]]

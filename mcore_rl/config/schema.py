@@ -210,11 +210,12 @@ class RunConfig:
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
         for key in ("models.policy_trainer", "models.ref_policy"):
             role = self._get(key)
-            if role.share_prompts and (get_bridge(role.load).multi_latent_attention or role.parallel.cp > 1):
+            mla = role.share_prompts and get_bridge(role.load).multi_latent_attention
+            if role.share_prompts and (mla or role.parallel.cp > 1):
                 raise ConfigError(
                     f"{key}.share_prompts: shared-prompt rows need whole rows per rank (parallel.cp="
                     f"{role.parallel.cp}) and rotary embeddings outside attention ({role.load!r} uses MLA: "
-                    f"{get_bridge(role.load).multi_latent_attention}); set it to false"
+                    f"{mla}); set it to false"
                 )
         groups, dp = rt.train_global_batch_size // n, m.policy_trainer.parallel.dp(rt.num_devices)
         if m.policy_trainer.share_prompts and groups < dp:

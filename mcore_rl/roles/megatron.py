@@ -103,7 +103,9 @@ class MegatronRank:
             tokens = batch["tokens"].to(self.device)
             lengths, prompts = batch["lengths"].tolist(), batch["prompt_lengths"].tolist()
             plan = self._shared_plan(tokens, lengths, prompts, micro_batch_size)[rank]
-            local = self.model.logprobs(tokens, vocab, micro_batch_size, lengths, packing, prompts, plan)
+            local = self.model.logprobs(
+                tokens, vocab, micro_batch_size, lengths, prompt_lengths=prompts, shared_plan=plan
+            )
             return all_reduce_(local, self.groups.dp).cpu()  # each row is scored on one rank, 0 on the others
         mine = {k: batch[k].chunk(size)[rank].to(self.device) for k in ("tokens", *self._routing(batch))}
         lengths = batch["lengths"].chunk(size)[rank].tolist() if packing else None
