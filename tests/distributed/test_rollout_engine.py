@@ -66,6 +66,17 @@ def test_sleep_frees_the_kv_cache_and_wake_restores_generation(engine):
     assert _generate(engine, PROMPTS, GREEDY) == before
 
 
+def _load(engine, weights: dict, version: int) -> None:
+    """A whole weight update of ``engine`` to ``weights``, as policy ``version``."""
+    sender = BucketSender(torch.device("cpu"))
+    try:
+        ray.get(engine.begin_weight_update.remote())
+        ray.get(engine.load_bucket.remote(sender.pack(list(weights.items()))))
+        ray.get(engine.finish_weight_update.remote(version))
+    finally:
+        sender.close()
+
+
 def test_an_incomplete_weight_update_is_refused_by_name(engine, tiny_models):
     weights = load_file(Path(tiny_models["LlamaForCausalLM"]) / "model.safetensors")
     dropped = "model.layers.1.post_attention_layernorm.weight"
@@ -75,8 +86,50 @@ def test_an_incomplete_weight_update_is_refused_by_name(engine, tiny_models):
         ray.get(engine.load_bucket.remote(sender.pack([(n, t) for n, t in weights.items() if n != dropped])))
         with pytest.raises(ray.exceptions.RayTaskError, match=rf"left 1 parameter\(s\) stale: \['{dropped}'\]"):
             ray.get(engine.finish_weight_update.remote())
+        with pytest.raises(ray.exceptions.RayTaskError, match="loading weights"):  # not with half the weights
+            _generate(engine, PROMPTS, GREEDY)
     finally:
         sender.close()
+    _load(engine, weights, version=0)  # a whole update recovers it
+    assert len(_generate(engine, PROMPTS, GREEDY)) == 2
+
+
+def test_partial_rollout_tokens_carry_the_version_that_sampled_them(engine, tiny_models):
+    """Submitted generations advance a few steps, the weights change (version 1) and they continue: each token
+    records the version that sampled it, and its log-prob is the engine's at that version (scored afresh)."""
+    original = load_file(Path(tiny_models["LlamaForCausalLM"]) / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    perturbed = {n: t + 0.5 * t.std() * torch.randn(t.shape, generator=generator) for n, t in original.items()}
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=24, seed=3)
+    ray.get(engine.submit.remote([("a", PROMPTS[0])], sampling))
+    assert ray.get(engine.collect.remote(0.0)) == []  # one step: nothing finished
+    sender = BucketSender(torch.device("cpu"))
+    try:  # an update to the same weights, during which "b" is submitted: it waits, as "a" does, for the update
+        ray.get(engine.begin_weight_update.remote())
+        ray.get(engine.submit.remote([("b", PROMPTS[1])], sampling))
+        assert ray.get(engine.collect.remote(5.0)) == []  # returns at once: no step runs during an update
+        ray.get(engine.load_bucket.remote(sender.pack(list(original.items()))))
+        ray.get(engine.finish_weight_update.remote(0))
+    finally:
+        sender.close()
+    assert ray.get(engine.collect.remote(0.0)) == []  # "a" continues, "b" starts
+    _load(engine, perturbed, version=1)
+    done = dict(ray.get(engine.collect.remote(60.0)))
+    while len(done) < 2:
+        done |= dict(ray.get(engine.collect.remote(60.0)))
+    completions = [(prompt, c) for key, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])) for c in done[key]]
+    for _, c in completions:  # tokens before the update, then after (unless it stopped before)
+        first = c.versions.index(1) if 1 in c.versions else len(c.versions)
+        assert len(c.token_ids) == len(c.versions) and 0 < first
+        assert c.versions == [0] * first + [1] * (len(c.versions) - first)
+    assert any(0 in c.versions and 1 in c.versions for _, c in completions)
+    for weights, version in ((perturbed, 1), (original, 0)):
+        _load(engine, weights, version)
+        scores = ray.get(engine.score.remote([p + c.token_ids for p, c in completions]))
+        for (prompt, c), scored in zip(completions, scores, strict=True):
+            mine = [i for i, v in enumerate(c.versions) if v == version]
+            diffs = [abs(scored[len(prompt) - 1 + i] - c.logprobs[i]) for i in mine]
+            assert max(diffs) <= 1e-4, (version, diffs)
 
 
 def test_plain_rope_mla_scores_like_hf(tmp_path, ray_address):
