@@ -18,7 +18,7 @@ import torch
 
 from benchmarks import single_process_world
 from benchmarks.report import Report, pyplot, table
-from mcore_rl.sync import SyncConfig, WeightSync
+from mcore_rl.sync import ColocatedRoute, SyncConfig, WeightSync
 
 # A Llama-architecture model ~4x SmolLM2 (about 0.5B parameters, 2 GB in fp32), random weights.
 SYNTHETIC = dict(
@@ -118,15 +118,8 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> list:
     load_hf(chunks, bridge, hf_dir, groups)
     model = MegatronModel(chunks, groups)
     engine = launch_engine(hf_dir, RolloutConfig(load_tokenizer=False, max_model_len=256, cpu_kv_cache_bytes=64 << 20))
-    sync = WeightSync(
-        chunks,
-        bridge,
-        groups,
-        engine,
-        model,
-        SyncConfig(bucket_bytes=bucket_bytes),
-        torch.float32,
-    )
+    route = ColocatedRoute(engine, next(chunks[0].parameters()).device, bucket_bytes)
+    sync = WeightSync(chunks, bridge, groups, route, model, SyncConfig(bucket_bytes=bucket_bytes), torch.float32)
     try:
         return [sync.sync() for _ in range(syncs)]
     finally:

@@ -1,11 +1,9 @@
 """Trainer -> rollout weight sync, in memory, verified by a log-prob probe after every sync.
 
 Every trainer rank runs :func:`converters.stream.export_hf` (its collectives need all ranks) and gets the whole
-model. The ranks on a rollout engine's devices regroup the HF tensors into byte buckets and pack each into a
-buffer on their own device (:mod:`mcore_rl.rollout.transport`); the first of them (the owner) streams one handle
-per bucket, naming every copy, to the engine, whose worker on each device maps the copy on it. Two buffers
-alternate, so packing bucket k+1 overlaps the engine loading bucket k. Afterwards the engine scores a fixed probe
-batch and its log-probs are compared with the trainer's, scored before the push (so the trainer's weights may
+model, regrouped into byte buckets. A route takes the buckets to the engines: colocated engines map each bucket
+where their trainer ranks packed it (:class:`ColocatedRoute`); engines on other devices receive it by broadcast
+from trainer rank 0 (:class:`BroadcastRoute`). Afterwards each engine scores a fixed probe batch and its log-probs are compared with the trainer's, scored before the push (so the trainer's weights may
 leave the device before the engine's KV cache returns): stale or corrupted weights fail loudly here instead of
 silently skewing the policy gradient.
 """
@@ -27,6 +25,7 @@ from mcore_rl.rollout.transport import BucketSender
 from mcore_rl.training import MegatronModel
 from parallel.comm import all_gather_objects, all_reduce_scalar
 from parallel.groups import block_group
+from parallel.transfer import TransferGroup, free_addresses
 
 log = logging.getLogger(__name__)
 
@@ -103,13 +102,116 @@ def _waited(refs) -> float:
     return time.perf_counter() - start
 
 
-class WeightSync:
-    """Streams a trainer's weights into its rollout engine (a Ray actor of ``RolloutEngine``) and checks them.
+class ColocatedRoute:
+    """Buckets to the engine on this rank's devices, zero-copy (shared memory or CUDA IPC handles).
 
     Engines sit on blocks of ``engine_tp`` consecutive ranks (one engine worker per device); ``engine`` is the
-    engine of this rank's block, or None where the block has none (those ranks still take part in the export's
-    collectives). ``scorer`` is the trainer's model (or the train step wrapping it); its ``logprobs`` scores the
-    probe batch on the trainer side (a collective on all ranks). Collective: all ranks construct it.
+    engine of this rank's block, or None where the block has none. Every rank of a block packs each bucket on
+    its own device, and the block's first rank (the owner) sends the engine one handle naming every copy. Two
+    buffers alternate, so packing bucket k+1 overlaps the engine loading bucket k. Collective: all ranks
+    construct it.
+    """
+
+    def __init__(self, engine, device: torch.device, bucket_bytes: int, engine_tp: int = 1):
+        self.feeders = block_group(engine_tp)  # the ranks feeding one engine (gloo: they exchange handles)
+        self.owner = engine is not None and (self.feeders is None or torch.distributed.get_rank(self.feeders) == 0)
+        self.engines = [engine] if self.owner else []
+        self.senders = [BucketSender(device, bucket_bytes) for _ in range(2 if engine is not None else 0)]
+        self._pending: list = [None, None]  # the engine's load in flight from each buffer
+
+    @property
+    def sends(self) -> bool:
+        return bool(self.senders)
+
+    def begin(self) -> None:
+        if self.owner:
+            ray.get(self.engines[0].begin_weight_update.remote())
+        self._pending = [None, None]
+
+    def send(self, index: int, bucket: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
+        """Pack and hand over bucket ``index``; (its bytes, seconds waited for the engine)."""
+        slot, wait = index % 2, 0.0
+        if self.owner and self._pending[slot] is not None:
+            wait += _waited(self._pending[slot])  # the engine is done with this buffer...
+        if self.feeders is not None:
+            torch.distributed.barrier(group=self.feeders)  # ...on every feeder's device
+        handle = self.senders[slot].pack(bucket)
+        if self.feeders is not None:  # every copy of the bucket is packed once this returns
+            copies = all_gather_objects(handle.buffers, self.feeders)
+            handle = dataclasses.replace(handle, buffers=tuple(ref for refs in copies for ref in refs))
+        if self.owner:  # queued behind the load of the previous bucket, which may still run
+            self._pending[slot] = self.engines[0].load_bucket.remote(handle)
+        return handle.nbytes, wait
+
+    def finish(self, version: int) -> tuple[float, tuple[str, ...]]:
+        """(seconds waited for the engine, the repairs it applied)."""
+        if not self.owner:
+            return 0.0, ()
+        wait = _waited([p for p in self._pending if p is not None])
+        wait += _waited(finish := self.engines[0].finish_weight_update.remote(version))
+        return wait, tuple(ray.get(finish))
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.close()
+        if self.feeders is not None:
+            torch.distributed.destroy_process_group(self.feeders)
+            self.feeders = None
+
+
+class BroadcastRoute:
+    """Buckets to engines on other devices or nodes: trainer rank 0 broadcasts each one over the weight-transfer
+    group (:class:`parallel.transfer.TransferGroup`) to every worker of every engine (``engines``, given on rank
+    0; ``engine_tp`` workers each), which load it as it arrives. Only rank 0 constructs the group."""
+
+    def __init__(self, engines: list, device: torch.device, bucket_bytes: int, engine_tp: int = 1):
+        self.owner = torch.distributed.get_rank() == 0
+        self.engines = list(engines) if self.owner else []
+        self.senders = [BucketSender(device, bucket_bytes, kind="broadcast")] if self.owner else []
+        self.group: TransferGroup | None = None
+        if self.owner:
+            address, world = free_addresses(1)[0], 1 + engine_tp * len(self.engines)
+            joined = [e.join_transfer.remote(address, 1 + i * engine_tp, world) for i, e in enumerate(self.engines)]
+            self.group = TransferGroup(address, 0, world, device)
+            ray.get(joined)
+        self._pending: list = []
+
+    @property
+    def sends(self) -> bool:
+        return self.owner
+
+    def begin(self) -> None:
+        ray.get([e.begin_weight_update.remote() for e in self.engines])
+        self._pending = []
+
+    def send(self, index: int, bucket: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
+        handle = self.senders[0].pack(bucket)
+        self._pending += [e.load_bucket.remote(handle) for e in self.engines]
+        start = time.perf_counter()
+        self.group.send(self.senders[0].packed(handle))  # returns once every worker has received it
+        return handle.nbytes, time.perf_counter() - start
+
+    def finish(self, version: int) -> tuple[float, tuple[str, ...]]:
+        if not self.owner:
+            return 0.0, ()
+        wait = _waited(self._pending)
+        wait += _waited(finishes := [e.finish_weight_update.remote(version) for e in self.engines])
+        return wait, tuple(r for repairs in ray.get(finishes) for r in repairs)
+
+    def close(self) -> None:
+        for sender in self.senders:
+            sender.close()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+
+
+class WeightSync:
+    """Streams a trainer's weights into the rollout engines (Ray actors of ``RolloutEngine``) and checks them.
+
+    ``route`` takes the buckets to the engines: :class:`ColocatedRoute` or :class:`BroadcastRoute`. ``scorer``
+    is the trainer's model (or the train step wrapping it); its ``logprobs`` scores the probe batch on the
+    trainer side (a collective on all ranks). Collective: all ranks construct it.
     """
 
     def __init__(
@@ -117,36 +219,32 @@ class WeightSync:
         chunks: list[torch.nn.Module],
         bridge,
         groups,
-        engine,
+        route: ColocatedRoute | BroadcastRoute,
         scorer: MegatronModel,
         config: SyncConfig,
         engine_dtype: torch.dtype,
-        engine_tp: int = 1,
     ):
         config.validate()
-        self.chunks, self.bridge, self.groups, self.engine = chunks, bridge, groups, engine
-        self.feeders = block_group(engine_tp)  # the ranks feeding one engine (gloo: they exchange handles)
-        self.owner = engine is not None and (self.feeders is None or torch.distributed.get_rank(self.feeders) == 0)
+        self.chunks, self.bridge, self.groups, self.route = chunks, bridge, groups, route
         self.scorer = scorer
         self.config = config
         default_max, default_mean = PROBE_TOLERANCE[engine_dtype]
         self.max_tolerance = config.probe_max_tolerance if config.probe_max_tolerance is not None else default_max
         self.mean_tolerance = config.probe_mean_tolerance if config.probe_mean_tolerance is not None else default_mean
         device = next(chunks[0].parameters()).device
-        # Two buffers (pack one while the engine loads the other), only where an engine is fed.
-        self.senders = [BucketSender(device, config.bucket_bytes) for _ in range(2 if engine is not None else 0)]
         self.probe_batch = probe_tokens(bridge.vocab_size, config).to(device)
         self.count = 0  # pushes so far
         self._pushed: SyncReport | None = None  # the last push, until ``verify`` completes it
         self._trainer_logprobs: torch.Tensor | None = None  # of the probe batch, at the last push
 
-    def sync(self) -> SyncReport:
+    def sync(self, version: int | None = None) -> SyncReport:
         """``push``, then ``verify``: for callers whose trainer weights stay on the device."""
-        self.push()
+        self.push(version)
         return self.verify()
 
-    def push(self) -> SyncReport:
-        """Load the current weights into the engines, whose KV caches stay asleep. Collective over all ranks.
+    def push(self, version: int | None = None) -> SyncReport:
+        """Load the current weights into the engines, whose KV caches stay asleep; tokens they sample from now on
+        carry policy ``version`` (default: the number of pushes before this one). Collective over all ranks.
 
         The trainer scores the probe batch first, while its weights are on the device, so that they can leave
         before ``verify`` wakes the engines' KV caches: the two never meet on the device.
@@ -157,31 +255,16 @@ class WeightSync:
         repairs: tuple[str, ...] = ()
         self._trainer_logprobs = self._score() if self.config.probe else None
         exported = export_hf(self.chunks, self.bridge, self.groups, bucket_bytes=self.config.bucket_bytes)
-        if self.engine is None:
+        if not self.route.sends:
             for _ in exported:
                 pass
         else:
-            if self.owner:
-                ray.get(self.engine.begin_weight_update.remote())
-            pending: list = [None, None]  # the engine's load in flight from each buffer
+            self.route.begin()
             for i, bucket in enumerate(send_buckets(exported, self.config.bucket_bytes)):
-                slot = i % 2
-                if self.owner and pending[slot] is not None:
-                    wait += _waited(pending[slot])  # the engine is done with this buffer...
-                if self.feeders is not None:
-                    torch.distributed.barrier(group=self.feeders)  # ...on every feeder's device
-                handle = self.senders[slot].pack(bucket)
-                if self.feeders is not None:  # every copy of bucket i is packed once this returns
-                    copies = all_gather_objects(handle.buffers, self.feeders)
-                    handle = dataclasses.replace(handle, buffers=tuple(ref for refs in copies for ref in refs))
-                if self.owner:  # queued behind the load of bucket i-1, which may still run
-                    pending[slot] = self.engine.load_bucket.remote(handle)
-                nbytes += handle.nbytes
-                buckets += 1
-            if self.owner:
-                wait += _waited([p for p in pending if p is not None])
-                wait += _waited(finish := self.engine.finish_weight_update.remote())
-                repairs = tuple(ray.get(finish))
+                size, waited = self.route.send(i, bucket)
+                nbytes, buckets, wait = nbytes + size, buckets + 1, wait + waited
+            waited, repairs = self.route.finish(self.count if version is None else version)
+            wait += waited
         self._pushed = SyncReport(self.count, time.perf_counter() - start, wait, nbytes, buckets, None, None, repairs)
         self.count += 1
         return self._pushed
@@ -193,13 +276,12 @@ class WeightSync:
         pushed, self._pushed = self._pushed, None
         if pushed is None:
             raise RuntimeError("WeightSync.verify: nothing pushed since the last verify (call push first)")
-        if self.owner:
-            ray.get(self.engine.wake_up.remote())
+        ray.get([e.wake_up.remote() for e in self.route.engines])
         report = pushed
         if self._trainer_logprobs is not None:
             max_diff, mean_diff = self._compare(self._trainer_logprobs, f"after weight sync {pushed.index}")
             report = dataclasses.replace(pushed, probe_max_abs_diff=max_diff, probe_mean_abs_diff=mean_diff)
-        if self.owner:
+        if self.route.owner:
             log.info(
                 "weight sync %d: %.3f s, %.1f MB in %d buckets (%.2f GB/s), probe max|Δ| %s mean|Δ| %s",
                 report.index, report.seconds, report.bytes / 1e6, report.buckets, report.gb_per_s,
@@ -220,10 +302,10 @@ class WeightSync:
 
     def _compare(self, trainer: torch.Tensor, when: str) -> tuple[float, float]:
         max_diff = mean_diff = 0.0
-        if self.owner:
-            engine = torch.tensor(ray.get(self.engine.score.remote(self.probe_batch.tolist())), dtype=torch.float32)
-            diff = (engine - trainer).abs()
-            max_diff, mean_diff = diff.max().item(), diff.mean().item()
+        scored = ray.get([e.score.remote(self.probe_batch.tolist()) for e in self.route.engines])
+        for engine in scored:
+            diff = (torch.tensor(engine, dtype=torch.float32) - trainer).abs()
+            max_diff, mean_diff = max(max_diff, diff.max().item()), max(mean_diff, diff.mean().item())
         # The worst engine decides, on every rank, so that all ranks raise together or none does.
         max_diff = all_reduce_scalar(max_diff, torch.distributed.group.WORLD, "max")
         mean_diff = all_reduce_scalar(mean_diff, torch.distributed.group.WORLD, "max")
@@ -237,8 +319,4 @@ class WeightSync:
         return max_diff, mean_diff
 
     def close(self) -> None:
-        for sender in self.senders:
-            sender.close()
-        if self.feeders is not None:
-            torch.distributed.destroy_process_group(self.feeders)
-            self.feeders = None
+        self.route.close()

@@ -1,11 +1,15 @@
-"""Moving a bucket of named tensors from trainer processes to the colocated rollout engine's workers, zero-copy.
+"""Moving a bucket of named tensors from trainer processes to rollout engine workers.
 
-Each trainer rank that feeds an engine packs the bucket into a buffer the engine's workers can map (POSIX shared
+Colocated engines take buckets zero-copy: each trainer rank that feeds an engine packs the bucket into a buffer the engine's workers can map (POSIX shared
 memory on CPU, a CUDA IPC handle on GPU) and sends only a small picklable :class:`BucketHandle`; an engine with
 several workers gets one buffer per worker's device (the trainer rank colocated on it), so no worker maps memory
 on another GPU or node. Each worker maps its buffer and hands views to vLLM's weight loader, which copies what
 its own shard needs. A sender keeps one buffer and reuses it for every bucket, so the extra memory of a sync is
 one bucket, allocated on the first sync only.
+
+Engines on other devices (a disaggregated placement) receive the same packed bucket by a broadcast over the
+weight-transfer group (:class:`parallel.transfer.TransferGroup`); the handle then names no buffer (kind
+``broadcast``) and each worker receives into a buffer of its own.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +49,7 @@ class BucketHandle:
     """What crosses the process boundary per bucket: the tensors, and the buffers holding them (identical copies,
     one per feeding trainer rank)."""
 
-    kind: str  # "shm" or "cuda_ipc"
+    kind: str  # "shm", "cuda_ipc" or "broadcast"
     buffers: tuple[BufferRef, ...]
     nbytes: int
     tensors: tuple[TensorMeta, ...]
@@ -80,12 +84,13 @@ def _remove_stale_segments() -> None:
 
 
 class BucketSender:
-    """Trainer side: owns the shared buffer (grown when a bucket needs more) and packs buckets into it."""
+    """Trainer side: owns the buffer (grown when a bucket needs more) and packs buckets into it. ``kind``: the
+    device's zero-copy transport to a colocated engine (default), or ``broadcast`` (a plain device buffer)."""
 
-    def __init__(self, device: torch.device, reserve_bytes: int = 0):
+    def __init__(self, device: torch.device, reserve_bytes: int = 0, kind: str | None = None):
         self.device = device
         self.machine = Device(device.type)
-        self.kind = self.machine.bucket_transport
+        self.kind = kind or self.machine.bucket_transport
         if self.kind == "shm":
             _remove_stale_segments()
         self._buffer: torch.Tensor | None = None
@@ -104,6 +109,8 @@ class BucketSender:
 
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
             self._ref = BufferRef(device_id(self.device), pickle.dumps(reduce_tensor(self._buffer)))
+        elif self.kind == "broadcast":
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         else:
             self._path = SHM_DIR / f"mcore_rl_{os.getpid()}_{uuid.uuid4().hex[:8]}"
             self._buffer = torch.from_file(str(self._path), shared=True, size=nbytes, dtype=torch.uint8)
@@ -117,7 +124,12 @@ class BucketSender:
             dst.copy_(src)
         if (stream := self.machine.stream(self.device)) is not None:
             stream.synchronize()  # the receiver reads on its own stream
-        return BucketHandle(self.kind, (self._ref,), nbytes, tuple(metas))
+        refs = () if self._ref is None else (self._ref,)
+        return BucketHandle(self.kind, refs, nbytes, tuple(metas))
+
+    def packed(self, handle: BucketHandle) -> torch.Tensor:
+        """The bytes of the last packed bucket (``handle``'s): what a ``broadcast`` handle's receivers get."""
+        return self._buffer[: handle.nbytes]
 
     @property
     def capacity(self) -> int:
@@ -145,12 +157,17 @@ def buffer_for(handle: BucketHandle, own_device: str, rank: int) -> BufferRef:
 
 
 def open_bucket(
-    handle: BucketHandle, device: torch.device, rank: int = 0
+    handle: BucketHandle, device: torch.device, rank: int = 0, receive: Callable[[int], torch.Tensor] | None = None
 ) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor]]]:
     """Receiver side (worker ``rank`` of its engine): a sender's buffer, mapped, and views of the bucket's tensors
-    in it (no copy)."""
-    if handle.kind not in ("shm", "cuda_ipc"):
-        raise ValueError(f"unknown bucket handle kind {handle.kind!r}; expected 'shm' or 'cuda_ipc'")
+    in it (no copy). ``receive(nbytes)`` takes a ``broadcast`` bucket from the transfer group."""
+    if handle.kind not in ("shm", "cuda_ipc", "broadcast"):
+        raise ValueError(f"unknown bucket handle kind {handle.kind!r}; expected 'shm', 'cuda_ipc' or 'broadcast'")
+    if handle.kind == "broadcast":
+        if receive is None:
+            raise RuntimeError("a broadcast bucket, but this worker joined no transfer group")
+        buffer = receive(handle.nbytes)
+        return buffer, list(_views(buffer, handle.tensors))
     ref = buffer_for(handle, device_id(device), rank)
     if handle.kind == "cuda_ipc":
         # A handle from our own trainer process; rebuilt on this process's ordinal of the same GPU (see buffer_for).

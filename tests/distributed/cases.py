@@ -274,7 +274,7 @@ def train_and_sync(
     """
     import ray
 
-    from mcore_rl.sync import ProbeMismatchError, SyncConfig, WeightSync
+    from mcore_rl.sync import ColocatedRoute, ProbeMismatchError, SyncConfig, WeightSync
 
     rank = torch.distributed.get_rank()
     engine = _attach_engine(ray_address, engines.get(rank - rank % engine_tp))
@@ -282,15 +282,9 @@ def train_and_sync(
     bridge, config, chunks, groups = _load(hf_dir, layout)
     optimizer = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
     step = MegatronTrainStep(chunks, config, optimizer, groups)
+    route = ColocatedRoute(engine, next(chunks[0].parameters()).device, bucket_bytes, engine_tp)
     sync = WeightSync(
-        chunks,
-        bridge,
-        groups,
-        engine,
-        step,
-        SyncConfig(bucket_bytes=bucket_bytes),
-        getattr(torch, engine_dtype),
-        engine_tp,
+        chunks, bridge, groups, route, step, SyncConfig(bucket_bytes=bucket_bytes), getattr(torch, engine_dtype)
     )
     tokens = torch.randint(0, bridge.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -367,19 +361,13 @@ def perturb_and_sync(
 ) -> dict:
     """Megatron's greedy continuation before and after perturbing its weights, and the sync's report (rank 0
     feeds the engine)."""
-    from mcore_rl.sync import SyncConfig, WeightSync
+    from mcore_rl.sync import ColocatedRoute, SyncConfig, WeightSync
 
     bridge, _, chunks, groups = _load(hf_dir, layout)
     model = MegatronModel(chunks, groups)
-    sync = WeightSync(
-        chunks,
-        bridge,
-        groups,
-        _attach_engine(ray_address, engine_name if torch.distributed.get_rank() == 0 else None),
-        model,
-        SyncConfig(bucket_bytes=64 << 20),
-        torch.float32,
-    )
+    engine = _attach_engine(ray_address, engine_name if torch.distributed.get_rank() == 0 else None)
+    route = ColocatedRoute(engine, next(chunks[0].parameters()).device, 64 << 20)
+    sync = WeightSync(chunks, bridge, groups, route, model, SyncConfig(bucket_bytes=64 << 20), torch.float32)
     before = _greedy(chunks, groups, bridge, prompt_ids, new_tokens)
     _perturb(chunks, groups, seed=7, scale=0.25)
     after = _greedy(chunks, groups, bridge, prompt_ids, new_tokens)

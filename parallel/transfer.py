@@ -1,0 +1,79 @@
+"""The weight-transfer group: a trainer rank and the rollout engines' workers on other devices, possibly other nodes.
+
+Neither side can join the other's torch.distributed world (each has its own: Megatron's ranks, vLLM's workers),
+so the group is built directly on a TCP store that the trainer rank hosts, outside both worlds: NCCL between GPUs,
+gloo between CPU processes (:attr:`parallel.device.Device.dist_backend` decides). Rank 0 is the trainer, which
+broadcasts each bucket once to every worker of every engine. Nothing here imports Megatron or vLLM: both sides
+use it. (:func:`free_addresses` also gives the roles' own worlds their rendezvous.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from parallel.device import Device
+
+SOURCE = 0  # the trainer's rank in the group
+
+
+def free_addresses(count: int) -> list[tuple[str, int]]:
+    """This node's IP with ``count`` distinct free TCP ports: the rendezvous of roles' torch.distributed worlds (on
+    their rank 0's node). Chosen while all are held, so roles that start side by side cannot share one."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("", 0))
+        ports = [s.getsockname()[1] for s in sockets]
+    host = socket.gethostbyname(socket.gethostname())
+    return [(host, port) for port in ports]
+
+
+class TransferGroup:
+    """Rank ``rank`` of ``world`` in the group whose store listens at ``address`` (hosted by rank 0).
+
+    Collective: every member constructs its own at the same time (the constructor connects to all the others).
+    """
+
+    def __init__(self, address: tuple[str, int], rank: int, world: int, device: torch.device, timeout_s: int = 1800):
+        if not 0 <= rank < world:
+            raise ValueError(f"transfer group rank {rank} outside a world of {world}")
+        timeout = timedelta(seconds=timeout_s)
+        self.device, self.rank, self.world = device, rank, world
+        self.store = dist.TCPStore(
+            address[0], address[1], world, is_master=rank == SOURCE, timeout=timeout, wait_for_workers=False
+        )
+        store = dist.PrefixStore("mcore_rl_transfer", self.store)
+        if Device(device.type).dist_backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.group = dist.ProcessGroupNCCL(store, rank, world, options)
+        else:
+            self.group = dist.ProcessGroupGloo(store, rank, world, timeout)
+        self._buffer: torch.Tensor | None = None  # receivers: one buffer, grown to the largest bucket
+
+    def send(self, buffer: torch.Tensor) -> None:
+        """Rank 0: broadcast a packed bucket (a flat uint8 tensor on this rank's device) to every other member."""
+        self._broadcast(buffer)
+
+    def receive(self, nbytes: int) -> torch.Tensor:
+        """Other ranks: the next bucket of ``nbytes`` bytes, in a buffer that the next ``receive`` overwrites."""
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buffer = self._buffer[:nbytes]
+        self._broadcast(buffer)
+        return buffer
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        options = dist.BroadcastOptions()
+        options.rootRank = SOURCE
+        self.group.broadcast([tensor], options).wait()
+
+    def close(self) -> None:
+        self._buffer = None
+        self.group.shutdown()
+        self.group = self.store = None
