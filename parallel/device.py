@@ -72,11 +72,25 @@ class Device:
         or the CPU."""
         return torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
 
-    def share_cores(self, world_size: int) -> None:
+    def share_cores(self, world_size: int, cores: list[int] | None = None) -> None:
         """On CPU, give each of a role's ``world_size`` ranks its share of the cores (colocated roles take turns,
-        so each may use all of its share); GPU ranks keep torch's default."""
-        if not self.cuda:
+        so each may use all of its share), or pin this rank to ``cores`` (its device's, where roles on other
+        devices run at the same time); GPU ranks keep torch's default."""
+        if self.cuda:
+            return
+        if cores:
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
+        else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+    @staticmethod
+    def split_cores(parts: int) -> list[list[int]]:
+        """This process's cores in ``parts`` contiguous groups, as even as they go (a core is shared only when
+        there are fewer cores than parts): the cores of each logical CPU device."""
+        cores = sorted(os.sched_getaffinity(0))
+        per = max(1, len(cores) // parts)
+        return [cores[i * per : (i + 1) * per] or [cores[i % len(cores)]] for i in range(parts)]
 
     def optimizer_args(self) -> dict:
         """Keyword arguments of Megatron-Core's ``get_megatron_optimizer`` besides the config and the model.
@@ -174,6 +188,7 @@ class Device:
         """Environment vLLM reads when the engine is built (the engine owns its process: a Ray actor)."""
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if config.in_process else "1"}
         if not self.cuda:
-            # Colocated: the trainer is idle while the engine runs, so no core is held back for it.
+            # Colocated, the trainer is idle while the engine runs; disaggregated, the engine is bound to its own
+            # devices' cores: either way no core is held back.
             env |= {"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         return env

@@ -42,11 +42,39 @@ class RuntimeArgs:
     data_shuffle: bool = True
     seed: int = 1
     num_devices: int = 2  # GPUs, or logical devices declared to Ray on a CPU machine
+    # Devices of the rollout engines. 0: colocated, every role on all num_devices devices, taking turns. N > 0:
+    # disaggregated, the engines on the last N devices, the trainer and reference on the others.
+    rollout_devices: int = 0
+    # "sync": generate, train, sync weights, in turn. With rollout_devices > 0 also "one_step_off" (the next
+    # episode's rollout overlaps this episode's training: samples are one policy version behind) and "async" (the
+    # engines generate continuously into a buffer; each episode trains on the oldest ready samples).
+    rollout_mode: str = "sync"
+    max_staleness: int = 1  # async: the most policy versions a trained sample's oldest token may lag (older: dropped)
+    # async: generations in flight at a weight sync continue with the new weights (their later tokens carry the new
+    # version); false: the sync waits until they finish
+    partial_rollout: bool = True
     # GiB of one device, as GPUs are sold (H100: 80): the run stops before starting when an episode's phase cannot
     # fit it (mcore_rl.planner.memory); 0: the local GPU's, and no check on a CPU machine
     device_memory_gb: float = 0.0
     ray_address: str = ""  # an existing cluster ("auto" or host:port); empty: $RAY_ADDRESS, else start a local one
     log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def colocated(self) -> bool:
+        return not self.rollout_devices
+
+    @property
+    def trainer_devices(self) -> int:
+        """Devices of the trainer and reference: all of them when colocated."""
+        return self.num_devices - self.rollout_devices
+
+    @property
+    def engine_devices(self) -> int:
+        """Devices of the rollout engines: all of them when colocated."""
+        return self.rollout_devices or self.num_devices
+
+
+ROLLOUT_MODES = ("sync", "one_step_off", "async")
 
 
 @dataclass
@@ -72,7 +100,8 @@ class TrainerConfig:
     # Drop prompt groups with constant rewards and sample new prompts in their place (up to 3 refill rounds; then
     # the dropped groups, whose advantages are 0, fill what is still missing)
     dynamic_sampling: bool = False
-    offload: bool = True  # GPU: weights, grads and optimizer state leave the device while the engines roll out
+    # GPU, colocated: weights, grads and optimizer state leave the device while the engines roll out
+    offload: bool = True
     # > 0: pack samples (THD, no padding to the longest) into micro-batches of at most this many tokens, balanced
     # over data-parallel ranks; micro_batch_size is then unused. 0: padded micro-batches of micro_batch_size.
     max_token_in_packing: int = 0
@@ -179,6 +208,7 @@ class RunConfig:
                     f"models.{role}.max_token_in_packing={packing} is below the longest sample ({longest} tokens: "
                     "max_prompt_tokens + max_new_tokens); raise it, or set 0 for padded micro-batches"
                 )
+        self._validate_placement()
         self._validate_layouts()
         if m.policy_trainer.recompute not in ("none", "full"):
             raise ConfigError(
@@ -217,7 +247,7 @@ class RunConfig:
                     f"{role.parallel.cp}) and rotary embeddings outside attention ({role.load!r} uses MLA: "
                     f"{mla}); set it to false"
                 )
-        groups, dp = rt.train_global_batch_size // n, m.policy_trainer.parallel.dp(rt.num_devices)
+        groups, dp = rt.train_global_batch_size // n, m.policy_trainer.parallel.dp(rt.trainer_devices)
         if m.policy_trainer.share_prompts and groups < dp:
             raise ConfigError(
                 f"models.policy_trainer.share_prompts: a step's {groups} prompt groups (train_global_batch_size / "
@@ -260,9 +290,42 @@ class RunConfig:
             node = getattr(node, part)
         return node
 
+    def _validate_placement(self) -> None:
+        rt, m = self.runtime_args, self.models
+        if not 0 <= rt.rollout_devices < rt.num_devices:
+            raise ConfigError(
+                f"runtime_args.rollout_devices={rt.rollout_devices}: expected 0 (colocated) up to num_devices - 1 = "
+                f"{rt.num_devices - 1} (the trainer keeps at least one device)"
+            )
+        if rt.rollout_mode not in ROLLOUT_MODES:
+            raise ConfigError(f"runtime_args.rollout_mode={rt.rollout_mode!r}: expected one of {list(ROLLOUT_MODES)}")
+        if rt.rollout_mode != "sync" and rt.colocated:
+            raise ConfigError(
+                f"runtime_args.rollout_mode={rt.rollout_mode!r} overlaps rollout with training, which colocated roles "
+                "cannot (they take turns on every device); give the engines devices of their own with "
+                "runtime_args.rollout_devices > 0, or set rollout_mode: sync"
+            )
+        if rt.rollout_mode == "async" and rt.max_staleness < 1:
+            raise ConfigError(
+                f"runtime_args.max_staleness={rt.max_staleness}: async rollout needs at least 1 (samples generated "
+                "while the trainer trains are a version behind); for on-policy batches use rollout_mode: sync"
+            )
+        if rt.rollout_mode == "async" and m.policy_trainer.moe.routing_replay and rt.partial_rollout:
+            raise ConfigError(
+                "runtime_args.partial_rollout: a partial rollout recomputes its context with new weights, so the "
+                "routing of its earlier tokens is not the routing that sampled them; set partial_rollout: false "
+                "or models.policy_trainer.moe.routing_replay: false"
+            )
+
     def _validate_layouts(self) -> None:
         rt, m = self.runtime_args, self.models
-        devices = rt.num_devices
+        devices = rt.trainer_devices
+        where = (
+            f"runtime_args.num_devices={devices}"
+            if rt.colocated
+            else f"the trainer's {devices} devices: runtime_args.num_devices={rt.num_devices} - rollout_devices="
+            f"{rt.rollout_devices}"
+        )
         for key, parallel in (
             ("models.policy_trainer.parallel", m.policy_trainer.parallel),
             ("models.ref_policy.parallel", m.ref_policy.parallel),
@@ -270,7 +333,7 @@ class RunConfig:
             try:
                 parallel.validate_world(devices)
             except ValueError as err:
-                raise ConfigError(f"{key}: {err} (runtime_args.num_devices={devices})") from None
+                raise ConfigError(f"{key}: {err} ({where})") from None
         trainer = m.policy_trainer
         dp = trainer.parallel.dp(devices)
         if rt.train_global_batch_size % (trainer.micro_batch_size * dp):
@@ -279,10 +342,11 @@ class RunConfig:
                 f"models.policy_trainer.micro_batch_size={trainer.micro_batch_size} x data-parallel size {dp}"
             )
         rollout_tp = m.policy.rollout.tensor_parallel_size
-        if devices % rollout_tp:
+        if rt.engine_devices % rollout_tp:
+            key = "num_devices" if rt.colocated else "rollout_devices"
             raise ConfigError(
                 f"models.policy.rollout.tensor_parallel_size={rollout_tp} does not divide "
-                f"runtime_args.num_devices={devices}: each rollout replica takes tensor_parallel_size devices"
+                f"runtime_args.{key}={rt.engine_devices}: each rollout replica takes tensor_parallel_size devices"
             )
 
 

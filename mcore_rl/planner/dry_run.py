@@ -78,13 +78,15 @@ def _print(name: str, role: dict) -> None:
 
 def dry_run(config, device_memory_gb: float | None, json_path: Path | None) -> int:
     """Print the report of ``config`` (a validated RunConfig); 1 if the mapping check failed or it does not fit."""
-    m, world = config.models, config.runtime_args.num_devices
+    m, world = config.models, config.runtime_args.trainer_devices
     bridge = get_bridge(m.policy_trainer.load)
     hf = hf_tensors(bridge.hf)
     print(
         f"{bridge.architecture} from {m.policy_trainer.load}: {sum(s.numel() for s in hf.values()) / GB:.2f} B params"
     )
-    print(f"{world} devices, rollout tensor parallel {m.policy.rollout.tensor_parallel_size}")
+    rt = config.runtime_args
+    pools = "colocated" if rt.colocated else f"trainer {world}, rollout {rt.rollout_devices}"
+    print(f"{rt.num_devices} devices ({pools}), rollout tensor parallel {m.policy.rollout.tensor_parallel_size}")
     report = {"model": m.policy_trainer.load, "devices": world, "hf_tensors": len(hf), "roles": {}}
     bucket = m.policy.sync.bucket_bytes
     report["roles"]["policy_trainer"] = plan_role(bridge, m.policy_trainer.parallel, world, bucket, hf)

@@ -1,4 +1,4 @@
-"""Per-device memory of a colocated run, from the model's config.json and the run config alone (no model is built):
+"""Per-device memory of a run (colocated, or per device pool when the engines have their own), from the model's config.json and the run config alone (no model is built):
 what each role holds in each phase of an episode, whether it fits a device, and which layouts would.
 
 Everything is counted per device of the busiest pipeline rank:
@@ -245,7 +245,7 @@ class Workload:
         rt, m = config.runtime_args, config.models
         trainer = m.policy_trainer
         longest = m.policy.max_prompt_tokens + m.policy.rollout.train.max_new_tokens
-        dp = trainer.parallel.dp(rt.num_devices)
+        dp = trainer.parallel.dp(rt.trainer_devices)
         rows = rt.train_global_batch_size // dp
         if trainer.max_token_in_packing:
             tokens = trainer.max_token_in_packing
@@ -381,12 +381,14 @@ def plan_memory(
     """Every phase of a colocated episode on one device of ``config`` (a RunConfig), with the trainer's offload as
     configured (:func:`mcore_rl.driver.episode_step` moves weights and optimizer state apart). ``reserve_bytes``
     stands for the CUDA context, NCCL buffers and allocator fragmentation."""
-    m, world = config.models, config.runtime_args.num_devices
+    m, world = config.models, config.runtime_args.trainer_devices
     a = arch or Architecture.from_bridge(get_bridge(m.policy_trainer.load))
     trainer = trainer_memory(a, m.policy_trainer.parallel, world, Workload.from_config(config), backend=backend)
     use_ref = bool(m.policy_trainer.algorithm.kl_coef)
     ref = max(p for p, _ in stage_params(a, m.ref_policy.parallel)) * 2 if use_ref else 0
     engine = engine_memory(a, m.policy.rollout, device_bytes)
+    if not config.runtime_args.colocated:
+        return _disaggregated(m, trainer, ref, engine, device_bytes, reserve_bytes)
     offload = m.policy_trainer.offload
     resident = {"trainer (offloaded)": 0} if offload else {"trainer weights+grads+optimizer": trainer.static}
     # outside the step: with offload, the weights without the optimizer state and gradients
@@ -413,6 +415,24 @@ def plan_memory(
         # with offload, the optimizer state and gradients leave before the engine's weights arrive
         Phase("sync", weights_only | {"engine weights": engine.weights} | fixed),
     ]
+    return MemoryPlan(device_bytes, trainer, ref, engine, phases, _problems(m, phases, engine, device_bytes))
+
+
+def _disaggregated(m, trainer: TrainerMemory, ref: int, engine: EngineMemory, device_bytes: int, reserve: int):
+    """The phases of each pool when the engines have devices of their own: the trainer and reference stay
+    resident on theirs (nothing else comes), rank 0 keeps one broadcast buffer; an engine device holds the
+    engine's share alone."""
+    resident = {"trainer weights+grads+optimizer": trainer.static, "reference weights": ref}
+    fixed = {"sync buffer": m.policy.sync.bucket_bytes, "reserve": reserve}
+    phases = [
+        Phase("rollout (rollout devices)", {"engine share": engine.share, "reserve": reserve}),
+        Phase("log-probs", resident | {"scoring": trainer.scoring} | fixed),
+        Phase("train", resident | {"activations": trainer.activations} | fixed),
+    ]
+    return MemoryPlan(device_bytes, trainer, ref, engine, phases, _problems(m, phases, engine, device_bytes))
+
+
+def _problems(m, phases: list[Phase], engine: EngineMemory, device_bytes: int) -> list[str]:
     problems = [
         f"{p.name}: {p.total / GiB:.1f} GiB needed > {device_bytes / GiB:.1f} GiB ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in p.parts.items() if v)
@@ -427,14 +447,14 @@ def plan_memory(
             f"{engine.weights / GiB:.1f}, working {engine.working / GiB:.1f}); raise "
             "models.policy.rollout.gpu_memory_utilization or tensor_parallel_size"
         )
-    return MemoryPlan(device_bytes, trainer, ref, engine, phases, problems)
+    return problems
 
 
 def suggest_layouts(config, device_bytes: int, *, limit: int = 5, **kwargs) -> list[tuple[ParallelConfig, int]]:
     """Trainer layouts for ``config``'s model and devices that fit, best first: the least model parallelism (the
     most data parallelism), then fewer pipeline stages, then the lowest peak; each with its peak bytes."""
     a = Architecture.from_bridge(get_bridge(config.models.policy_trainer.load))
-    world = config.runtime_args.num_devices
+    world = config.runtime_args.trainer_devices
     found = []
     for tp in divisors(min(world, 8)):  # TP within a node
         for pp in [p for p in divisors(world // tp) if p <= a.layers]:

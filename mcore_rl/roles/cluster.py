@@ -1,4 +1,5 @@
-"""Ray placement of the roles: one bundle per device; colocated roles share bundles and take turns.
+"""Ray placement of the roles: one bundle per device; colocated roles share bundles and take turns, and a
+disaggregated run gives the rollout engines bundles of their own.
 
 On GPU clusters a device is a Ray ``GPU``. On a CPU machine it is a logical resource (``DEVICE``) that the
 driver declares when it starts a local cluster (``ray start --resources='{"mcore_rl_device": N}'`` on an existing
@@ -51,19 +52,28 @@ def device_resource(num_devices: int) -> str:
 
 
 class Placement:
-    """A placement group of ``num_devices`` bundles, each shared by ``share`` colocated roles."""
+    """A placement group of one bundle per device; bundle ``b`` is shared by ``shares[b]`` colocated roles."""
 
-    def __init__(self, num_devices: int, share: int, timeout_s: float = 120):
+    def __init__(self, shares: list[int], timeout_s: float = 120):
+        num_devices = len(shares)
         self.resource = device_resource(num_devices)
-        self.share = share
+        self.shares = shares
         self.group = placement_group([{self.resource: 1}] * num_devices, strategy="PACK")
         if not self.group.wait(timeout_s):
             remove_placement_group(self.group)
             raise RuntimeError(f"could not reserve {num_devices} x {self.resource} within {timeout_s:.0f} s")
 
+    @classmethod
+    def pools(cls, trainer_devices: int, rollout_devices: int, trainer_roles: int) -> Placement:
+        """Colocated (``rollout_devices`` 0): every device shared by the engines and the ``trainer_roles``
+        Megatron roles. Otherwise the trainer's devices first, shared by its roles, then the engines' own."""
+        if not rollout_devices:
+            return cls([trainer_roles + 1] * trainer_devices)
+        return cls([trainer_roles] * trainer_devices + [1] * rollout_devices)
+
     def options(self, bundle: int) -> dict:
         """Ray actor options for an actor that takes one role's share of device ``bundle``."""
-        share = 1 / self.share
+        share = 1 / self.shares[bundle]
         return {
             "num_cpus": 0,  # colocated roles take turns on their device's cores
             "resources": {self.resource: share} if self.resource != "GPU" else {},
@@ -80,7 +90,7 @@ class Placement:
         if tp == 1 or self.resource != "GPU":
             return self.options(first)
         bundles = ",".join(str(b) for b in range(first, first + tp))
-        env = {"VLLM_RAY_BUNDLE_INDICES": bundles, "VLLM_RAY_PER_WORKER_GPUS": str(1 / self.share)}
+        env = {"VLLM_RAY_BUNDLE_INDICES": bundles, "VLLM_RAY_PER_WORKER_GPUS": str(1 / self.shares[first])}
         return {
             "num_cpus": 0,
             "num_gpus": 0,
@@ -96,13 +106,25 @@ class ActorGroup:
     """The ranks of one Megatron role, one actor per bundle; ``call`` runs a method on all and gathers results.
 
     Constructing a group starts its ranks, with ``master`` (from :func:`rendezvous`) as their torch.distributed
-    rendezvous; :func:`wait_ready` waits for them, so several roles start side by side.
+    rendezvous; :func:`wait_ready` waits for them, so several roles start side by side. ``cores``: each rank's CPU
+    cores, where it must not share them (CPU, disaggregated).
     """
 
-    def __init__(self, cls, placement: Placement, world: int, name: str, master: tuple[str, int], **kwargs):
+    def __init__(
+        self,
+        cls,
+        placement: Placement,
+        world: int,
+        name: str,
+        master: tuple[str, int],
+        cores: list[list[int]] | None = None,
+        **kwargs,
+    ):
         remote = ray.remote(cls)
         self.actors = [
-            remote.options(name=f"{name}-{rank}", **placement.options(rank)).remote(rank, world, master, **kwargs)
+            remote.options(name=f"{name}-{rank}", **placement.options(rank)).remote(
+                rank, world, master, cores=cores[rank] if cores else None, **kwargs
+            )
             for rank in range(world)
         ]
 
@@ -116,7 +138,7 @@ class ActorGroup:
 
 def rendezvous(placement: Placement, count: int) -> list[tuple[str, int]]:
     """``count`` distinct addresses on the node of the placement's first bundle, where every role's rank 0 runs."""
-    from mcore_rl.roles.megatron import free_addresses
+    from parallel.transfer import free_addresses
 
     return ray.get(ray.remote(free_addresses).options(**placement.options(0)).remote(count))
 

@@ -7,10 +7,8 @@ layout, so colocated roles never share a process group. Batches arrive whole on 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import socket
 from pathlib import Path
 
 import torch
@@ -23,7 +21,7 @@ from mcore_rl.metrics import process_stats
 from mcore_rl.moe import MoEConfig, RouterLoad
 from mcore_rl.offload import StorageOffloader
 from mcore_rl.packing import pack_rows, plan_packing, plan_shared_prompts, rows_of, share_prompt_rows
-from mcore_rl.sync import SyncConfig, WeightSync
+from mcore_rl.sync import BroadcastRoute, ColocatedRoute, SyncConfig, WeightSync
 from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
 from models.registry import get_bridge
 from parallel.comm import all_gather_bucket, all_reduce_, all_reduce_scalar
@@ -32,18 +30,6 @@ from parallel.device import Device
 from parallel.groups import init_parallel
 
 log = logging.getLogger(__name__)
-
-
-def free_addresses(count: int) -> list[tuple[str, int]]:
-    """This node's IP with ``count`` distinct free TCP ports: the rendezvous of roles' torch.distributed worlds (on
-    their rank 0's node). Chosen while all are held, so roles that start side by side cannot share one."""
-    with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("", 0))
-        ports = [s.getsockname()[1] for s in sockets]
-    host = socket.gethostbyname(socket.gethostname())
-    return [(host, port) for port in ports]
 
 
 class MegatronRank:
@@ -60,14 +46,16 @@ class MegatronRank:
         max_token_in_packing: int = 0,
         share_prompts: bool = False,
         overrides: dict | None = None,
+        cores: list[int] | None = None,
     ):
         """``share_prompts``: score (and train) each prompt's samples in one row that holds the prompt once
-        (:func:`mcore_rl.packing.share_prompt_rows`); needs whole groups per data-parallel rank and step."""
+        (:func:`mcore_rl.packing.share_prompt_rows`); needs whole groups per data-parallel rank and step.
+        ``cores``: the CPU cores of this rank's device, where roles on other devices run at the same time."""
         os.environ.update(
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0"
         )
         self.machine = Device.current()
-        self.machine.share_cores(world)
+        self.machine.share_cores(world, cores)
         self.rank, self.parallel = rank, parallel
         self.max_token_in_packing = max_token_in_packing  # > 0: THD packs instead of padded micro-batches
         self.groups = init_parallel(parallel, seed=seed, device=self.machine)
@@ -169,11 +157,14 @@ class PolicyTrainer(MegatronRank):
         moe: MoEConfig | None = None,
         recompute: str = "none",
         overrides: dict | None = None,
+        cores: list[int] | None = None,
     ):
         """``overrides``: TransformerConfig fields beyond what the run config sets (a test's ``params_dtype``)."""
         moe = moe or MoEConfig()
         overrides = moe.overrides(get_bridge(hf_dir)) | recompute_overrides(recompute) | (overrides or {})
-        super().__init__(rank, world, master, hf_dir, parallel, seed, max_token_in_packing, share_prompts, overrides)
+        super().__init__(
+            rank, world, master, hf_dir, parallel, seed, max_token_in_packing, share_prompts, overrides, cores
+        )
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -317,14 +308,20 @@ class PolicyTrainer(MegatronRank):
         return list(getattr(self.model.optimizer, "chained_optimizers", [self.model.optimizer]))
 
     # ---- weight sync --------------------------------------------------------------------------------------
-    def connect_engine(self, engine, engine_tp: int, sync: SyncConfig, engine_dtype: str) -> None:
-        """Attach the rollout engine on this rank's device (one per block of ``engine_tp`` ranks)."""
-        dtype = getattr(torch, engine_dtype)
-        self.sync = WeightSync(self.chunks, self.bridge, self.groups, engine, self.model, sync, dtype, engine_tp)
+    def connect_engines(self, engines: list, colocated: bool, engine_tp: int, sync: SyncConfig, dtype: str) -> None:
+        """Attach the rollout engines: colocated, the engine on this rank's devices (one per block of ``engine_tp``
+        ranks); on other devices, all of them, fed by rank 0 over a weight-transfer group."""
+        device = next(self.chunks[0].parameters()).device
+        if colocated:
+            route = ColocatedRoute(engines[self.rank // engine_tp], device, sync.bucket_bytes, engine_tp)
+        else:
+            route = BroadcastRoute(engines, device, sync.bucket_bytes, engine_tp)
+        self.sync = WeightSync(self.chunks, self.bridge, self.groups, route, self.model, sync, getattr(torch, dtype))
 
-    def sync_weights(self) -> None:
-        """Load the weights into the engines (their KV caches stay asleep); ``verify_sync`` completes it."""
-        self.sync.push()
+    def push_weights(self, version: int) -> None:
+        """Load the weights into the engines as policy ``version`` (a colocated engine's KV cache stays asleep);
+        ``verify_sync`` completes it."""
+        self.sync.push(version)
 
     def verify_sync(self) -> dict:
         """Wake the engines and check them with the probe; works with this rank's weights offloaded."""

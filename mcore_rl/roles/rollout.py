@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import ray
 
 from mcore_rl.rewards.user import Reward, RewardError
@@ -16,27 +18,48 @@ def _split(items: list, parts: int) -> list[list]:
 
 
 class RolloutGroup:
-    """Engines on consecutive blocks of ``tp`` devices; the trainer ranks on a block feed its engine."""
+    """Engines on consecutive blocks of ``tp`` of the placement's ``devices`` (colocated: the trainer ranks on a
+    block feed its engine)."""
 
-    def __init__(self, model_dir: str, config: RolloutConfig, placement: Placement, num_devices: int, name: str):
+    def __init__(
+        self,
+        model_dir: str,
+        config: RolloutConfig,
+        placement: Placement,
+        devices: range,
+        name: str,
+        cores: list[list[int]] | None = None,
+    ):
+        """``cores``: each device's CPU cores, where the engines must keep to their own (CPU, disaggregated)."""
         self.tp = config.tensor_parallel_size
-        self.engines = launch_engines(
-            model_dir,
-            config,
-            [
-                (f"{name}-{i}", placement.engine_options(first, self.tp))
-                for i, first in enumerate(range(0, num_devices, self.tp))
-            ],
-        )
-
-    def engine_of(self, rank: int):
-        return self.engines[rank // self.tp]
+        firsts = range(devices.start, devices.stop, self.tp)
+        configs = [config] * len(firsts)
+        if cores and config.cpu_threads_bind == "auto":  # each worker on its own device's cores
+            configs = [
+                dataclasses.replace(
+                    config,
+                    cpu_threads_bind="|".join(",".join(map(str, cores[d])) for d in range(first, first + self.tp)),
+                )
+                for first in firsts
+            ]
+        launches = [(f"{name}-{i}", placement.engine_options(first, self.tp)) for i, first in enumerate(firsts)]
+        self.engines = launch_engines(model_dir, configs, launches)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """Prompts spread evenly over the replicas, generated concurrently; results in prompt order."""
         parts = [p for p in _split(prompts, len(self.engines)) if p]
         results = ray.get([e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=False)])
         return [c for part in results for c in part]
+
+    def submit(self, requests: list[tuple[str, list[int]]], sampling: SamplingConfig) -> None:
+        """Start ``(key, prompt)`` requests, spread over the replicas; :meth:`collect` hands them out when done."""
+        for engine, part in zip(self.engines, _split(requests, len(self.engines)), strict=True):
+            if part:
+                ray.get(engine.submit.remote(part, sampling))
+
+    def collect(self, seconds: float = 0.5) -> list[tuple[str, list[Completion]]]:
+        """Let the replicas generate for up to ``seconds``; the submitted requests that finished."""
+        return [done for part in ray.get([e.collect.remote(seconds) for e in self.engines]) for done in part]
 
     def sleep(self) -> int:
         return sum(ray.get([e.sleep.remote() for e in self.engines]))

@@ -16,15 +16,18 @@ from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine
 NAMESPACE = "mcore_rl"  # Ray namespace of the job's named actors, so other processes can look them up
 
 
-def launch_engines(model_dir: str | Path, config: RolloutConfig, launches: list[tuple[str | None, dict]]) -> list:
-    """Start one ``RolloutEngine`` actor per ``(name, Ray actor options)`` and wait until all are up: they import
-    vLLM and load the model side by side, not in turn. Start-up errors surface here, not at the first call; the
-    engines of a launch that failed are stopped."""
+def launch_engines(
+    model_dir: str | Path, config: RolloutConfig | list[RolloutConfig], launches: list[tuple[str | None, dict]]
+) -> list:
+    """Start one ``RolloutEngine`` actor per ``(name, Ray actor options)`` (with ``config``, or its own of a list)
+    and wait until all are up: they import vLLM and load the model side by side, not in turn. Start-up errors
+    surface here, not at the first call; the engines of a launch that failed are stopped."""
     engine = ray.remote(RolloutEngine)
-    # An engine shares its device's CPUs with the trainer it takes turns with: it reserves none.
+    configs = config if isinstance(config, list) else [config] * len(launches)
+    # An engine shares its device's CPUs with the trainer it takes turns with, or has its own: it reserves none.
     actors = [
-        engine.options(name=name, **{"num_cpus": 0} | options).remote(str(model_dir), config)
-        for name, options in launches
+        engine.options(name=name, **{"num_cpus": 0} | options).remote(str(model_dir), c)
+        for (name, options), c in zip(launches, configs, strict=True)
     ]
     try:
         ray.get([actor.__ray_ready__.remote() for actor in actors])

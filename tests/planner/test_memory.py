@@ -180,3 +180,16 @@ def test_remedies_suggest_only_what_the_config_does_not_already_do():
         assert advice.startswith("  no trainer layout fits: add devices"), advice
         assert ("recompute=full" in advice) == suggested, advice
         assert advice.endswith("or lower models.policy_trainer.max_token_in_packing"), advice
+
+
+def test_a_disaggregated_plan_counts_each_pool_apart():
+    """Qwen3-8B on 8 GPUs, 4 of them the engines': the trainer's layout gets half the data parallelism (its
+    optimizer shards double), it never shares a device with the engine (no offload needed: its whole state stays),
+    and an engine device holds the engine's share alone."""
+    colocated = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b"), 80 * GiB)
+    split = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b", "runtime_args.rollout_devices=4"), 80 * GiB)
+    assert split.trainer.optimizer == pytest.approx(2 * colocated.trainer.optimizer, rel=1e-3)
+    phases = {p.name: p for p in split.phases}
+    assert set(phases["rollout (rollout devices)"].parts) == {"engine share", "reserve"}
+    assert phases["train"].parts["trainer weights+grads+optimizer"] == split.trainer.static
+    assert "engine share" not in phases["train"].parts and split.fits

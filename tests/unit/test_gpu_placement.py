@@ -17,7 +17,7 @@ import sys
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-DEVICES, TP, SHARE = 4, 2, 3  # trainer, reference and rollout share every GPU
+DEVICES, TP, SHARE = 4, 2, 3  # colocated: trainer, reference and rollout share every GPU
 
 
 class _Probe:
@@ -63,7 +63,7 @@ def _scenario() -> None:
     from mcore_rl.roles.cluster import Placement, start_local_ray
 
     start_local_ray(num_cpus=2, num_gpus=DEVICES, include_dashboard=False, log_to_driver=False)
-    placement = Placement(DEVICES, share=SHARE)
+    placement = Placement.pools(DEVICES, 0, trainer_roles=SHARE - 1)
     assert placement.resource == "GPU"
     probe = ray.remote(_Probe)
     ranks = [probe.options(**placement.options(r)).remote() for _ in ("trainer", "reference") for r in range(DEVICES)]
@@ -74,6 +74,16 @@ def _scenario() -> None:
         assert gpus == [] and group == placement.group.id.hex(), (gpus, group)
         assert env == {"VLLM_RAY_BUNDLE_INDICES": f"{first},{first + 1}", "VLLM_RAY_PER_WORKER_GPUS": str(1 / SHARE)}
         assert ray.get(engine.workers_as_vllm_asks.remote(TP), timeout=120) == rank_gpus[first : first + TP]
+    placement.remove()
+    # Disaggregated: the trainer and reference share GPUs 0-1; the engine's two workers take whole GPUs 2-3.
+    placement = Placement.pools(2, 2, trainer_roles=2)
+    ranks = [probe.options(**placement.options(r)).remote() for _ in ("trainer", "reference") for r in range(2)]
+    trainer_gpus = {g for gpus in ray.get([r.gpus.remote() for r in ranks], timeout=60) for g in gpus}
+    engine = probe.options(**placement.engine_options(2, TP)).remote()
+    env, _, _ = ray.get(engine.engine_view.remote(), timeout=60)
+    assert env == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "1.0"}, env
+    engine_gpus = {g for gpus in ray.get(engine.workers_as_vllm_asks.remote(TP), timeout=120) for g in gpus}
+    assert len(trainer_gpus) == len(engine_gpus) == 2 and not trainer_gpus & engine_gpus, (trainer_gpus, engine_gpus)
     print("placement ok")
 
 

@@ -64,6 +64,44 @@ def test_bad_configs_are_refused_with_the_key(run_yaml, override, message):
         load_run_config(run_yaml, [override])
 
 
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["runtime_args.rollout_devices=3"], r"rollout_devices=3: expected 0 \(colocated\) up to num_devices - 1 = 2"),
+        (["runtime_args.rollout_mode=async"], r"rollout_mode='async' overlaps .*rollout_devices > 0"),
+        (["runtime_args.rollout_mode=eager"], r"rollout_mode='eager': expected one of \['sync', 'one_step_off'"),
+        # the trainer keeps 2 of the 3 devices: its tp=3 no longer fits them
+        (
+            ["runtime_args.rollout_devices=1"],
+            r"policy_trainer.parallel: .*the trainer's 2 devices: .*rollout_devices=1",
+        ),
+        (
+            ["runtime_args.rollout_devices=1", "models.policy_trainer.parallel.tp=1", "models.ref_policy.parallel.tp=1"]
+            + ["models.policy.rollout.tensor_parallel_size=2"],
+            r"tensor_parallel_size=2 does not divide runtime_args.rollout_devices=1",
+        ),
+        (
+            ["runtime_args.rollout_devices=2", "models.policy_trainer.parallel.tp=1", "models.ref_policy.parallel.tp=1"]
+            + ["runtime_args.rollout_mode=async", "runtime_args.max_staleness=0"],
+            r"runtime_args.max_staleness=0: async rollout needs at least 1",
+        ),
+    ],
+)
+def test_bad_placements_are_refused_with_the_key_and_the_fix(run_yaml, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(run_yaml, overrides)
+
+
+def test_a_disaggregated_placement_splits_the_devices(run_yaml):
+    config = load_run_config(
+        run_yaml,
+        ["runtime_args.rollout_devices=2", "models.policy_trainer.parallel.tp=1", "models.ref_policy.parallel.tp=1"]
+        + ["runtime_args.rollout_mode=one_step_off", "models.policy.rollout.tensor_parallel_size=2"],
+    )
+    rt = config.runtime_args
+    assert (rt.trainer_devices, rt.engine_devices, rt.colocated) == (1, 2, False)
+
+
 def test_expert_bias_updates_need_routers_with_a_bias(tmp_path):
     from mcore_rl.moe import MoEConfig
     from models.registry import get_bridge

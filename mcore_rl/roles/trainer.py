@@ -1,0 +1,60 @@
+"""Typed handles of the Megatron roles for the driver: one verb per method, the fan-out to every rank and the
+rank-0 answer hidden (every rank returns the same, or rank 0 speaks for the role)."""
+
+from __future__ import annotations
+
+import torch
+
+from mcore_rl.roles.cluster import ActorGroup
+from mcore_rl.sync import SyncConfig
+
+
+class ReferenceGroup(ActorGroup):
+    """The reference policy's ranks (:class:`mcore_rl.roles.megatron.MegatronRank`)."""
+
+    def logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
+        return self.call("logprobs", batch, micro_batch_size)[0]
+
+    def offload(self, parts: list[str] | None = None) -> int:
+        """Bytes freed on the devices, summed over ranks (0 on CPU)."""
+        return sum(self.call("offload", parts))
+
+    def onload(self, parts: list[str] | None = None) -> None:
+        self.call("onload", parts)
+
+    def process_stats(self) -> list[dict[str, float]]:
+        return self.call("process_stats")
+
+
+class TrainerGroup(ReferenceGroup):
+    """The policy trainer's ranks (:class:`mcore_rl.roles.megatron.PolicyTrainer`)."""
+
+    def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
+        """Optimizer steps over ``batch``; metrics per step."""
+        return self.call("train", batch, global_batch_size, micro_batch_size)[0]
+
+    def connect_engines(self, engines: list, colocated: bool, engine_tp: int, sync: SyncConfig, dtype: str) -> None:
+        self.call("connect_engines", engines, colocated, engine_tp, sync, dtype)
+
+    def push_weights(self, version: int) -> None:
+        """Stream the weights into the engines as policy ``version``; :meth:`verify_sync` completes the sync."""
+        self.call("push_weights", version)
+
+    def verify_sync(self) -> dict:
+        """Wake the engines and check them with the probe: the sync's report."""
+        return self.call("verify_sync")[0]
+
+    def router_metrics(self) -> dict:
+        return self.call("router_metrics")[0]
+
+    def memory_bytes(self) -> int:
+        return self.call("memory_bytes")[0]
+
+    def save(self, directory: str) -> None:
+        self.call("save", directory)
+
+    def load(self, directory: str) -> None:
+        self.call("load", directory)
+
+    def optimizer_digest(self) -> dict:
+        return self.call("optimizer_digest")[0]
