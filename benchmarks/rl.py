@@ -28,7 +28,7 @@ from benchmarks.peer.venv import peer_python
 from benchmarks.report import Report, min_median, pyplot, table
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ("rollout_and_reward", "ref_logprobs", "old_logprobs", "train", "sync")
+PHASES = ("rollout_and_reward", "wait_for_rollout", "ref_logprobs", "old_logprobs", "train", "sync")
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,18 @@ VARIANTS = (
         overrides=("models.policy_trainer.share_prompts=false", "models.policy_trainer.max_token_in_packing=512"),
     ),
     Variant("dp1", "one device: trainer and engine each on both cores", overrides=("runtime_args.num_devices=1",)),
+    # The rollout modes on the same config, with the engine on a device (and core) of its own.
+    Variant("split-sync", "engine on its own device, sync mode", overrides=("runtime_args.rollout_devices=1",)),
+    Variant(
+        "split-one-step-off",
+        "engine on its own device, one_step_off mode",
+        overrides=("runtime_args.rollout_devices=1", "runtime_args.rollout_mode=one_step_off"),
+    ),
+    Variant(
+        "split-async",
+        "engine on its own device, async mode (max_staleness 1, partial rollout)",
+        overrides=("runtime_args.rollout_devices=1", "runtime_args.rollout_mode=async"),
+    ),
     Variant(
         "moe-ep2",
         "MoE: tiny DeepSeek-V3 (MLA, 8 experts), expert parallel 2, packing",
@@ -138,6 +150,7 @@ def run_mcore(variant: Variant, out: Path, episodes: int, repeat: int) -> Run:
                 "trainer_memory": r.get("memory/trainer_bytes", 0.0),
             }
             | {phase: r.get(f"time/{phase}", 0.0) for phase in PHASES}
+            | {k: v for k, v in r.items() if k.startswith("staleness/")}
         )
     flops = flops_per_token(config["models"]["policy_trainer"]["load"])
     return Run(variant.name, synced - launch, rows, flops)
@@ -230,6 +243,9 @@ def suite(out: Path, hardware: Hardware, report: Report, episodes: int, repeats:
     others = [run_mcore(v, out, episodes, 0) for v in VARIANTS if v.name in variants]
     _headline(report, ours, peers, peak, repeats, episodes)
     _phases(report, [ours[0], *others], peak)
+    modes = [r for r in others if r.name.startswith("split-")]
+    if modes:
+        _modes(report, modes)
 
 
 def _headline(report: Report, ours: list[Run], peers: list[Run], peak: float, repeats: int, episodes: int) -> None:
@@ -281,4 +297,34 @@ def _phases(report: Report, runs: list[Run], peak: float) -> None:
         "\n".join(f"- `{r.name}`: {what[r.name]}" for r in runs),
         table(["run", *keys], rows),
         report.figure(fig, "rl_phases", "seconds per phase"),
+    )
+
+
+def _modes(report: Report, runs: list[Run]) -> None:
+    """The rollout modes side by side: throughput, and how many policy versions the trained samples lagged."""
+    lags = sorted({int(k.split("_")[1]) for r in runs for e in r.episodes for k in e if k.startswith("staleness/lag_")})
+    rows = []
+    for r in runs:
+        seconds = r.median("seconds")
+        shares = [statistics.mean(e.get(f"staleness/lag_{k}_fraction", 0.0) for e in r.episodes) for k in lags]
+        rows.append(
+            [r.name, f"{seconds:.3g}", f"{r.median('samples') / seconds:.3g}", f"{r.median('wait_for_rollout'):.3g}"]
+            + [f"{x:.2f}" for x in shares]
+            + [f"{max(r.per_episode('staleness/max'), default=0):.0f}"]
+        )
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3))
+    width = 0.8 / max(len(lags), 1)
+    for i, k in enumerate(lags):
+        values = [float(row[4 + i]) for row in rows]
+        ax.bar([j + i * width for j in range(len(runs))], values, width, label=f"lag {k}")
+    ax.set_xticks([j + width * (len(lags) - 1) / 2 for j in range(len(runs))], [r.name for r in runs])
+    ax.set_ylabel("share of trained samples")
+    ax.legend(fontsize=7)
+    report.add(
+        "rl: rollout modes (disaggregated: trainer on one device, engine on the other)",
+        "The main job's settings with `runtime_args.rollout_devices=1`; steady episodes (the first left out). Lag: "
+        "policy versions between the trainer and a sample's oldest token, as shares of the trained samples.",
+        table(["run", "s/episode", "samples/s", "wait for rollout s", *(f"lag {k}" for k in lags), "max lag"], rows),
+        report.figure(fig, "rl_version_lag", "version lag of the trained samples, by mode"),
     )

@@ -100,3 +100,11 @@ def rollout_stats(samples: list[Sample], rewards: list[float], group_size: int) 
         "response/length_max": lengths.max().item(),
         "response/truncated_fraction": truncated / len(samples),
     }
+
+
+def staleness_stats(samples: list[Sample], version: int) -> dict[str, float]:
+    """How many policy versions the trained samples lag a trainer at ``version`` (a sample is as old as its oldest
+    token): mean, max, and the share of samples at each lag (``staleness/lag_<k>_fraction``)."""
+    lags = [version - min(s.completion.versions) for s in samples]
+    shares = {f"staleness/lag_{k}_fraction": lags.count(k) / len(lags) for k in sorted(set(lags))}
+    return {"staleness/mean": sum(lags) / len(lags), "staleness/max": float(max(lags))} | shares

