@@ -276,7 +276,8 @@ class WeightSync:
         pushed, self._pushed = self._pushed, None
         if pushed is None:
             raise RuntimeError("WeightSync.verify: nothing pushed since the last verify (call push first)")
-        ray.get([e.wake_up.remote() for e in self.route.engines])
+        if self.route.engines:  # (ray.get of nothing would start Ray in a process that has none)
+            ray.get([e.wake_up.remote() for e in self.route.engines])
         report = pushed
         if self._trainer_logprobs is not None:
             max_diff, mean_diff = self._compare(self._trainer_logprobs, f"after weight sync {pushed.index}")
@@ -302,8 +303,8 @@ class WeightSync:
 
     def _compare(self, trainer: torch.Tensor, when: str) -> tuple[float, float]:
         max_diff = mean_diff = 0.0
-        scored = ray.get([e.score.remote(self.probe_batch.tolist()) for e in self.route.engines])
-        for engine in scored:
+        engines = self.route.engines
+        for engine in ray.get([e.score.remote(self.probe_batch.tolist()) for e in engines]) if engines else ():
             diff = (torch.tensor(engine, dtype=torch.float32) - trainer).abs()
             max_diff, mean_diff = max(max_diff, diff.max().item()), max(mean_diff, diff.mean().item())
         # The worst engine decides, on every rank, so that all ranks raise together or none does.

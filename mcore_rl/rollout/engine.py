@@ -247,10 +247,6 @@ class RolloutEngine:
         self._submitted.difference_update(done)
         return [(k, [self._completion(c) for c in self._finished.pop(k).outputs]) for k in done]
 
-    def in_flight(self) -> int:
-        """Submitted requests not collected yet."""
-        return len(self._submitted)
-
     # ---- memory: sleep while the colocated trainer runs ---------------------------------------------------
     def sleep(self) -> int:
         """Give memory back to the trainer (CUDA sleep mode; on CPU, free the KV cache); returns bytes freed."""

@@ -103,10 +103,11 @@ class SampleBuffer:
 class Producer:
     """A thread that keeps the rollout engines generating prompt groups into a :class:`SampleBuffer`.
 
-    ``issue(count)`` hands out (position, prompt) pairs; ``finish(pairs, completions)`` turns generated groups
-    into :class:`Group` (decoding and rewards). ``drain`` pauses new work and waits until nothing is in flight
-    (weights then change between whole generations); ``resume`` continues. An error in the thread reaches the
-    trainer through the buffer.
+    ``issue(count)`` hands out up to ``count`` (position, prompt) pairs; ``finish(position, prompt, completions)``
+    turns a generated prompt group into a :class:`Group` (decoding and rewards). At most ``capacity`` groups are
+    generating or waiting in the buffer. ``drain`` pauses new work and waits until nothing is in flight (weights
+    then change between whole generations); ``resume`` continues. An error in the thread (a failing reward
+    function, a dead engine) reaches the trainer through the buffer, which raises it.
     """
 
     def __init__(self, rollout, issue: Callable, finish: Callable, sampling, buffer: SampleBuffer, capacity: int):
@@ -143,7 +144,7 @@ class Producer:
                 with self._idle:
                     self._idle.notify_all()
         except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises it
-            log.exception("rollout producer stopped")
+            log.error("rollout producer stopped: %s", err)
             self.buffer.fail(err)
             with self._idle:
                 self._idle.notify_all()
