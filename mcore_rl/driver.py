@@ -373,9 +373,10 @@ def one_step_off_loop(run: Run, start: int) -> None:
 
 
 def async_loop(run: Run, start: int) -> None:
-    """The engines generate without pause into a buffer; each episode trains on the oldest ready prompt groups
-    at most ``max_staleness`` versions old (older ones are dropped and counted), then syncs the new weights, which
-    generations in flight continue with (partial rollout) or which wait until those finish."""
+    """The engines generate without pause into a buffer, at most ``max_staleness`` episodes ahead of training;
+    each episode trains on the oldest ready prompt groups at most ``max_staleness`` versions old (older ones are
+    dropped and counted), then syncs the new weights, which generations in flight continue with (partial
+    rollout) or which wait until those finish."""
     from mcore_rl.rollout.producer import Group, Producer, SampleBuffer
 
     rt, m = run.config.runtime_args, run.config.models
@@ -399,9 +400,9 @@ def async_loop(run: Run, start: int) -> None:
             rewards = [r for g in groups for r in g.rewards]
             # Without partial rollout, generations in flight finish with the weights that started them.
             metrics = learn(run, samples, rewards, episode, timer, None if rt.partial_rollout else producer.drain)
-            producer.resume()
-            run.consume(g.position for g in groups + dropped)
             stale = sum(episode - 1 - g.version > rt.max_staleness for g in dropped)
+            producer.resume(allow=need + stale)
+            run.consume(g.position for g in groups + dropped)
             metrics |= staleness_stats(samples, episode - 1) | {
                 "staleness/dropped_groups": float(stale),
                 "rollout/dropped_constant_groups": float(len(dropped) - stale),

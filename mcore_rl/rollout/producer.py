@@ -2,8 +2,10 @@
 
 Every token carries the policy version that sampled it (:attr:`Completion.versions`); a group is as old as its
 oldest token. The trainer at version ``v`` takes the oldest ready groups and drops (and counts) those that lag
-more than ``max_staleness`` versions. The producer keeps at most ``capacity`` groups generating or waiting, so it
-runs ahead of training by a bounded amount instead of generating samples that would only be dropped.
+more than ``max_staleness`` versions. The producer starts a group only within its allowance, which grows by one
+episode's groups at each weight sync (as AReaL bounds its rollouts): starting with ``max_staleness + 1`` episodes'
+worth, a group starts at most ``max_staleness`` versions before the one that trains on it, instead of generating
+samples that would only be dropped.
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ class SampleBuffer:
         self._constant: list[Group] = []
         self._error: BaseException | None = None
 
-    def put(self, group: Group) -> None:
+    def put(self, group: Group) -> bool:
+        """Add a finished group; False when it was set apart as a constant-reward spare."""
         constant = self.dynamic_sampling and constant_groups(torch.tensor(group.rewards), self.group_size).all()
         with self._ready:
             (self._constant if constant else self._groups).append(group)
             self._ready.notify_all()
+        return not constant
 
     def fail(self, error: BaseException) -> None:
         """The producer stopped with ``error``: ``take`` raises it."""
@@ -103,16 +107,17 @@ class SampleBuffer:
 class Producer:
     """A thread that keeps the rollout engines generating prompt groups into a :class:`SampleBuffer`.
 
-    ``issue(count)`` hands out up to ``count`` (position, prompt) pairs; ``finish(position, prompt, completions)``
-    turns a generated prompt group into a :class:`Group` (decoding and rewards). At most ``capacity`` groups are
-    generating or waiting in the buffer. ``drain`` pauses new work and waits until nothing is in flight (weights
-    then change between whole generations); ``resume`` continues. An error in the thread (a failing reward
-    function, a dead engine) reaches the trainer through the buffer, which raises it.
+    ``issue(count)`` hands out ``count`` (position, prompt) pairs; ``finish(position, prompt, completions)`` turns
+    a generated prompt group into a :class:`Group` (decoding and rewards). ``allowance``: the groups it may start
+    before the first :meth:`resume`; a constant-reward group set apart (dynamic sampling) lets one more start.
+    ``drain`` pauses new work and waits until nothing is in flight (weights then change between whole
+    generations); ``resume`` continues with more allowance. An error in the thread (a failing reward function, a
+    dead engine) reaches the trainer through the buffer, which raises it.
     """
 
-    def __init__(self, rollout, issue: Callable, finish: Callable, sampling, buffer: SampleBuffer, capacity: int):
+    def __init__(self, rollout, issue: Callable, finish: Callable, sampling, buffer: SampleBuffer, allowance: int):
         self.rollout, self.issue, self.finish = rollout, issue, finish
-        self.sampling, self.buffer, self.capacity = sampling, buffer, capacity
+        self.sampling, self.buffer, self._allowance = sampling, buffer, allowance
         self._in_flight: dict[str, tuple] = {}  # request key -> (position, prompt)
         self._paused = False
         self._stop = threading.Event()
@@ -127,12 +132,13 @@ class Producer:
         try:
             while not self._stop.is_set():
                 with self._idle:
-                    room = 0 if self._paused else self.capacity - len(self._in_flight) - len(self.buffer)
+                    room = 0 if self._paused else self._allowance
                 if room > 0:
                     pairs = self.issue(room)
                     requests = {f"p{position}": (position, prompt) for position, prompt in pairs}
                     with self._idle:
                         self._in_flight.update(requests)
+                        self._allowance -= len(requests)
                     self.rollout.submit([(k, p.token_ids) for k, (_, p) in requests.items()], self.sampling)
                 if not self._in_flight:
                     self._stop.wait(0.05)
@@ -140,7 +146,9 @@ class Producer:
                 for key, completions in self.rollout.collect():
                     with self._idle:
                         position, prompt = self._in_flight.pop(key)
-                    self.buffer.put(self.finish(position, prompt, completions))
+                    if not self.buffer.put(self.finish(position, prompt, completions)):
+                        with self._idle:
+                            self._allowance += 1  # a spare: a replacement may start
                 with self._idle:
                     self._idle.notify_all()
         except BaseException as err:  # noqa: BLE001 - reported to the trainer, which raises it
@@ -155,9 +163,12 @@ class Producer:
             self._paused = True
             self._idle.wait_for(lambda: not self._in_flight or not self._thread.is_alive())
 
-    def resume(self) -> None:
+    def resume(self, allow: int) -> None:
+        """Start generations again, ``allow`` more groups of them (at a weight sync: one episode's, and as many
+        as were dropped stale)."""
         with self._idle:
             self._paused = False
+            self._allowance += allow
 
     def stop(self) -> None:
         self._stop.set()

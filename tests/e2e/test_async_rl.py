@@ -16,13 +16,9 @@ from mcore_rl import checkpoint
 from mcore_rl.config.schema import load_run_config
 from mcore_rl.driver import run
 from mcore_rl.metrics import read_metrics
-from tests.e2e.test_rl_run import REPO, _wait_for, events, write_config
+from tests.e2e.test_rl_run import REPO, ROLES, _wait_for, events, write_config
 
-DISAGGREGATED = [
-    "runtime_args.rollout_devices=1",
-    "models.policy_trainer.parallel.tp=1",
-    "models.ref_policy.parallel.tp=1",
-]
+DISAGGREGATED = ["runtime_args.rollout_devices=1", *(f"{role}.parallel.tp=1" for role in ROLES)]
 
 
 def _episodes(out) -> dict[int, dict]:

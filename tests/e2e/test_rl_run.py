@@ -21,6 +21,7 @@ from mcore_rl.metrics import read_metrics
 from mcore_rl.train import main
 
 REPO = Path(__file__).resolve().parents[2]
+ROLES = ("models.policy_trainer", "models.ref_policy")
 
 # The learnable task: reward is the fraction of lowercase vowels in the response (about 6% for a random model).
 VOWEL_REWARD = (
@@ -178,10 +179,18 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
 
 
-def test_a_reward_function_failing_mid_run_stops_it_with_the_sample_named(tiny_models, ray_address, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "mode",
+    [[], ["runtime_args.rollout_mode=async", "runtime_args.rollout_devices=1", *(f"{r}.parallel.tp=1" for r in ROLES)]],
+    ids=["sync", "async"],
+)
+def test_a_reward_function_failing_mid_run_stops_it_with_the_sample_named(
+    tiny_models, ray_address, tmp_path, capsys, mode
+):
     """The function passes the start-up check (a prompt answered with its own answer) and raises on the first
     generated response: exit status 2, one error line naming the key, the file and the sample, no traceback; what
-    the run wrote before stays as it was written."""
+    the run wrote before stays as it was written. In async mode the error arises in the rollout producer's thread
+    and stops the trainer waiting for samples."""
     path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "raises")
     reward = tmp_path / "bad_reward.py"
     reward.write_text(
@@ -191,7 +200,7 @@ def test_a_reward_function_failing_mid_run_stops_it_with_the_sample_named(tiny_m
         "    raise ValueError('no score')\n"
     )
     overrides = ["runtime_args.eval_episode_interval=0", "models.policy_trainer.algorithm.kl_coef=0"]  # no reference
-    assert main([str(path), f"models.reward.fn={reward}", *overrides]) == 2
+    assert main([str(path), f"models.reward.fn={reward}", *overrides, *mode]) == 2
     err = capsys.readouterr().err
     assert re.search(
         rf"^error: models.reward.fn='{re.escape(str(reward))}' failed on sample train-\d+/0: ValueError: no score$",
