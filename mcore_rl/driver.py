@@ -196,18 +196,6 @@ def save_resolved_config(config: RunConfig, out: Path) -> None:
     path.write_text(text)
 
 
-def evaluate(system: System, data: Data, config: RunConfig) -> dict[str, float]:
-    """Accuracy (fraction of positive rewards) of eval-sampling completions over the whole eval set."""
-    prompts = data.eval.prompts
-    completions = system.rollout.generate([p.token_ids for p in prompts], config.models.policy.rollout.eval)
-    samples = samples_of(prompts, completions, data.decode(completions))
-    rewards = system.rewards.score([_reward_input(s) for s in samples])
-    return {
-        "eval/accuracy": sum(r > 0 for r in rewards) / len(rewards),
-        "eval/reward_mean": sum(rewards) / len(rewards),
-    }
-
-
 def _reward_input(sample) -> tuple[str, list[dict], str]:
     messages = sample.prompt.row.messages + [{"role": "assistant", "content": sample.text}]
     return sample.id, messages, sample.prompt.row.answer
@@ -250,6 +238,16 @@ class Run:
         samples = samples_of(prompts, completions, self.data.decode(completions))
         return samples, self.system.rewards.score([_reward_input(s) for s in samples])
 
+    def evaluate(self) -> dict[str, float]:
+        """Accuracy (fraction of positive rewards) of eval-sampling completions over the whole eval set."""
+        prompts = self.data.eval.prompts
+        eval_sampling = self.config.models.policy.rollout.eval
+        _, rewards = self.score(prompts, self.system.rollout.generate([p.token_ids for p in prompts], eval_sampling))
+        return {
+            "eval/accuracy": sum(r > 0 for r in rewards) / len(rewards),
+            "eval/reward_mean": sum(rewards) / len(rewards),
+        }
+
     def end_episode(self, episode: int, samples, rewards, metrics: dict) -> None:
         rt = self.config.runtime_args
         metrics |= rollout_stats(samples, rewards, self.config.models.policy.num_inference_per_prompt)
@@ -257,7 +255,7 @@ class Run:
         self.logger.log(episode, metrics)
         write_samples(self.out / "rollouts" / f"episode_{episode}.jsonl", samples, rewards)
         if rt.eval_episode_interval and (episode % rt.eval_episode_interval == 0 or episode == rt.num_episode):
-            self.logger.log(episode, evaluate(self.system, self.data, self.config), advance=False)
+            self.logger.log(episode, self.evaluate(), advance=False)
         if rt.save_episode_interval and (episode % rt.save_episode_interval == 0 or episode == rt.num_episode):
             self.save(episode)
 
@@ -394,18 +392,17 @@ def async_loop(run: Run, start: int) -> None:
     try:
         for episode in range(start + 1, rt.num_episode + 1):
             timer = Timer()
-            groups, dropped = buffer.take(need, version=episode - 1)
+            groups, stale, spares = buffer.take(need, version=episode - 1)
             timer("wait_for_rollout")
             samples = [s for g in groups for s in g.samples]
             rewards = [r for g in groups for r in g.rewards]
             # Without partial rollout, generations in flight finish with the weights that started them.
             metrics = learn(run, samples, rewards, episode, timer, None if rt.partial_rollout else producer.drain)
-            stale = sum(episode - 1 - g.version > rt.max_staleness for g in dropped)
-            producer.resume(allow=need + stale)
-            run.consume(g.position for g in groups + dropped)
+            producer.resume(allow=need + len(stale))
+            run.consume(g.position for g in groups + stale + spares)
             metrics |= staleness_stats(samples, episode - 1) | {
-                "staleness/dropped_groups": float(stale),
-                "rollout/dropped_constant_groups": float(len(dropped) - stale),
+                "staleness/dropped_groups": float(len(stale)),
+                "rollout/dropped_constant_groups": float(len(spares)),
                 "rollout/buffered_groups": float(len(buffer)),
             }
             run.end_episode(episode, samples, rewards, metrics | _throughput(timer, metrics))
@@ -454,9 +451,10 @@ def run(config: RunConfig) -> Path:
                 logger.event("resume", episode=start, checkpoint=str(path), **progress.meta(), optimizer=digest)
             system.trainer.push_weights(start)  # engines start from the HF weights; the probe checks both
         logger.event("initial_sync", **system.trainer.verify_sync())
+        job = Run(config, data, system, logger, progress)
         if rt.eval_episode_interval and not found:
-            logger.log(0, evaluate(system, data, config), advance=False)
-        LOOPS[rt.rollout_mode](Run(config, data, system, logger, progress), start)
+            logger.log(0, job.evaluate(), advance=False)
+        LOOPS[rt.rollout_mode](job, start)
     finally:
         logger.close()
         system.close()

@@ -192,8 +192,6 @@ class BroadcastRoute:
         return handle.nbytes, time.perf_counter() - start
 
     def finish(self, version: int) -> tuple[float, tuple[str, ...]]:
-        if not self.owner:
-            return 0.0, ()
         wait = _waited(self._pending)
         wait += _waited(finishes := [e.finish_weight_update.remote(version) for e in self.engines])
         return wait, tuple(r for repairs in ray.get(finishes) for r in repairs)

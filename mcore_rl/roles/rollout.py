@@ -8,7 +8,7 @@ import ray
 
 from mcore_rl.rewards.user import Reward, RewardError
 from mcore_rl.roles.cluster import Placement
-from mcore_rl.rollout.engine import Completion, RolloutConfig, SamplingConfig
+from mcore_rl.rollout.engine import Completion, RolloutConfig, SamplingConfig, thread_binding
 from mcore_rl.rollout.remote import launch_engines, stop_engine
 
 
@@ -36,10 +36,7 @@ class RolloutGroup:
         configs = [config] * len(firsts)
         if cores and config.cpu_threads_bind == "auto":  # each worker on its own device's cores
             configs = [
-                dataclasses.replace(
-                    config,
-                    cpu_threads_bind="|".join(",".join(map(str, cores[d])) for d in range(first, first + self.tp)),
-                )
+                dataclasses.replace(config, cpu_threads_bind=thread_binding(cores[first : first + self.tp]))
                 for first in firsts
             ]
         launches = [(f"{name}-{i}", placement.engine_options(first, self.tp)) for i, first in enumerate(firsts)]

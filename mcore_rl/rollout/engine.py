@@ -108,11 +108,16 @@ class Completion:
     routed_experts: np.ndarray | None = None
 
 
+def thread_binding(cores: list[list[int]]) -> str:
+    """Each CPU worker's cores, "|"-separated, in vLLM's VLLM_CPU_OMP_THREADS_BIND syntax."""
+    return "|".join(",".join(map(str, worker)) for worker in cores)
+
+
 def cpu_thread_binding(config: RolloutConfig) -> str:
-    """The OpenMP core list of each CPU worker, "|"-separated, in vLLM's VLLM_CPU_OMP_THREADS_BIND syntax."""
+    """The OpenMP core list of each CPU worker (``auto``: this process's cores split evenly over them)."""
     if config.cpu_threads_bind != "auto":
         return config.cpu_threads_bind
-    return "|".join(",".join(map(str, g)) for g in Device.split_cores(config.tensor_parallel_size))
+    return thread_binding(Device.split_cores(config.tensor_parallel_size))
 
 
 class RolloutEngine:

@@ -79,17 +79,17 @@ class SampleBuffer:
         with self._ready:
             return len(self._groups)
 
-    def take(self, need: int, version: int) -> tuple[list[Group], list[Group]]:
-        """Wait for ``need`` groups fresh enough for a trainer at ``version``, oldest first: (taken, dropped), the
-        dropped ones stale, or constant spares this batch did not need."""
-        dropped: list[Group] = []
+    def take(self, need: int, version: int) -> tuple[list[Group], list[Group], list[Group]]:
+        """Wait for ``need`` groups fresh enough for a trainer at ``version``, oldest first: (taken, stale, spares),
+        the dropped ones apart: stale groups, and constant spares this batch did not need."""
+        stale: list[Group] = []
         with self._ready:
             while True:
                 if self._error is not None:
                     raise self._error
-                self._groups, stale = partition_stale(self._groups, version, self.max_staleness)
-                self._constant, stale_constant = partition_stale(self._constant, version, self.max_staleness)
-                dropped += stale + stale_constant
+                self._groups, old = partition_stale(self._groups, version, self.max_staleness)
+                self._constant, old_constant = partition_stale(self._constant, version, self.max_staleness)
+                stale += old + old_constant
                 if len(self._groups) >= need:
                     taken, self._groups = self._groups[:need], self._groups[need:]
                     break
@@ -99,9 +99,8 @@ class SampleBuffer:
                     self._constant = self._constant[short:]
                     break
                 self._ready.wait()
-            dropped += self._constant  # spares would only grow older
-            self._constant = []
-        return taken, dropped
+            spares, self._constant = self._constant, []  # they would only grow older
+        return taken, stale, spares
 
 
 class Producer:

@@ -5,10 +5,6 @@ bound, learns, and resumes after SIGKILL without training a prompt twice."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 
@@ -16,7 +12,7 @@ from mcore_rl import checkpoint
 from mcore_rl.config.schema import load_run_config
 from mcore_rl.driver import run
 from mcore_rl.metrics import read_metrics
-from tests.e2e.test_rl_run import REPO, ROLES, _wait_for, events, write_config
+from tests.e2e.test_rl_run import ROLES, events, kill_at, run_to_end, train_command, write_config
 
 DISAGGREGATED = ["runtime_args.rollout_devices=1", *(f"{role}.parallel.tp=1" for role in ROLES)]
 
@@ -68,19 +64,12 @@ def test_async_learns_within_its_staleness_bound_and_resumes_after_sigkill(tiny_
         "models.policy_trainer.micro_batch_size=8",
         *DISAGGREGATED,
     ]
-    command = [sys.executable, "-m", "mcore_rl.train", str(path), *overrides, f"runtime_args.ray_address={ray_address}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = train_command(path, overrides, ray_address)
     out = tmp_path / "runs" / "async"
-    log = tmp_path / "killed.log"
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
-    _wait_for(out / "checkpoints" / "episode_5", proc, log)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_at(command, out / "checkpoints" / "episode_5", tmp_path / "killed.log")
     assert checkpoint.latest_complete(out / "checkpoints")[0] == 5
     saved = checkpoint.read_meta(checkpoint.latest_complete(out / "checkpoints")[1])
-    resumed = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert resumed.returncode == 0, resumed.stderr
+    run_to_end(command)
     (resume,) = events(out, "resume")
     assert resume["data_position"] == saved["data_position"] and resume["optimizer"] == saved["optimizer"]
 

@@ -115,6 +115,29 @@ def test_grpo_raises_the_reward_of_a_learnable_task(tiny_models, ray_address, tm
         assert max(threads[1:]) - threads[1] <= 1, (role, threads)
 
 
+def train_command(path: Path, overrides: list[str], ray_address: str) -> list[str]:
+    """The user's command for the run config at ``path``, on the test's Ray cluster."""
+    return [sys.executable, "-m", "mcore_rl.train", str(path), *overrides, f"runtime_args.ray_address={ray_address}"]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(REPO)}
+
+
+def kill_at(command: list[str], path: Path, log: Path) -> None:
+    """Run ``command`` (stderr in ``log``) until ``path`` appears, then SIGKILL it."""
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=stderr)
+    _wait_for(path, proc, log)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def run_to_end(command: list[str]) -> None:
+    done = subprocess.run(command, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert done.returncode == 0, done.stderr
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not path.is_dir():
@@ -132,22 +155,15 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     artifacts: one run serves both, as a run's start-up is most of what an end-to-end test costs."""
     overrides = ["runtime_args.num_episode=3", "runtime_args.save_episode_interval=2"]
     path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "resume")
-    command = [sys.executable, "-m", "mcore_rl.train", str(path), *overrides, f"runtime_args.ray_address={ray_address}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = train_command(path, overrides, ray_address)
     out = tmp_path / "runs" / "resume"
-    log = tmp_path / "killed.log"
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
-    _wait_for(out / "checkpoints" / "episode_2", proc, log)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_at(command, out / "checkpoints" / "episode_2", tmp_path / "killed.log")
     episode, saved = checkpoint.latest_complete(out / "checkpoints")
     assert episode == 2, "killed too late: the test needs the run to die between its checkpoints"
     saved_digest = checkpoint.read_meta(saved)["optimizer"]
     kept = {p: p.read_bytes() for p in saved.rglob("*") if p.is_file()}
 
-    resumed = subprocess.run(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert resumed.returncode == 0, resumed.stderr
+    run_to_end(command)
     (resume,) = events(out, "resume")
     assert resume["episode"] == 2 and resume["optimizer"] == saved_digest  # Adam moments and step restored exactly
     # Episode 3 takes the 4 prompts after the 8 of episodes 1 and 2 in the seeded order, 4 samples each.

@@ -43,14 +43,15 @@ def test_the_buffer_waits_for_enough_fresh_groups_and_counts_the_dropped():
     buffer.put(_group(1, [[1], [1]]))
     taken = {}
     thread = threading.Thread(
-        target=lambda: taken.update(zip(("taken", "dropped"), buffer.take(2, version=2), strict=True))
+        target=lambda: taken.update(zip(("taken", "stale", "spares"), buffer.take(2, version=2), strict=True))
     )
     thread.start()
     thread.join(0.2)
     assert thread.is_alive()  # group 0 is two versions old: one fresh group is not enough
     buffer.put(_group(2, [[2], [1, 2]]))
     thread.join(5)
-    assert [g.position for g in taken["taken"]] == [1, 2] and [g.position for g in taken["dropped"]] == [0]
+    assert [g.position for g in taken["taken"]] == [1, 2] and [g.position for g in taken["stale"]] == [0]
+    assert taken["spares"] == []
     assert len(buffer) == 0
 
 
@@ -60,8 +61,8 @@ def test_dynamic_sampling_sets_constant_groups_apart_until_refill_rounds_of_them
     for position in range(1, 5):
         buffer.put(_group(position, [[0], [0]], rewards=[1.0, 1.0]))
     assert len(buffer) == 1  # the spares do not count as waiting groups (the producer keeps generating)
-    taken, dropped = buffer.take(2, version=0)  # 4 constant groups = 2 rounds x 2: one fills, the rest drop
-    assert [g.position for g in taken] == [0, 1] and [g.position for g in dropped] == [2, 3, 4]
+    taken, stale, spares = buffer.take(2, version=0)  # 4 constant groups = 2 rounds x 2: one fills, the rest drop
+    assert [g.position for g in taken] == [0, 1] and [g.position for g in spares] == [2, 3, 4] and stale == []
 
 
 def test_a_producer_failure_reaches_the_trainer():
