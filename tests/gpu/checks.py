@@ -1,4 +1,5 @@
-"""The GPU self-check: what only a CUDA device can show, in seven steps on one GPU (``scripts/gpu_check.sh``).
+"""The GPU self-check: what only a CUDA device can show, in eight steps (``scripts/gpu_check.sh``), all on one GPU
+but ``weight_transfer``, which needs two.
 
 Each step passes, fails (with the error) or is skipped (with the reason: no CUDA device, a package this machine
 lacks). It needs a CUDA torch, megatron-core and this project (installed without dependencies, or on the path);
@@ -280,6 +281,52 @@ def transport() -> str:
     return "20 syncs bit-exact"
 
 
+def _transfer_receiver(address: tuple[str, int], connection) -> None:
+    """Rank 1 of step 7, on the second GPU: receive each broadcast bucket and send back digests of its bytes."""
+    from parallel.transfer import TransferGroup
+
+    torch.cuda.set_device(1)
+    group = TransferGroup(address, 1, 2, torch.device("cuda", 1))
+    while (nbytes := connection.recv()) is not None:
+        connection.send(hashlib.sha256(group.receive(nbytes).cpu().numpy()).hexdigest())
+    group.close()
+
+
+def weight_transfer() -> str:
+    """The disaggregated weight path over NCCL (``parallel.transfer.TransferGroup``): a trainer rank on GPU 0
+    broadcasts 20 packed buckets of 1 MiB to an engine worker's process on GPU 1, received bit-exact."""
+    import multiprocessing
+
+    from mcore_rl.rollout.transport import BucketSender
+    from parallel.transfer import TransferGroup, free_addresses
+
+    if torch.cuda.device_count() < 2:
+        raise SkipStepError(
+            f"needs two GPUs (trainer and engine on different devices); {torch.cuda.device_count()} here"
+        )
+    address = free_addresses(1)[0]
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(target=_transfer_receiver, args=(address, theirs), daemon=True)
+    process.start()
+    group = TransferGroup(address, 0, 2, torch.device("cuda", 0))
+    sender = BucketSender(torch.device("cuda", 0), 1 << 20, kind="broadcast")
+    try:
+        for sync in range(20):
+            gen = torch.Generator(device="cuda").manual_seed(sync)
+            handle = sender.pack([(f"w{i}", torch.randn(256, 256, device="cuda", generator=gen)) for i in range(3)])
+            ours.send(handle.nbytes)
+            group.send(sender.packed(handle))
+            want = hashlib.sha256(sender.packed(handle).cpu().numpy()).hexdigest()
+            assert ours.recv() == want, f"sync {sync}: the receiver got other bytes"
+    finally:
+        ours.send(None)
+        process.join(timeout=60)
+        sender.close()
+        group.close()
+    return "20 buckets over NCCL bit-exact"
+
+
 def vllm_engine() -> str:
     """vLLM's CUDA build: generation; sleep levels 1 and 2 with the bytes they free; a weight update checked against
     HF's log-probs; one episode of the main job on one GPU."""
@@ -336,6 +383,7 @@ STEPS: list[tuple[str, Callable[[], str]]] = [
     ("tiny_moe", tiny_moe),
     ("offload", offload),
     ("transport", transport),
+    ("weight_transfer", weight_transfer),
     ("vllm_engine", vllm_engine),
 ]
 
