@@ -4,19 +4,18 @@ and, for a bad result, the sample."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from mcore_rl.rewards.math import math_reward
+from mcore_rl.userfile import UserCodeError, load_attribute
 
 RewardFn = Callable[[list[dict], str], float]
 KEY = "models.reward.fn"
 
 
-class RewardError(RuntimeError):
+class RewardError(UserCodeError):
     """The reward function cannot be loaded, raised, or returned something that is not a finite real number."""
 
 
@@ -29,19 +28,9 @@ def load_reward_fn(spec: str) -> RewardFn:
     """``"math"`` (built in), ``"path/to/file.py"`` (its ``reward_fn``) or ``"path/to/file.py:name"``."""
     if spec == "math":
         return builtin_math
-    path_text, _, name = spec.partition(":")
-    path, name = Path(path_text), name or "reward_fn"
-    if not path.is_file():
-        raise RewardError(f"{KEY}={spec!r}: file {path} not found")
-    module_spec = importlib.util.spec_from_file_location(f"mcore_rl_user_reward_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as err:  # noqa: BLE001 - whatever the user's file raises on import is reported, by file
-        raise RewardError(f"{KEY}={spec!r}: importing {path} raised {type(err).__name__}: {err}") from None
-    fn = getattr(module, name, None)
+    fn = load_attribute(KEY, spec, "reward_fn", "a function {name}(messages, answer) -> float", RewardError)
     if not callable(fn):
-        raise RewardError(f"{KEY}={spec!r}: {path} has no function {name!r}; define {name}(messages, answer) -> float")
+        raise RewardError(f"{KEY}={spec!r}: {fn!r} is not a function; define it as (messages, answer) -> float")
     return fn
 
 

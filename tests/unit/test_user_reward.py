@@ -29,7 +29,7 @@ def test_bad_reward_files_are_named(tmp_path):
         Reward(str(tmp_path / "nope.py"))
     path = tmp_path / "r.py"
     path.write_text("def reward_fn(messages, answer):\n    return 1.0\n")
-    with pytest.raises(RewardError, match=r"r.py has no function 'other'; define other\(messages, answer\)"):
+    with pytest.raises(RewardError, match=r"r.py has no 'other'; define a function other\(messages, answer\)"):
         Reward(f"{path}:other")
     broken = tmp_path / "broken.py"
     broken.write_text("import no_such_module_here\n")
