@@ -23,6 +23,7 @@ setup(
         "accelerate",
         "matplotlib",  # the run's curves.png
         "pyarrow",  # Parquet prompt datasets
+        "jsonschema",  # tools' argument schemas
         "numpy",
     ],
     # The pinned stacks per machine kind are requirements/{cpu,cuda}.txt, installed by scripts/setup_env.sh.
