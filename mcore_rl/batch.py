@@ -29,7 +29,7 @@ def training_batch(samples: list[Sample], rewards: list[float], group_size: int,
     """Right-padded tensors of prompt + response: ``tokens`` [N, L]; per next-token position ([N, L-1]) the
     response ``mask`` and the engine's ``rollout_logp``; per sample ``lengths`` and ``prompt_lengths`` (real
     tokens), ``advantages`` and ``rewards``; and when the engine returned them, ``routed_experts``
-    [N, L-1, layers, top-k]."""
+    [N, L-1, layers, top-k]. A multi-turn trajectory's observation tokens are masked (``Completion.loss_mask``)."""
     sequences = [s.prompt.token_ids + s.completion.token_ids for s in samples]
     length = max(map(len, sequences))
     n = len(samples)
@@ -39,7 +39,7 @@ def training_batch(samples: list[Sample], rewards: list[float], group_size: int,
     for i, (sample, seq) in enumerate(zip(samples, sequences, strict=True)):
         tokens[i, : len(seq)] = torch.tensor(seq)
         start, count = len(sample.prompt.token_ids) - 1, len(sample.completion.token_ids)
-        mask[i, start : start + count] = 1
+        mask[i, start : start + count] = torch.tensor(sample.completion.loss_mask or [1] * count)
         rollout_logp[i, start : start + count] = torch.tensor(sample.completion.logprobs)
     reward_t = torch.tensor(rewards, dtype=torch.float32)
     advantages = group_advantages(reward_t, group_size, normalize_std)

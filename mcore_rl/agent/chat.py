@@ -1,0 +1,114 @@
+"""The chat side of a multi-turn trajectory: tool calls parsed in the Hermes / Qwen format, and the tokens that go
+between two assistant turns, rendered by the model's own chat template.
+
+A trajectory is one token sequence that only grows: the engine's sampled ids are appended as they are (never
+decoded and re-encoded, which can merge or split tokens differently), and each observation is appended as the
+ids of the text the template puts after an assistant message (the end of its turn, the observation messages,
+the next assistant turn's opening). That text is found by rendering a fixed conversation with and without the
+observation, so any template that appends messages without re-rendering earlier ones works.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_MARK = "\u2063mcore_rl\u2063"  # an assistant message's content, to find what the template puts after it
+
+# For templates that ignore ``tools`` (SmolLM2's, for one): the Hermes instructions Qwen's template renders.
+HERMES_SYSTEM = (
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
+    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+    error: str = ""  # why the call could not be parsed (then it is not made; the error is its result)
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """Every ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` of an assistant message, in order; a
+    malformed one (bad JSON, no name, arguments not an object, no closing tag) comes back with its ``error``."""
+    calls = []
+    for match in _TOOL_CALL.finditer(text):
+        body = match.group(1).strip()
+        if not match.group(0).endswith("</tool_call>"):
+            calls.append(ToolCall("", {}, "a <tool_call> without </tool_call>"))
+            continue
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as err:
+            calls.append(ToolCall("", {}, f"the tool call is not JSON ({err.msg} at character {err.pos})"))
+            continue
+        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            calls.append(ToolCall("", {}, 'the tool call has no "name" string'))
+        elif not isinstance(arguments, dict):
+            calls.append(ToolCall(call["name"], {}, '"arguments" must be a JSON object'))
+        else:
+            calls.append(ToolCall(call["name"], arguments))
+    return calls
+
+
+class ChatFormat:
+    """Token ids of a trajectory's opening prompt and of the observations between its turns."""
+
+    def __init__(self, tokenizer, tool_schemas: list[dict]):
+        self.tokenizer, self.tools = tokenizer, tool_schemas or None
+        probe = [{"role": "user", "content": "?"}]
+        # A template that ignores ``tools`` gets them in a system message of Hermes instructions instead.
+        self.tools_in_system = bool(self.tools) and self._render(probe, tools=self.tools) == self._render(probe)
+        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
+        self._base = self._render(base)
+        self._after_assistant = self._base[self._base.index(_MARK) + len(_MARK) :]
+        self._eos = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+        self._base_messages = base
+
+    def _render(self, messages: list[dict], generation: bool = False, tools=None) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation
+        )
+
+    def with_tools(self, messages: list[dict]) -> list[dict]:
+        """``messages`` as the policy sees them: with the tools' Hermes instructions in the system message when
+        the template does not render tools itself."""
+        if not self.tools_in_system:
+            return messages
+        listing = "\n".join(json.dumps(t) for t in self.tools)
+        system = HERMES_SYSTEM.format(tools=listing)
+        if messages and messages[0]["role"] == "system":
+            return [{"role": "system", "content": messages[0]["content"] + "\n\n" + system}, *messages[1:]]
+        return [{"role": "system", "content": system}, *messages]
+
+    def prompt(self, messages: list[dict]) -> list[int]:
+        """The opening messages, ending with the assistant turn's opening."""
+        text = self._render(
+            self.with_tools(messages), generation=True, tools=None if self.tools_in_system else self.tools
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def observation(self, messages: list[dict], turn_ids: list[int]) -> list[int]:
+        """What follows an assistant turn whose sampled ids were ``turn_ids``: the rest of its end-of-turn text,
+        the observation ``messages`` and the next assistant turn's opening."""
+        full = self._render(self._base_messages + messages, generation=True)
+        if not full.startswith(self._base):
+            raise ValueError(
+                "the chat template renders earlier messages differently once more follow, so observations cannot "
+                "be appended to a trajectory's tokens; use a template that appends messages"
+            )
+        rest = self._after_assistant
+        if turn_ids and turn_ids[-1] == self.tokenizer.eos_token_id and rest.startswith(self._eos):
+            rest = rest[len(self._eos) :]  # the engine sampled the end-of-turn token itself
+        return self.tokenizer.encode(rest + full[len(self._base) :], add_special_tokens=False)

@@ -1,0 +1,131 @@
+"""A multi-turn trajectory's tokens: the opening prompt with the tools, the observations between turns as the
+model's chat template renders them, and the engine's sampled ids kept exactly (never re-tokenised)."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from converters.gguf2hf import default_model_dir
+from mcore_rl.agent.chat import HERMES_SYSTEM, ChatFormat
+from mcore_rl.agent.tools import Calculator, schema
+from mcore_rl.agent.trajectory import TrajectoryBuilder
+from mcore_rl.rollout.engine import Completion
+
+# Qwen2.5's way with tools, in short: schemas in the system turn; consecutive tool results grouped in one user turn
+# as <tool_response> blocks.
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\nYou are helpful.\n\n# Tools\n\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+OPENING = [{"role": "user", "content": "What is 6 times 7?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return transformers.AutoTokenizer.from_pretrained(default_model_dir())
+
+
+def _turn(tokenizer, ids: list[int]) -> Completion:
+    return Completion(ids, [-0.5] * len(ids), "stop", [0] * len(ids))
+
+
+def _converse(tokenizer, chat: ChatFormat, turns: list[list[int]], observations: list[list[dict]]):
+    """A trajectory as the rollout builds it: sampled turns with observations between them."""
+    traj = TrajectoryBuilder(prompt_ids=chat.prompt(OPENING), messages=chat.with_tools(OPENING))
+    for i, ids in enumerate(turns):
+        traj.add_turn(
+            _turn(tokenizer, ids), {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+        )
+        if i < len(observations):
+            traj.add_observation(chat.observation(observations[i], ids), observations[i])
+    return traj
+
+
+@pytest.mark.parametrize("template", ["own", "qwen-like"])
+def test_trajectory_tokens_are_the_whole_conversation_rendered(smollm2, template):
+    tokenizer = smollm2
+    if template == "qwen-like":
+        tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+        tokenizer.chat_template = QWEN_LIKE
+    chat = ChatFormat(tokenizer, [schema(Calculator())])
+    eos = [tokenizer.eos_token_id]
+    turns = [
+        tokenizer.encode(CALL, add_special_tokens=False) + eos,
+        tokenizer.encode("42", add_special_tokens=False) + eos,
+    ]
+    results = [
+        [
+            {"role": "tool", "name": "calculator", "content": "42"},
+            {"role": "tool", "name": "calculator", "content": "7"},
+        ]
+    ]
+    traj = _converse(tokenizer, chat, turns, results)
+
+    # SmolLM2's template ignores tools: they come as Hermes instructions in a system turn; Qwen's renders them.
+    assert chat.tools_in_system == (template == "own")
+    assert ("<tools>" in traj.messages[0]["content"]) == (template == "own")
+    whole = tokenizer.apply_chat_template(
+        traj.messages, tools=None if chat.tools_in_system else chat.tools, tokenize=False
+    )
+    # The conversation rendered in one piece, up to the last sampled token (the template's "\n" after it is not
+    # part of the trajectory: the next turn's observation would bring it).
+    assert tokenizer.decode(traj.context) == whole.removesuffix("\n")
+    assert traj.context[-len(turns[1]) :] == turns[1]
+    # Trained tokens are exactly the sampled ones, in order; everything between them is masked.
+    sampled = [t for t, m in zip(traj.ids, traj.mask, strict=True) if m]
+    assert sampled == turns[0] + turns[1]
+    assert traj.logprobs == [-0.5 if m else 0.0 for m in traj.mask]
+    assert traj.versions == [0] * len(sampled)
+    observation = tokenizer.decode([t for t, m in zip(traj.ids, traj.mask, strict=True) if not m])
+    if template == "own":
+        assert observation == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    else:
+        expected = "\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        assert observation == expected
+
+
+def test_sampled_ids_are_kept_even_where_retokenising_would_change_them(smollm2):
+    tokenizer, chat = smollm2, ChatFormat(smollm2, [schema(Calculator())])
+    # "hello" sampled one character at a time: the tokenizer itself would write it as one token.
+    spelled = [tokenizer.convert_tokens_to_ids(c) for c in "hello"] + [tokenizer.eos_token_id]
+    retokenised = tokenizer.encode(tokenizer.decode(spelled, skip_special_tokens=True), add_special_tokens=False)
+    assert retokenised != spelled[:-1]  # the hazard is real for this tokenizer
+    traj = _converse(tokenizer, chat, [spelled, spelled], [[{"role": "tool", "content": "ok"}]])
+    first = len(traj.prompt_ids)
+    assert traj.context[first : first + len(spelled)] == spelled
+    assert traj.context[-len(spelled) :] == spelled
+
+
+def test_a_turn_cut_before_its_end_token_gets_the_template_s_end_of_turn(smollm2):
+    tokenizer = smollm2
+    chat = ChatFormat(tokenizer, [])
+    cut = tokenizer.encode("The answer is", add_special_tokens=False)  # stopped by a stop string: no EOS sampled
+    ids = chat.observation([{"role": "user", "content": "go on"}], cut)
+    assert tokenizer.decode(ids) == "<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_hermes_instructions_join_an_existing_system_message(smollm2):
+    chat = ChatFormat(smollm2, [schema(Calculator())])
+    messages = chat.with_tools([{"role": "system", "content": "Be brief."}, *OPENING])
+    assert messages[0]["content"].startswith("Be brief.\n\nYou may call one or more functions")
+    assert HERMES_SYSTEM.splitlines()[0] in messages[0]["content"] and messages[1:] == OPENING
+    assert ChatFormat(smollm2, []).with_tools(OPENING) == OPENING  # no tools, no instructions
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+    tokenizer.chat_template = (
+        "<|im_start|>system\n{{ messages | length }} messages<|im_end|>\n"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    with pytest.raises(ValueError, match="renders earlier messages differently"):
+        ChatFormat(tokenizer, []).observation([{"role": "user", "content": "x"}], [tokenizer.eos_token_id])
