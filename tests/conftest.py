@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from tests.tiny import FAMILIES, make_tiny
+from tests.tiny import FAMILIES, make_tiny, make_tool_caller
 
 WORLD_SIZE = 4
 
@@ -32,6 +32,12 @@ def pytest_collection_modifyitems(items) -> None:
 def tiny_models(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tiny")
     return {arch: str(make_tiny(arch, root / arch)) for arch in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory) -> str:
+    """The tiny Llama that calls the calculator, then answers (tests/tiny.py)."""
+    return str(make_tool_caller(tmp_path_factory.mktemp("tool_caller")))
 
 
 def _pool(world_size: int):

@@ -8,11 +8,16 @@ from pathlib import Path
 import torch
 import transformers
 
+from mcore_rl.data.arithmetic import arithmetic_splits
+
 # A character-level tokenizer with a ChatML template, so tiny models run the whole RL loop (chat prompts, decoded
 # responses); ids 0-3 are special and <|im_end|> (2) is the models' default EOS.
 SPECIAL = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
-CHARS = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n?+-.,:!='"
+CHARS = string.digits + string.ascii_lowercase + string.ascii_uppercase + " \n?+-.,:!='" + '<>{}"_/*()[]'
+# Tools are listed by name in a system turn (the models' context is short), as Qwen's template lists their schemas.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -123,6 +128,37 @@ def save_char_tokenizer(out_dir: Path) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out_dir)
+
+
+# What the tool-calling tiny model learns to say: a calculator call first, then the answer once the result is back.
+TOOL_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+def make_tool_caller(out_dir: Path, steps: int = 150) -> Path:
+    """A tiny Llama fine-tuned to call the calculator at its first turn (whatever the question) and to answer "42"
+    after a tool result: random weights never emit a well-formed call, and the multi-turn path needs real ones."""
+    make_tiny("LlamaForCausalLM", out_dir, max_position_embeddings=256)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out_dir)
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "", "parameters": {}}}]
+    rows = []
+    for row in arithmetic_splits(6, 0, seed=0)[0]:  # the built-in questions, "What is 17 + 25? Answer with ..."
+        opening = row.messages
+        called = opening + [{"role": "assistant", "content": TOOL_CALL}, {"role": "tool", "content": "42"}]
+        for context, reply in ((opening, TOOL_CALL), (called, "42")):
+            prompt = tokenizer.apply_chat_template(context, tools=tools, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer.encode(prompt + reply + "<|im_end|>", add_special_tokens=False)
+            rows.append((ids, len(tokenizer.encode(prompt, add_special_tokens=False))))
+    length = max(len(ids) for ids, _ in rows)
+    inputs = torch.tensor([ids + [0] * (length - len(ids)) for ids, _ in rows])
+    labels = torch.tensor([[-100] * start + ids[start:] + [-100] * (length - len(ids)) for ids, start in rows])
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        model(input_ids=inputs, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(out_dir)
+    return Path(out_dir)
 
 
 if __name__ == "__main__":

