@@ -26,10 +26,11 @@ import yaml
 from compat import upstream_notices_env
 from converters.hf_io import copy_model_files
 from mcore_rl import checkpoint
+from mcore_rl.agent.trajectory import Trajectory, trajectory_stats
 from mcore_rl.batch import partition_groups, rollout_stats, samples_of, staleness_stats, training_batch
 from mcore_rl.config.loader import ConfigError, to_dict
-from mcore_rl.config.schema import BUILTIN_DATA, RunConfig
-from mcore_rl.data.arithmetic import arithmetic_splits
+from mcore_rl.config.schema import RunConfig
+from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.data.progress import DataProgress
 from mcore_rl.data.prompts import PromptDataset, read_rows
 from mcore_rl.metrics import MetricsLogger, plot_curves
@@ -54,19 +55,22 @@ class Data:
 
         rt, policy = config.runtime_args, config.models.policy
         self.tokenizer = AutoTokenizer.from_pretrained(policy.load)
-        builtin = arithmetic_splits(rt.num_builtin_train, rt.num_builtin_eval, rt.seed)
         self.train, self.eval = (
-            self._prompts(f"runtime_args.{key}", path, split, policy.max_prompt_tokens, rt.seed, shuffle)
+            self._prompts(f"runtime_args.{key}", path, split, config, shuffle)
             for key, path, split, shuffle in (
-                ("data_path", rt.data_path, builtin[0], rt.data_shuffle),
-                ("eval_data_path", rt.eval_data_path, builtin[1], False),
+                ("data_path", rt.data_path, 0, rt.data_shuffle),
+                ("eval_data_path", rt.eval_data_path, 1, False),
             )
         )
 
-    def _prompts(self, key: str, path: str, builtin, max_prompt_tokens: int, seed: int, shuffle: bool):
+    def _prompts(self, key: str, path: str, split: int, config: RunConfig, shuffle: bool):
+        rt = config.runtime_args
         try:
-            rows = builtin if path == BUILTIN_DATA else read_rows(path)
-            prompts = PromptDataset(rows, self.tokenizer, max_prompt_tokens, seed, shuffle)
+            if path in BUILTIN_SPLITS:
+                rows = BUILTIN_SPLITS[path](rt.num_builtin_train, rt.num_builtin_eval, rt.seed)[split]
+            else:
+                rows = read_rows(path)
+            prompts = PromptDataset(rows, self.tokenizer, config.models.policy.max_prompt_tokens, rt.seed, shuffle)
         except (ValueError, OSError) as err:
             raise ConfigError(f"{key}={path!r}: {err}") from None
         if prompts.dropped:
@@ -76,6 +80,30 @@ class Data:
     def decode(self, completions) -> list[str]:
         ids = [c.token_ids for group in completions for c in group]
         return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+class SingleTurn:
+    """Samples of one completion each, scored by the reward actors (the multi-turn counterpart is
+    :class:`~mcore_rl.agent.loop.AgentLoop`): ``generate`` a batch of prompt groups, or ``submit`` groups and
+    ``collect`` those that finished."""
+
+    def __init__(self, system: System, data: Data):
+        self.rollout, self.rewards, self.data = system.rollout, system.rewards, data
+        self._prompts: dict = {}  # submitted keys -> prompts
+
+    def generate(self, prompts, sampling) -> tuple[list, list[float]]:
+        return self._score(prompts, self.rollout.generate([p.token_ids for p in prompts], sampling))
+
+    def submit(self, requests, sampling) -> None:
+        self._prompts.update(requests)
+        self.rollout.submit([(key, prompt.token_ids) for key, prompt in requests], sampling)
+
+    def collect(self, seconds: float = 0.5) -> list[tuple[str, list, list[float]]]:
+        return [(k, *self._score([self._prompts.pop(k)], [c])) for k, c in self.rollout.collect(seconds)]
+
+    def _score(self, prompts, completions) -> tuple[list, list[float]]:
+        samples = samples_of(prompts, completions, self.data.decode(completions))
+        return samples, self.rewards.score([_reward_input(s) for s in samples])
 
 
 class System:
@@ -154,13 +182,36 @@ class System:
                 role.offload()
         rollout = dataclasses.replace(m.policy.rollout, return_routed_experts=trainer.moe.routing_replay)
         devices = range(0 if rt.colocated else n, rt.num_devices)
-        self.rollout = RolloutGroup(m.policy.load, rollout, self.placement, devices, f"{name}/policy", cores)
+        self.rollout = RolloutGroup.launch(m.policy.load, rollout, self.placement, devices, f"{name}/policy", cores)
         self._stops.append(self.rollout.stop)
-        self.rewards = RewardPool(m.reward.fn, m.reward.num_actors, m.reward.num_cpus)
-        self._stops.append(self.rewards.stop)
+        reward = m.reward
+        if reward.multi_turn:  # the environment scores trajectories, with the reward function if it is built in
+            from mcore_rl.agent.actors import EnvPool, ToolPool
+
+            self.envs = EnvPool(reward.environment, reward.fn, reward.sandbox, reward.env_actors)
+            self._stops.append(self.envs.stop)
+            self.tools = None
+            if reward.tools:
+                self.tools = ToolPool(reward.tools, reward.sandbox, reward.tool_actors, reward.tool_timeout_s)
+                self._stops.append(self.tools.stop)
+        else:
+            self.rewards = RewardPool(reward.fn, reward.num_actors, reward.num_cpus)
+            self._stops.append(self.rewards.stop)
         # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
         dtype = Device("cuda" if gpu else "cpu").engine_dtype(m.policy.rollout.dtype)
         self.trainer.connect_engines(self.rollout.engines, rt.colocated, self.rollout.tp, m.policy.sync, dtype)
+
+    def agent_loop(self, tokenizer):
+        """The multi-turn loop over the engines, environments and tools (closed with the system)."""
+        from mcore_rl.agent.loop import AgentLoop
+
+        reward, rollout = self.config.models.reward, self.config.models.policy.rollout
+        loop = AgentLoop(
+            self.rollout, self.envs, self.tools, tokenizer, rollout.multi_turn, rollout.max_model_len,
+            reward.env_timeout_s,
+        )  # fmt: skip
+        self._stops.append(loop.close)
+        return loop
 
     @contextlib.contextmanager
     def on_device(self, role, parts: list[str] | None = None):
@@ -220,6 +271,8 @@ class Run:
 
     def __init__(self, config: RunConfig, data: Data, system: System, logger: MetricsLogger, progress: DataProgress):
         self.config, self.data, self.system, self.logger, self.progress = config, data, system, logger, progress
+        multi_turn = config.models.reward.multi_turn
+        self.sampler = system.agent_loop(data.tokenizer) if multi_turn else SingleTurn(system, data)
         self.out = Path(config.runtime_args.output_dir)
         self._lock = threading.Lock()  # the async producer issues prompts while the trainer consumes them
 
@@ -233,16 +286,9 @@ class Run:
         with self._lock:
             self.progress.consume(positions)
 
-    def score(self, prompts, completions) -> tuple[list, list[float]]:
-        """Samples of ``prompts``' completions, and their rewards."""
-        samples = samples_of(prompts, completions, self.data.decode(completions))
-        return samples, self.system.rewards.score([_reward_input(s) for s in samples])
-
     def evaluate(self) -> dict[str, float]:
         """Accuracy (fraction of positive rewards) of eval-sampling completions over the whole eval set."""
-        prompts = self.data.eval.prompts
-        eval_sampling = self.config.models.policy.rollout.eval
-        _, rewards = self.score(prompts, self.system.rollout.generate([p.token_ids for p in prompts], eval_sampling))
+        _, rewards = self.sampler.generate(self.data.eval.prompts, self.config.models.policy.rollout.eval)
         return {
             "eval/accuracy": sum(r > 0 for r in rewards) / len(rewards),
             "eval/reward_mean": sum(rewards) / len(rewards),
@@ -251,6 +297,8 @@ class Run:
     def end_episode(self, episode: int, samples, rewards, metrics: dict) -> None:
         rt = self.config.runtime_args
         metrics |= rollout_stats(samples, rewards, self.config.models.policy.num_inference_per_prompt)
+        if self.config.models.reward.multi_turn:
+            metrics |= trajectory_stats([s.completion for s in samples])
         metrics |= process_metrics(self.system) | {"data/position": self.progress.position}
         self.logger.log(episode, metrics)
         write_samples(self.out / "rollouts" / f"episode_{episode}.jsonl", samples, rewards)
@@ -282,9 +330,7 @@ def rollout_phase(run: Run) -> tuple[list, list[float], list[int]]:
     for _ in range(1 + REFILL_ROUNDS * config.models.policy_trainer.dynamic_sampling):
         issued = run.issue((need - len(kept)) // n)
         positions += [p for p, _ in issued]
-        prompts = [prompt for _, prompt in issued]
-        completions = run.system.rollout.generate([p.token_ids for p in prompts], sampling)
-        samples, rewards = run.score(prompts, completions)
+        samples, rewards = run.sampler.generate([prompt for _, prompt in issued], sampling)
         if not config.models.policy_trainer.dynamic_sampling:
             return samples, rewards, positions
         (good, good_rewards), (constant, constant_rewards) = partition_groups(samples, rewards, n)
@@ -375,19 +421,15 @@ def async_loop(run: Run, start: int) -> None:
     each episode trains on the oldest ready prompt groups at most ``max_staleness`` versions old (older ones are
     dropped and counted), then syncs the new weights, which generations in flight continue with (partial
     rollout) or which wait until those finish."""
-    from mcore_rl.rollout.producer import Group, Producer, SampleBuffer
+    from mcore_rl.rollout.producer import Producer, SampleBuffer
 
     rt, m = run.config.runtime_args, run.config.models
     n = m.policy.num_inference_per_prompt
     need = rt.sample_per_episode // n
     buffer = SampleBuffer(rt.max_staleness, n, m.policy_trainer.dynamic_sampling, REFILL_ROUNDS)
 
-    def finish(position, prompt, completions) -> Group:
-        samples, rewards = run.score([prompt], [completions])
-        return Group(position, samples, rewards)
-
     sampling = dataclasses.replace(m.policy.rollout.train, n=n)
-    producer = Producer(run.system.rollout, run.issue, finish, sampling, buffer, need * (rt.max_staleness + 1))
+    producer = Producer(run.sampler, run.issue, sampling, buffer, need * (rt.max_staleness + 1))
     producer.start()
     try:
         for episode in range(start + 1, rt.num_episode + 1):
@@ -426,10 +468,7 @@ def run(config: RunConfig) -> Path:
     # Missing or truncated weights, bad data, or a reward function that returns no number: stopped before any write.
     config.check_weights()
     data = Data(config)
-    first = data.train.batch(0, 1)[0].row
-    Reward(config.models.reward.fn).check(
-        [*first.messages, {"role": "assistant", "content": first.answer}], first.answer
-    )
+    check_user_code(config, data.train.batch(0, 1)[0].row)
     out = Path(rt.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_resolved_config(config, out)
@@ -463,6 +502,28 @@ def run(config: RunConfig) -> Path:
     return out
 
 
+def check_user_code(config: RunConfig, row) -> None:
+    """The reward function, or the environment and tools, on the first training prompt answered with its reference
+    answer: code that cannot load or answer at all fails in seconds, before any actor starts."""
+    reward = config.models.reward
+    answered = [*row.messages, {"role": "assistant", "content": row.answer}]
+    if not reward.multi_turn:
+        return Reward(reward.fn).check(answered, row.answer)
+    from mcore_rl.agent.envs import EnvError, check_messages, check_step, environment_factory
+    from mcore_rl.agent.tools import load_tools
+
+    load_tools(reward.tools, reward.sandbox)
+    env = environment_factory(reward.environment, reward.fn, reward.sandbox)()
+    what = f"models.reward.env={reward.environment!r} on the first training prompt (row {row.id!r})"
+    try:
+        check_messages(env.reset(row.as_dict()), "reset")
+        check_step(env.step(answered[-1]))
+    except EnvError as err:
+        raise EnvError(f"{what}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - the user's environment, reported by key
+        raise EnvError(f"{what} raised {type(err).__name__}: {err}") from None
+
+
 def process_metrics(system: System) -> dict[str, float]:
     """Threads and resident memory of the busiest trainer rank and rollout engine (``process/*``)."""
     out = {}
@@ -476,4 +537,6 @@ def write_samples(path: Path, samples, rewards) -> None:
     with path.open("w") as f:
         for s, r in zip(samples, rewards, strict=True):
             record = {"id": s.id, "reward": r, "response": s.text, "versions": sorted(set(s.completion.versions))}
+            if isinstance(s.completion, Trajectory):
+                record |= {"stop": s.completion.finish_reason, "messages": s.completion.messages}
             f.write(json.dumps(record) + "\n")

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.config.schema import load_run_config
     from mcore_rl.driver import run
     from mcore_rl.planner.memory import check_fits
-    from mcore_rl.rewards.user import RewardError
+    from mcore_rl.userfile import UserCodeError
 
     try:
         config = load_run_config(args.config, args.overrides)
@@ -38,9 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         if unfit:
             raise ConfigError("the run does not fit its devices' memory\n" + "\n".join(unfit))
         run(config)
-    # Bad input: found before anything is written (config, data, reward file), when the cluster is known (which
-    # devices it has), or in the user's reward function (named with the sample) during the run.
-    except (ConfigError, RewardError) as err:
+    # Bad input: found before anything is written (config, data, reward/environment/tool files), when the cluster
+    # is known (which devices it has), or in the user's reward function (named with the sample) during the run.
+    except (ConfigError, UserCodeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

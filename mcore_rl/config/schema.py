@@ -8,11 +8,16 @@ from pathlib import Path
 
 from converters.hf_io import HFCheckpoint
 from converters.torch_dist import Reader, find_megatron
+from mcore_rl.agent.envs import BUILTIN_ENVS
+from mcore_rl.agent.sandbox import SandboxConfig
+from mcore_rl.agent.tools import BUILTIN_TOOLS
 from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
+from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.moe import MoEConfig
 from mcore_rl.rollout.engine import RolloutConfig
 from mcore_rl.sync import SyncConfig
+from mcore_rl.userfile import is_user_file
 from models.registry import get_bridge
 from parallel.config import ParallelConfig
 
@@ -29,7 +34,9 @@ class LogConfig:
 class RuntimeArgs:
     exp_name: str = "run"
     output_dir: str = "runs/${runtime_args.exp_name}"
-    data_path: str = BUILTIN_DATA  # JSONL of {"messages", "answer"} rows, or the built-in arithmetic set
+    # JSONL or Parquet of {"messages", "answer"} rows, or built in: "builtin:arithmetic" (one operation),
+    # "builtin:word_problems" (multi-step, for the calculator tool)
+    data_path: str = BUILTIN_DATA
     eval_data_path: str = BUILTIN_DATA
     num_builtin_train: int = 2000
     num_builtin_eval: int = 100
@@ -134,8 +141,28 @@ class PolicyConfig:
 @dataclass
 class RewardConfig:
     fn: str = "math"  # "math", "path/to/file.py" or "path/to/file.py:function"
-    num_actors: int = 1
+    num_actors: int = 1  # single-turn: the reward actors, each reserving num_cpus
     num_cpus: float = 1.0
+    # Multi-turn rollouts (limits: models.policy.rollout.multi_turn), when an environment or tools are given.
+    # "answer": fn scores the final answer (the default with tools); "python": a code interpreter (sandboxed
+    # ```python blocks); or "path/to/file.py:Class" with reset(row) -> messages, step(message) -> (messages,
+    # reward, done).
+    env: str = ""
+    tools: list[str] = field(default_factory=list)  # "calculator", "python", "path/to/file.py:name"
+    # Environment and tool actors reserve no CPUs (they mostly wait); their numbers bound the work at once.
+    env_actors: int = 1  # each hosts many trajectories' environments
+    env_timeout_s: float = 60.0  # an environment step past it ends its trajectory (stop reason env_error)
+    tool_actors: int = 4  # tool calls running at once; one actor each
+    tool_timeout_s: float = 10.0  # a call past it is stopped; the policy reads a timeout error
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's and environment's limits
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.env or self.tools)
+
+    @property
+    def environment(self) -> str:
+        return self.env or "answer"
 
 
 @dataclass
@@ -201,12 +228,19 @@ class RunConfig:
                 f"models.policy.max_prompt_tokens + max_new_tokens = {longest} exceeds "
                 f"models.policy.rollout.max_model_len={m.policy.rollout.max_model_len}; raise it or shorten either"
             )
+        if m.reward.multi_turn:
+            self._validate_multi_turn()
+        what = (
+            "a multi-turn trajectory's max_total_tokens"
+            if m.reward.multi_turn
+            else "max_prompt_tokens + max_new_tokens"
+        )
         for role in ("policy_trainer", "ref_policy"):
             packing = getattr(m, role).max_token_in_packing
-            if packing and packing < longest:
+            if packing and packing < self.longest_sample:
                 raise ConfigError(
-                    f"models.{role}.max_token_in_packing={packing} is below the longest sample ({longest} tokens: "
-                    "max_prompt_tokens + max_new_tokens); raise it, or set 0 for padded micro-batches"
+                    f"models.{role}.max_token_in_packing={packing} is below the longest sample ({self.longest_sample} "
+                    f"tokens: {what}); raise it, or set 0 for padded micro-batches"
                 )
         self._validate_placement()
         self._validate_layouts()
@@ -261,8 +295,16 @@ class RunConfig:
             )
         for key in ("runtime_args.data_path", "runtime_args.eval_data_path"):
             path = self._get(key)
-            if path != BUILTIN_DATA and not Path(path).is_file():
-                raise ConfigError(f"{key}={path!r}: file not found (or use {BUILTIN_DATA!r})")
+            if path not in BUILTIN_SPLITS and not Path(path).is_file():
+                raise ConfigError(f"{key}={path!r}: file not found (or use one of {list(BUILTIN_SPLITS)})")
+
+    @property
+    def longest_sample(self) -> int:
+        """Tokens of the longest sample training can get: prompt and response, or a whole multi-turn trajectory."""
+        policy = self.models.policy
+        if self.models.reward.multi_turn:
+            return policy.rollout.multi_turn.total_tokens(policy.rollout.max_model_len)
+        return policy.max_prompt_tokens + policy.rollout.train.max_new_tokens
 
     def check_weights(self) -> None:
         """The model directories' weight files are all there and whole (headers and sizes; no tensor is read). A
@@ -315,6 +357,35 @@ class RunConfig:
                 "runtime_args.partial_rollout: a partial rollout recomputes its context with new weights, so the "
                 "routing of its earlier tokens is not the routing that sampled them; set partial_rollout: false "
                 "or models.policy_trainer.moe.routing_replay: false"
+            )
+
+    def _validate_multi_turn(self) -> None:
+        m = self.models
+        reward, limits = m.reward, m.policy.rollout.multi_turn
+        for key in ("env_actors", "tool_actors"):
+            if getattr(reward, key) < 1:
+                raise ConfigError(f"models.reward.{key}={getattr(reward, key)}: expected at least 1")
+        for key in ("env_timeout_s", "tool_timeout_s"):
+            if getattr(reward, key) <= 0:
+                raise ConfigError(f"models.reward.{key}={getattr(reward, key)}: expected a positive number of seconds")
+        reward.sandbox.validate("models.reward.sandbox")
+        for key, spec, builtins in [("models.reward.env", reward.environment, BUILTIN_ENVS)] + [
+            (f"models.reward.tools[{i}]", tool, BUILTIN_TOOLS) for i, tool in enumerate(reward.tools)
+        ]:
+            if spec not in builtins and not is_user_file(spec):
+                raise ConfigError(
+                    f"{key}={spec!r}: expected one of {list(builtins)} or an existing path/to/file.py[:name]"
+                )
+        total = limits.total_tokens(m.policy.rollout.max_model_len)
+        if total <= m.policy.max_prompt_tokens:
+            raise ConfigError(
+                f"models.policy.rollout.multi_turn.max_total_tokens={total} leaves no room after a prompt of "
+                f"models.policy.max_prompt_tokens={m.policy.max_prompt_tokens}; raise it"
+            )
+        if m.policy_trainer.moe.routing_replay:
+            raise ConfigError(
+                "models.policy_trainer.moe.routing_replay: multi-turn trajectories are sampled turn by turn, with "
+                "no routing of their observation tokens to replay; set it to false"
             )
 
     def _validate_layouts(self) -> None:

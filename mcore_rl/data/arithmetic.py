@@ -35,3 +35,46 @@ def arithmetic_splits(
     train = [row("train", i, q) for i, q in enumerate(questions[:num_train])]
     evaluation = [row("eval", i, q) for i, q in enumerate(questions[num_train:])]
     return train, evaluation
+
+
+# Multi-step word problems: the text and the expression that answers it, of operands a, b (two digits) and c, d
+# (3 to 12); each needs two or three operations, which a small model gets wrong in its head and right with a
+# calculator.
+_WORD_PROBLEMS = (
+    ("A shop has {a} apples. It sells {b} of them, then receives {c} boxes of {d} apples each. How many apples "
+     "does it have now?", "{a} - {b} + {c} * {d}"),
+    ("Tom saves {a} dollars a week for {c} weeks, then spends {b} dollars. How many dollars does he have left?",
+     "{a} * {c} - {b}"),
+    ("A train has {c} cars with {a} seats each. {b} seats are taken and {d} more passengers board. How many "
+     "seats are still free?", "{c} * {a} - {b} - {d}"),
+    ("A farmer plants {c} rows of {a} trees and {d} rows of {b} trees. How many trees does he plant?",
+     "{c} * {a} + {d} * {b}"),
+)  # fmt: skip
+
+
+def word_problem_splits(num_train: int, num_eval: int, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Disjoint train/eval multi-step word problems with whole, non-negative answers; ids ``train-<i>`` /
+    ``eval-<i>``; each row's ``expression`` field is the arithmetic that answers it; seeded."""
+    from mcore_rl.agent.tools import Calculator
+
+    rng, calculator = random.Random(seed), Calculator()
+    seen: set[str] = set()
+    rows: list[tuple[str, str, str]] = []
+    while len(rows) < num_train + num_eval:
+        text, expression = rng.choice(_WORD_PROBLEMS)
+        operands = dict(a=rng.randint(12, 99), b=rng.randint(12, 99), c=rng.randint(3, 12), d=rng.randint(3, 12))
+        question, expression = text.format(**operands), expression.format(**operands)
+        answer = calculator.call({"expression": expression})
+        if not answer.startswith("-") and question not in seen:
+            seen.add(question)
+            rows.append((question, expression, answer))
+
+    def row(split: str, i: int, question: str, expression: str, answer: str) -> PromptRow:
+        messages = [{"role": "user", "content": f"{question} {INSTRUCTION}"}]
+        return PromptRow(f"{split}-{i}", messages, answer, {"expression": expression})
+
+    train = [row("train", i, *q) for i, q in enumerate(rows[:num_train])]
+    return train, [row("eval", i, *q) for i, q in enumerate(rows[num_train:])]
+
+
+BUILTIN_SPLITS = {"builtin:arithmetic": arithmetic_splits, "builtin:word_problems": word_problem_splits}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -16,6 +16,11 @@ class PromptRow:
     id: str
     messages: list[dict]
     answer: str
+    extra: dict = field(default_factory=dict)  # the row's other fields, for environments
+
+    def as_dict(self) -> dict:
+        """The row as the dataset holds it (what an environment's ``reset`` gets)."""
+        return {"id": self.id, "messages": self.messages, "answer": self.answer, **self.extra}
 
 
 def _check_row(row, where: str) -> PromptRow:
@@ -29,7 +34,8 @@ def _check_row(row, where: str) -> PromptRow:
             raise ValueError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
     if "answer" not in row or isinstance(row["answer"], dict | list) or row["answer"] is None:
         raise ValueError(f"{where}: 'answer' must be a string or a number")
-    return PromptRow(str(row.get("id", where)), messages, str(row["answer"]))
+    extra = {k: v for k, v in row.items() if k not in ("id", "messages", "answer")}
+    return PromptRow(str(row.get("id", where)), messages, str(row["answer"]), extra)
 
 
 def read_jsonl(path: str | Path) -> list[PromptRow]:
@@ -81,7 +87,7 @@ def write_jsonl(rows: Iterable[PromptRow], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for r in rows:
-            f.write(json.dumps({"id": r.id, "messages": r.messages, "answer": r.answer}) + "\n")
+            f.write(json.dumps(r.as_dict()) + "\n")
     return path
 
 

@@ -244,7 +244,7 @@ class Workload:
     def from_config(cls, config) -> Workload:
         rt, m = config.runtime_args, config.models
         trainer = m.policy_trainer
-        longest = m.policy.max_prompt_tokens + m.policy.rollout.train.max_new_tokens
+        longest = config.longest_sample
         dp = trainer.parallel.dp(rt.trainer_devices)
         rows = rt.train_global_batch_size // dp
         if trainer.max_token_in_packing:

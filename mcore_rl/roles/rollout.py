@@ -21,26 +21,30 @@ class RolloutGroup:
     """Engines on consecutive blocks of ``tp`` of the placement's ``devices`` (colocated: the trainer ranks on a
     block feed its engine)."""
 
-    def __init__(
-        self,
+    def __init__(self, engines: list, tp: int):
+        self.engines, self.tp = engines, tp
+
+    @classmethod
+    def launch(
+        cls,
         model_dir: str,
         config: RolloutConfig,
         placement: Placement,
         devices: range,
         name: str,
         cores: list[list[int]] | None = None,
-    ):
+    ) -> RolloutGroup:
         """``cores``: each device's CPU cores, where the engines must keep to their own (CPU, disaggregated)."""
-        self.tp = config.tensor_parallel_size
-        firsts = range(devices.start, devices.stop, self.tp)
+        tp = config.tensor_parallel_size
+        firsts = range(devices.start, devices.stop, tp)
         configs = [config] * len(firsts)
         if cores and config.cpu_threads_bind == "auto":  # each worker on its own device's cores
             configs = [
-                dataclasses.replace(config, cpu_threads_bind=thread_binding(cores[first : first + self.tp]))
+                dataclasses.replace(config, cpu_threads_bind=thread_binding(cores[first : first + tp]))
                 for first in firsts
             ]
-        launches = [(f"{name}-{i}", placement.engine_options(first, self.tp)) for i, first in enumerate(firsts)]
-        self.engines = launch_engines(model_dir, configs, launches)
+        launches = [(f"{name}-{i}", placement.engine_options(first, tp)) for i, first in enumerate(firsts)]
+        return cls(launch_engines(model_dir, configs, launches), tp)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """Prompts spread evenly over the replicas, generated concurrently; results in prompt order."""
@@ -48,11 +52,13 @@ class RolloutGroup:
         results = ray.get([e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=False)])
         return [c for part in results for c in part]
 
-    def submit(self, requests: list[tuple[str, list[int]]], sampling: SamplingConfig) -> None:
-        """Start ``(key, prompt)`` requests, spread over the replicas; :meth:`collect` hands them out when done."""
-        for engine, part in zip(self.engines, _split(requests, len(self.engines)), strict=True):
-            if part:
-                ray.get(engine.submit.remote(part, sampling))
+    def submit(self, requests: list[tuple[str, list[int]]], sampling: SamplingConfig, replica: int | None = None):
+        """Start ``(key, prompt)`` requests, spread over the replicas or all on ``replica`` (a multi-turn
+        trajectory's turns, so each finds the last one's context in its prefix cache); :meth:`collect` hands them
+        out when done."""
+        n = len(self.engines)
+        parts = _split(requests, n) if replica is None else [requests if i == replica % n else [] for i in range(n)]
+        ray.get([e.submit.remote(part, sampling) for e, part in zip(self.engines, parts, strict=True) if part])
 
     def collect(self, seconds: float = 0.5) -> list[tuple[str, list[Completion]]]:
         """Let the replicas generate for up to ``seconds``; the submitted requests that finished."""

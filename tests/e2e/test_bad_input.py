@@ -142,6 +142,31 @@ def test_the_command_prints_one_error_line_and_no_traceback(bad_run):
     )
     assert run.returncode == 2, run.stderr
     errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == ["error: runtime_args.data_path='/nowhere.jsonl': file not found (or use 'builtin:arithmetic')"]
+    assert errors == [
+        "error: runtime_args.data_path='/nowhere.jsonl': file not found (or use one of ['builtin:arithmetic', "
+        "'builtin:word_problems'])"
+    ]
     assert "Traceback" not in run.stderr and "warn" not in run.stderr.lower(), run.stderr
     assert {p.name: p.read_text() for p in out.iterdir()} == EARLIER
+
+
+@pytest.mark.parametrize(
+    ("env", "tools", "message"),
+    [
+        ("class Environment:\n    def reset(self, row):\n        raise KeyError('level')\n    def step(self, m):\n"
+         "        return [], 1.0, True\n", "", "(row 'train-"),
+        ("class Environment:\n    def reset(self, row):\n        return 'hello'\n    def step(self, m):\n"
+         "        return [], 1.0, True\n", "", "reset returned 'hello'; expected a list of {'role', 'content'} dicts"),
+        ("class Environment:\n    def reset(self, row):\n        return row['messages']\n    def step(self, m):\n"
+         "        return [], 'good', True\n", "", "step returned the reward 'good'; expected a finite real number"),
+        ("Environment = 3\n", "", "is not a class with reset(row) and step(message) methods"),
+        ("", "class T:\n    name = 't'\n    parameters = {'type': 'object'}\n", "is not a tool: it lacks call"),
+    ],
+)  # fmt: skip
+def test_environments_and_tools_that_cannot_run_are_refused(bad_run, capsys, tmp_path, env, tools, message):
+    overrides = []
+    if env:
+        overrides.append(f"models.reward.env={_write(tmp_path / 'env.py', env)}")
+    if tools:
+        overrides.append(f"models.reward.tools=[{_write(tmp_path / 'tools.py', tools)}:T]")
+    _refused(bad_run, capsys, overrides, message)

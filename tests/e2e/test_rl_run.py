@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mcore_rl import checkpoint
+from mcore_rl.agent.trajectory import STOP_REASONS
 from mcore_rl.config.schema import load_run_config
 from mcore_rl.driver import Data, run
 from mcore_rl.metrics import read_metrics
@@ -253,3 +254,31 @@ def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models,
         loads = [record[f"moe/layer{n:03d}/tokens_per_expert"] for n in (2, 3, 4)]
         assert all(len(load) == 8 and sum(load) % 4 == 0 for load in loads) and record["moe/max_over_mean"] >= 1
     assert checkpoint.latest_complete(out / "checkpoints")[0] == 2
+
+
+def test_multi_turn_rl_with_the_calculator_tool(tool_model, tmp_path, ray_address):
+    """The tiny tool-calling model trained on multi-turn trajectories, asynchronously: the engine generates turns
+    while the calculator runs and while the trainer trains (the trajectories in flight at the weight sync continue
+    with the new weights); the episode logs the trajectories' statistics, and the rollout records keep each
+    conversation."""
+    path = write_config(tmp_path, tool_model, "calculator")
+    overrides = [
+        "runtime_args.num_episode=1", "runtime_args.sample_per_episode=8", "runtime_args.train_global_batch_size=8",
+        "runtime_args.eval_episode_interval=0", "runtime_args.rollout_devices=1", "runtime_args.rollout_mode=async",
+        *(f"{r}.parallel.tp=1" for r in ROLES), "models.policy_trainer.algorithm.kl_coef=0",
+        "models.policy.max_prompt_tokens=100", "models.policy.rollout.max_model_len=256",
+        "models.policy.rollout.train.max_new_tokens=100", "models.reward.fn=math", "models.reward.tools=[calculator]",
+        "models.policy.rollout.multi_turn.max_turns=3", "models.policy.rollout.train.seed=0",
+    ]  # fmt: skip
+    out = run(load_run_config(path, overrides))
+    (record,) = read_metrics(out / "metrics.jsonl")
+    assert record["agent/tool_calls_mean"] > 0 and record["agent/turns_mean"] > 1  # seeded: 1 and 2 here
+    assert sum(record[f"agent/stop_{s}_fraction"] for s in STOP_REASONS) == pytest.approx(1.0)
+    assert record["agent/env_errors"] == 0 and 0 < record["agent/observation_token_fraction"] < 1
+    assert record["train/grad_norm"] >= 0 and record["train/rollout_logp_abs_diff"] < 1e-4
+    assert record["sync/probe_max_abs_diff"] < 1e-4
+    rollouts = [json.loads(line) for line in (out / "rollouts" / "episode_1.jsonl").open()]
+    assert len(rollouts) == 8 and {r["stop"] for r in rollouts} <= set(STOP_REASONS)
+    called = [r for r in rollouts if any(m["role"] == "tool" for m in r["messages"])]
+    assert called and all(r["messages"][1]["content"].startswith("<tool_call>") for r in called)
+    assert "42" in {m["content"] for r in called for m in r["messages"] if m["role"] == "tool"}

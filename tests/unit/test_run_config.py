@@ -178,3 +178,41 @@ def test_shared_prompts_are_checked_up_front(run_yaml, tmp_path):
     with pytest.raises(ConfigError, match=r"models.ref_policy.share_prompts: .*uses MLA: True"):
         load_run_config(run_yaml, ["models.ref_policy.share_prompts=true", f"models.ref_policy.load={deepseek}",
                                    "models.ref_policy.parallel.tp=1"])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["models.reward.env=chess"], r"models.reward.env='chess': expected one of \['answer', 'python'\] or an"),
+        (["models.reward.tools=[calculator, /no/tools.py:t]"], r"models.reward.tools\[1\]='/no/tools.py:t': expected"),
+        (["models.reward.tools=[calculator]", "models.reward.tool_actors=0"], r"models.reward.tool_actors=0: expected"),
+        (["models.reward.env=python", "models.reward.env_timeout_s=0"], r"models.reward.env_timeout_s=0.0: expected a"),
+        (["models.reward.env=python", "models.reward.sandbox.memory_mb=8"], r"models.reward.sandbox.memory_mb=8: "),
+        (
+            ["models.reward.tools=[calculator]", "models.policy.rollout.multi_turn.max_total_tokens=200"],
+            r"multi_turn.max_total_tokens=200 leaves no room after a prompt of models.policy.max_prompt_tokens=256",
+        ),
+        (
+            ["models.reward.tools=[python]", "models.policy.rollout.multi_turn.max_total_tokens=5000"],
+            r"multi_turn.max_total_tokens=5000: expected 0 \(max_model_len\) up to max_model_len=2048",
+        ),
+        (["models.reward.env=answer", "models.policy.rollout.multi_turn.max_turns=0"], r"multi_turn.max_turns=0: exp"),
+        (
+            ["models.reward.env=answer", "models.policy_trainer.max_token_in_packing=1024"],
+            r"max_token_in_packing=1024 is below the longest sample \(2048 tokens: a multi-turn trajectory's max_",
+        ),
+    ],
+)
+def test_bad_multi_turn_settings_are_refused_up_front(run_yaml, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(run_yaml, overrides)
+
+
+def test_multi_turn_settings_from_user_files(run_yaml, tmp_path):
+    (tmp_path / "env.py").write_text("class Environment:\n    pass\n")
+    config = load_run_config(
+        run_yaml, [f"models.reward.env={tmp_path}/env.py", "models.reward.tools=[calculator, python]"]
+    )
+    assert config.models.reward.multi_turn and config.models.reward.tools == ["calculator", "python"]
+    assert config.models.policy.rollout.multi_turn.total_tokens(config.models.policy.rollout.max_model_len) == 2048
+    assert not load_run_config(run_yaml).models.reward.multi_turn  # single-turn unless an env or tools are given
