@@ -3,10 +3,12 @@ the rl summary divides what it says, the report writes its sections. (Timings th
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from benchmarks import experts, hardware, packing, rl
+from benchmarks import agent, experts, hardware, packing, rl
 from benchmarks.report import Report, pyplot, table
 from converters.gguf2hf import default_model_dir
 
@@ -83,3 +85,28 @@ def test_cli_names_the_suites(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     assert exit_.value.code == 0 and "rl" in capsys.readouterr().out
+
+
+def test_agent_cold_start_examples_are_trajectories_of_unseen_problems():
+    """The tool run's examples: prompt, a calculator call with the problem's expression, the result (masked), the
+    answer; the direct run's: prompt, answer. Their problems are none of the runs' train or eval problems."""
+    import transformers
+
+    from mcore_rl.data.arithmetic import word_problem_splits
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+    tool, direct = agent.cold_start_examples(tokenizer, True, 2), agent.cold_start_examples(tokenizer, False, 2)
+    rows = word_problem_splits(2066, 0, seed=1)[0][2064:]
+    for (ids, mask), (direct_ids, direct_mask), row in zip(tool, direct, rows, strict=True):
+        trained = tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        call = json.dumps({"name": "calculator", "arguments": {"expression": row.extra["expression"]}})
+        assert trained == f"<tool_call>\n{call}\n</tool_call><|im_end|>{row.answer}<|im_end|>"
+        assert tokenizer.decode(ids).endswith(
+            f"<|im_start|>tool\n{row.answer}<|im_end|>\n<|im_start|>assistant\n{row.answer}<|im_end|>"
+        )
+        assert (
+            tokenizer.decode([t for t, m in zip(direct_ids, direct_mask, strict=True) if m])
+            == f"{row.answer}<|im_end|>"
+        )
+    seen = {r.messages[0]["content"] for split in word_problem_splits(2000, 64, seed=1) for r in split}
+    assert not seen & {r.messages[0]["content"] for r in rows}
