@@ -165,6 +165,7 @@ def check_tensors(table: MappingTable, targets: Iterable[Target], hf_shapes: dic
     problems: list[str] = []
     consumed: set[str] = set()
     exporters: dict[str, list[str]] = defaultdict(list)
+    round_trips: dict[tuple, tuple] = {}  # one per mapping and shapes: every layer and expert repeats a few
     for target in targets:
         try:
             mapping, captures = table.resolve(target.name)
@@ -177,30 +178,36 @@ def check_tensors(table: MappingTable, targets: Iterable[Target], hf_shapes: dic
             problems.append(f"missing tensor(s) {missing} (needed for Megatron {target.name})")
             continue
         consumed.update(names)
-        shapes = [tuple(hf_shapes[n]) for n in names]
-        problem = _shape_problem(mapping, names, shapes, target)
-        if problem:
-            problems.append(problem)
+        shapes = tuple(tuple(hf_shapes[n]) for n in names)
+        want = tuple(target.shape)
+        key = (mapping, shapes, want, target.split_over)
+        if key not in round_trips:
+            round_trips[key] = _round_trip(mapping, shapes, torch.Size(want), target.split_over)
+        made, back = round_trips[key]
+        if made != want:
+            found = dict(zip(names, shapes, strict=True))
+            problems.append(f"shape mismatch: {found} cannot form Megatron {target.name} of shape {want}")
+        elif back != shapes:
+            problems.append(
+                f"Megatron {target.name} {want} exports to shapes {list(back)}, the checkpoint's {names} have "
+                f"{list(shapes)}"
+            )
         if mapping.export:
             for name in names:
                 exporters[name].append(target.name)
     return TensorCheck(problems, consumed, dict(exporters))
 
 
-def _shape_problem(mapping: Mapping, names: tuple[str, ...], shapes: list[tuple], target: Target) -> str | None:
-    """Both directions on meta tensors: the HF tensors form the target, and the target exports to their shapes."""
-    want = torch.Size(target.shape)
+def _round_trip(mapping: Mapping, shapes: tuple[tuple, ...], want: torch.Size, split_over: int) -> tuple:
+    """Both directions on meta tensors: the shape the HF tensors form (``None`` if they cannot) and, where that is
+    the wanted one, the shapes it exports to."""
     try:
-        made = mapping.to_megatron([torch.empty(s, device="meta") for s in shapes], target.split_over, want).shape
+        made = tuple(mapping.to_megatron([torch.empty(s, device="meta") for s in shapes], split_over, want).shape)
     except (RuntimeError, ValueError):
         made = None
-    if made != want:
-        found = dict(zip(names, shapes, strict=True))
-        return f"shape mismatch: {found} cannot form Megatron {target.name} of shape {tuple(want)}"
-    back = [tuple(t.shape) for t in mapping.to_hf(torch.empty(want, device="meta"), target.split_over)]
-    if back != shapes:
-        return f"Megatron {target.name} {tuple(want)} exports to shapes {back}, the checkpoint's {names} have {shapes}"
-    return None
+    if made != tuple(want):
+        return made, None
+    return made, tuple(tuple(t.shape) for t in mapping.to_hf(torch.empty(want, device="meta"), split_over))
 
 
 def unexpected_tensors(

@@ -92,13 +92,17 @@ def sync_plan(bridge, parallel: ParallelConfig, stages: list[list[LocalParam]], 
     tasks = export_plan([stage_meta({lp.slot: lp for lp in stage}) for stage in stages], table, num_local)
     gathers = list(buckets(tasks, bucket_bytes, parallel.tp, parallel.expert_tp, parallel.ep))
 
+    exports: dict[tuple, list[torch.Tensor]] = {}  # one export per mapping and shape: layers and experts repeat
+
     def exported():
         for bucket in gathers:
             names, shapes = bucket_layout(bucket, num_local, parallel.tp, parallel.expert_tp, parallel.ep)
             for (name, split_over), shape in zip(names, shapes, strict=True):
                 mapping, captures = table.resolve(name)
-                full = torch.empty(shape, dtype=bucket[0].dtype, device="meta")
-                yield from zip(mapping.hf_names(captures), mapping.to_hf(full, split_over), strict=True)
+                key = (mapping, tuple(shape), split_over, bucket[0].dtype)
+                if key not in exports:
+                    exports[key] = mapping.to_hf(torch.empty(shape, dtype=bucket[0].dtype, device="meta"), split_over)
+                yield from zip(mapping.hf_names(captures), exports[key], strict=True)
 
     sends = [[t.numel() * t.element_size() for _, t in b] for b in send_buckets(exported(), bucket_bytes)]
     counts = sorted(len(b) for b in sends)
