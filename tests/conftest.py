@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from filelock import FileLock
 
 from tests.tiny import FAMILIES, make_tiny, make_tool_caller
 
@@ -36,8 +37,16 @@ def tiny_models(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory) -> str:
-    """The tiny Llama that calls the calculator, then answers (tests/tiny.py)."""
-    return str(make_tool_caller(tmp_path_factory.mktemp("tool_caller")))
+    """The tiny Llama that calls the calculator, then answers (tests/tiny.py): a 12 s fine-tune, so the xdist
+    workers of one session share one (the first builds it under a lock in their common temporary directory)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return str(make_tool_caller(tmp_path_factory.mktemp("tool_caller")))
+    root = tmp_path_factory.getbasetemp().parent  # this session's, shared by its workers
+    path = root / "tool_caller"
+    with FileLock(root / "tool_caller.lock"):
+        if not path.is_dir():
+            make_tool_caller(root / "tool_caller.partial").rename(path)
+    return str(path)
 
 
 def _pool(world_size: int):
