@@ -41,16 +41,41 @@ class EnvHost:
 
 
 class EnvPool:
+    """Environment actors, each serving many trajectories. A step past its timeout leaves a thread running in its
+    actor, which nothing but the actor's end stops: that actor takes no new trajectories (a fresh one takes its
+    place) and is killed when its last open trajectory closes. Called from one thread (the agent loop's pump)."""
+
     def __init__(self, spec: str, reward_spec: str, sandbox: SandboxConfig, num_actors: int):
         remote = ray.remote(EnvHost).options(num_cpus=0, max_concurrency=ENV_THREADS)  # they mostly wait
-        self.actors = [remote.remote(spec, reward_spec, sandbox) for _ in range(num_actors)]
+        self._new = lambda: remote.remote(spec, reward_spec, sandbox)
+        self.actors = [self._new() for _ in range(num_actors)]  # the ones taking new trajectories
+        self._open: collections.Counter = collections.Counter()  # actor -> its trajectories not closed yet
+        self._draining: set = set()  # actors with a hung step, waiting for their other trajectories to close
+        self._opened = 0
 
-    def host(self, index: int):
-        """The actor of trajectory ``index`` (its reset, steps and close all go there)."""
-        return self.actors[index % len(self.actors)]
+    def open(self):
+        """The actor of a new trajectory (its reset, steps and close all go there)."""
+        actor = self.actors[self._opened % len(self.actors)]
+        self._opened += 1
+        self._open[actor] += 1
+        return actor
+
+    def close(self, actor, key: str) -> None:
+        self._open[actor] -= 1
+        if actor in self._draining and not self._open[actor]:
+            self._draining.discard(actor)
+            ray.kill(actor)  # its hung thread with it
+        else:
+            actor.close.remote(key)
+
+    def hung(self, actor) -> None:
+        """A step of ``actor``'s will not return: replace it for new trajectories."""
+        if actor not in self._draining:
+            self.actors[self.actors.index(actor)] = self._new()
+            self._draining.add(actor)
 
     def stop(self) -> None:
-        for actor in self.actors:
+        for actor in self.actors + list(self._draining):
             ray.kill(actor)
 
 

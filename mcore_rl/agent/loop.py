@@ -38,10 +38,10 @@ log = logging.getLogger(__name__)
 class _Live:
     """A trajectory in flight."""
 
-    index: int  # the trajectory's number: its key, seed and environment actor
+    index: int  # the trajectory's number: its key and seed
     group: _Group
     slot: int  # its place in the group
-    env: object  # its environment actor
+    env: object = None  # its environment actor, from the reset on
     traj: TrajectoryBuilder = field(default_factory=TrajectoryBuilder)
     results: dict[int, ToolResult] = field(default_factory=dict)  # this turn's tool results by call index
     calls: int = 0  # this turn's tool calls
@@ -94,7 +94,7 @@ class AgentLoop:
             self._open.add(group)
             self._groups_started += 1
             for slot in range(sampling.n):
-                self._new.append(_Live(self._count, group, slot, self.envs.host(self._count)))
+                self._new.append(_Live(self._count, group, slot))
                 self._count += 1
             self._lock.notify_all()
         return group.future
@@ -137,6 +137,7 @@ class AgentLoop:
                         self._lock.wait(0.5)
                     new, self._new = self._new, []
                 for live in new:
+                    live.env = self.envs.open()
                     ref = live.env.reset.remote(live.name, live.group.prompt.row.as_dict())
                     self._env_steps[ref] = (live, "reset", time.monotonic())
                 waiting = bool(self._env_steps) or (self.tools is not None and self.tools.busy)
@@ -178,6 +179,7 @@ class AgentLoop:
                 del self._env_steps[ref]
                 if kind == "reset":
                     raise EnvError(f"resetting the environment for row {live.group.prompt.row.id!r} timed out")
+                self.envs.hung(live.env)
                 self._env_error(live, f"step timed out after {self.env_timeout_s:g} s")
 
     def _opened(self, live: _Live, messages: list[dict]) -> None:
@@ -245,7 +247,7 @@ class AgentLoop:
         self._finish(live, "env_error")
 
     def _finish(self, live: _Live, stop: str) -> None:
-        live.env.close.remote(live.name)
+        self.envs.close(live.env, live.name)
         trajectory = live.traj.build(stop)
         group = live.group
         group.done[live.slot] = trajectory

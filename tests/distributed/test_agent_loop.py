@@ -227,6 +227,7 @@ def test_failing_environments_end_only_their_trajectory(rollout, tokenizer, tmp_
     rows = [PromptRow(kind, question, "1") for kind in ("raises", "hangs", "garbage", "ok")]
     greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=100)
     loop, pools = _loop(rollout, tokenizer, f"{tmp_path}/failing.py", [], env_timeout_s=2.0)
+    (hosting,) = pools[0].actors
     try:
         samples, rewards = loop.generate(_prompts(tokenizer, rows), greedy)
         stops = {s.prompt.row.id: (s.completion.finish_reason, s.completion.env_errors) for s in samples}
@@ -234,6 +235,11 @@ def test_failing_environments_end_only_their_trajectory(rollout, tokenizer, tmp_
             "raises": ("env_error", 1), "hangs": ("env_error", 1), "garbage": ("env_error", 1), "ok": ("done", 0),
         }  # fmt: skip
         assert rewards == [0.0, 0.0, 0.0, 1.0]
+        # The hung step's actor was replaced, and killed (its thread with it) once its trajectories had closed.
+        assert pools[0].actors != [hosting]
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(hosting.close.remote("t0"), timeout=30)
+        assert loop.generate(_prompts(tokenizer, rows[3:]), greedy)[1] == [1.0]  # the new actor serves
         reset = [PromptRow("reset", question, "1")]
         with pytest.raises(EnvError, match="resetting the environment for row 'reset' failed: 'no such puzzle'"):
             loop.generate(_prompts(tokenizer, reset), greedy)
