@@ -64,6 +64,7 @@ class EnvPool:
         self._open[actor] -= 1
         if actor in self._draining and not self._open[actor]:
             self._draining.discard(actor)
+            del self._open[actor]
             ray.kill(actor)  # its hung thread with it
         else:
             actor.close.remote(key)
