@@ -30,7 +30,7 @@ from tests.unit.test_tools import USER_TOOLS
 
 SANDBOX = SandboxConfig()
 MAX_LEN = 256
-SAMPLING = SamplingConfig(n=2, temperature=1.0, max_new_tokens=100)
+SAMPLING = SamplingConfig(n=2, temperature=1.0, max_new_tokens=100, seed=11)  # seeded: the same samples every run
 
 # Rewards every step with the length of the message it answers, asks once more, then ends with 0.5 more.
 TWO_STEPS = """
