@@ -41,9 +41,10 @@ class EnvHost:
 
 
 class EnvPool:
-    """Environment actors, each serving many trajectories. A step past its timeout leaves a thread running in its
-    actor, which nothing but the actor's end stops: that actor takes no new trajectories (a fresh one takes its
-    place) and is killed when its last open trajectory closes. Called from one thread (the agent loop's pump)."""
+    """Environment actors, each serving many trajectories. An actor whose process died, or that runs a step past
+    its timeout (a thread nothing but the actor's end stops), is retired: it takes no new trajectories (a fresh one
+    takes its place) and is killed when its last open trajectory closes. Called from one thread (the agent loop's
+    pump)."""
 
     def __init__(self, spec: str, reward_spec: str, sandbox: SandboxConfig, num_actors: int):
         remote = ray.remote(EnvHost).options(num_cpus=0, max_concurrency=ENV_THREADS)  # they mostly wait
@@ -69,8 +70,8 @@ class EnvPool:
         else:
             actor.close.remote(key)
 
-    def hung(self, actor) -> None:
-        """A step of ``actor``'s will not return: replace it for new trajectories."""
+    def retire(self, actor) -> None:
+        """``actor`` died or has a step that will not return: replace it for new trajectories."""
         if actor not in self._draining:
             self.actors[self.actors.index(actor)] = self._new()
             self._draining.add(actor)

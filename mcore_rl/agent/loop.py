@@ -42,6 +42,7 @@ class _Live:
     group: _Group
     slot: int  # its place in the group
     env: object = None  # its environment actor, from the reset on
+    resets: int = 0  # resets sent (one more when its actor died during the first)
     traj: TrajectoryBuilder = field(default_factory=TrajectoryBuilder)
     results: dict[int, ToolResult] = field(default_factory=dict)  # this turn's tool results by call index
     calls: int = 0  # this turn's tool calls
@@ -137,9 +138,7 @@ class AgentLoop:
                         self._lock.wait(0.5)
                     new, self._new = self._new, []
                 for live in new:
-                    live.env = self.envs.open()
-                    ref = live.env.reset.remote(live.name, live.group.prompt.row.as_dict())
-                    self._env_steps[ref] = (live, "reset", time.monotonic())
+                    self._reset(live)
                 waiting = bool(self._env_steps) or (self.tools is not None and self.tools.busy)
                 if self._generating:
                     for key, completions in self.rollout.collect(0.05 if waiting else 0.5):
@@ -164,6 +163,18 @@ class AgentLoop:
             live, kind, _ = self._env_steps.pop(ref)
             try:
                 result = ray.get(ref)
+            except ray.exceptions.RayActorError as err:  # its process died: every trajectory it hosts ends
+                self.envs.retire(live.env)
+                if kind == "reset" and live.resets == 1:  # another trajectory's step may have killed it: again
+                    self.envs.close(live.env, live.name)
+                    self._reset(live)
+                elif kind == "reset":
+                    raise EnvError(
+                        f"the environment's actor died twice while resetting row {live.group.prompt.row.id!r}: {err}"
+                    ) from None
+                else:
+                    self._env_error(live, f"the environment's actor died: {err}")
+                continue
             except ray.exceptions.RayTaskError as err:
                 if isinstance(err.cause, RewardError):  # a broken reward function stops the run, as single-turn
                     raise err.cause from None
@@ -179,8 +190,13 @@ class AgentLoop:
                 del self._env_steps[ref]
                 if kind == "reset":
                     raise EnvError(f"resetting the environment for row {live.group.prompt.row.id!r} timed out")
-                self.envs.hung(live.env)
+                self.envs.retire(live.env)
                 self._env_error(live, f"step timed out after {self.env_timeout_s:g} s")
+
+    def _reset(self, live: _Live) -> None:
+        live.env, live.resets = self.envs.open(), live.resets + 1
+        ref = live.env.reset.remote(live.name, live.group.prompt.row.as_dict())
+        self._env_steps[ref] = (live, "reset", time.monotonic())
 
     def _opened(self, live: _Live, messages: list[dict]) -> None:
         traj = live.traj

@@ -45,8 +45,9 @@ class Environment:
             return [{"role": "user", "content": "again"}], float(len(message["content"])), False
         return [], 0.5, True
 """
-# Fails as its row says: raises in step, hangs in step, returns garbage, or raises in reset.
+# Fails as its row says: raises in step, hangs in step, returns garbage, kills its process, or raises in reset.
 FAILING = """
+import os
 import time
 
 class Environment:
@@ -64,6 +65,8 @@ class Environment:
             time.sleep(600)
         if kind == "garbage":
             return "not a step"
+        if kind == "dies":
+            os._exit(1)
         return [], 1.0, True
 """
 
@@ -221,6 +224,18 @@ def test_failing_tools_become_error_observations_and_a_hung_one_is_stopped(ray_a
     assert [results[i].error for i in range(len(calls))] == [True] * 7 + [False]
 
 
+def _killed(actor, timeout: float = 30) -> bool:
+    """Whether ``actor`` is gone within ``timeout`` seconds (``ray.kill`` returns before it lands)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.close.remote("-"), timeout=timeout)
+        except ray.exceptions.RayActorError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def test_failing_environments_end_only_their_trajectory(rollout, tokenizer, tmp_path):
     (tmp_path / "failing.py").write_text(FAILING)
     question = arithmetic_splits(1, 0, seed=8)[0][0].messages
@@ -237,8 +252,11 @@ def test_failing_environments_end_only_their_trajectory(rollout, tokenizer, tmp_
         assert rewards == [0.0, 0.0, 0.0, 1.0]
         # The hung step's actor was replaced, and killed (its thread with it) once its trajectories had closed.
         assert pools[0].actors != [hosting]
-        with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(hosting.close.remote("t0"), timeout=30)
+        assert _killed(hosting)
+        # An actor whose process dies ends its trajectory and is replaced; the run goes on.
+        (dying,) = pools[0].actors
+        died, _ = loop.generate(_prompts(tokenizer, [PromptRow("dies", question, "1")]), greedy)
+        assert died[0].completion.finish_reason == "env_error" and pools[0].actors != [dying]
         assert loop.generate(_prompts(tokenizer, rows[3:]), greedy)[1] == [1.0]  # the new actor serves
         reset = [PromptRow("reset", question, "1")]
         with pytest.raises(EnvError, match="resetting the environment for row 'reset' failed: 'no such puzzle'"):
