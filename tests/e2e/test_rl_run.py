@@ -196,9 +196,10 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
 
 
+# One trainer rank and one engine: the failure is the reward actors'; more processes would only start slower.
 @pytest.mark.parametrize(
     "mode",
-    [[], ["runtime_args.rollout_mode=async", "runtime_args.rollout_devices=1", *(f"{r}.parallel.tp=1" for r in ROLES)]],
+    [["runtime_args.num_devices=1"], ["runtime_args.rollout_mode=async", "runtime_args.rollout_devices=1"]],
     ids=["sync", "async"],
 )
 def test_a_reward_function_failing_mid_run_stops_it_with_the_sample_named(
@@ -216,7 +217,10 @@ def test_a_reward_function_failing_mid_run_stops_it_with_the_sample_named(
         "        return 1.0\n"
         "    raise ValueError('no score')\n"
     )
-    overrides = ["runtime_args.eval_episode_interval=0", "models.policy_trainer.algorithm.kl_coef=0"]  # no reference
+    overrides = [
+        "runtime_args.eval_episode_interval=0", "models.policy_trainer.algorithm.kl_coef=0",  # no reference
+        *(f"{r}.parallel.tp=1" for r in ROLES),
+    ]  # fmt: skip
     assert main([str(path), f"models.reward.fn={reward}", *overrides, *mode]) == 2
     err = capsys.readouterr().err
     assert re.search(
