@@ -4,8 +4,10 @@ between two assistant turns, rendered by the model's own chat template.
 A trajectory is one token sequence that only grows: the engine's sampled ids are appended as they are (never
 decoded and re-encoded, which can merge or split tokens differently), and each observation is appended as the
 ids of the text the template puts after an assistant message (the end of its turn, the observation messages,
-the next assistant turn's opening). That text is found by rendering a fixed conversation with and without the
-observation, so any template that appends messages without re-rendering earlier ones works.
+the next assistant turn's opening). That text is what follows a marker assistant message in a fixed conversation
+rendered with the observation. Any template that renders what came before the assistant turn the same once more
+messages follow works, also one that renders the assistant message itself differently (Qwen3's drops the empty
+``<think>`` block of a turn that is no longer the last): the trajectory holds the sampled ids in its place.
 """
 
 from __future__ import annotations
@@ -70,11 +72,9 @@ class ChatFormat:
         probe = [{"role": "user", "content": "?"}]
         # A template that ignores ``tools`` gets them in a system message of Hermes instructions instead.
         self.tools_in_system = bool(self.tools) and self._render(probe, tools=self.tools) == self._render(probe)
-        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _MARK}]
-        self._base = self._render(base)
-        self._after_assistant = self._base[self._base.index(_MARK) + len(_MARK) :]
+        self._opening = self._render(probe, generation=True)  # what the marker turn was sampled after
+        self._base = [*probe, {"role": "assistant", "content": _MARK}]
         self._eos = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
-        self._base_messages = base
 
     def _render(self, messages: list[dict], generation: bool = False, tools=None) -> str:
         return self.tokenizer.apply_chat_template(
@@ -85,7 +85,7 @@ class ChatFormat:
         """``messages`` as the policy sees them: with the tools' Hermes instructions in the system message when
         the template does not render tools itself."""
         if not self.tools_in_system:
-            return messages
+            return list(messages)  # a trajectory's own list: its turns are appended to it
         listing = "\n".join(json.dumps(t) for t in self.tools)
         system = HERMES_SYSTEM.format(tools=listing)
         if messages and messages[0]["role"] == "system":
@@ -102,13 +102,14 @@ class ChatFormat:
     def observation(self, messages: list[dict], turn_ids: list[int]) -> list[int]:
         """What follows an assistant turn whose sampled ids were ``turn_ids``: the rest of its end-of-turn text,
         the observation ``messages`` and the next assistant turn's opening."""
-        full = self._render(self._base_messages + messages, generation=True)
-        if not full.startswith(self._base):
+        full = self._render(self._base + messages, generation=True)
+        mark = full.find(_MARK, len(self._opening))
+        if not full.startswith(self._opening) or mark < 0:
             raise ValueError(
                 "the chat template renders earlier messages differently once more follow, so observations cannot "
                 "be appended to a trajectory's tokens; use a template that appends messages"
             )
-        rest = self._after_assistant
+        rest = full[mark + len(_MARK) :]
         if turn_ids and turn_ids[-1] == self.tokenizer.eos_token_id and rest.startswith(self._eos):
             rest = rest[len(self._eos) :]  # the engine sampled the end-of-turn token itself
-        return self.tokenizer.encode(rest + full[len(self._base) :], add_special_tokens=False)
+        return self.tokenizer.encode(rest, add_special_tokens=False)

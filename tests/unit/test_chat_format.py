@@ -25,6 +25,28 @@ QWEN_LIKE = (
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
     "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen3's reasoning rule, in short (its tool results as QWEN_LIKE's): an assistant turn after the last user query
+# keeps its <think> block; one with none gets an empty block when it is the last message and nothing when more
+# follow. An earlier assistant message thus renders differently once an observation follows it.
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last_query=0) %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content, reasoning = m.content, '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}"
+    "{%- else %}{{ '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{% endif %}"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
 OPENING = [{"role": "user", "content": "What is 6 times 7?"}]
 
@@ -91,6 +113,24 @@ def test_trajectory_tokens_are_the_whole_conversation_rendered(smollm2, template
     else:
         expected = "\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
         assert observation == expected
+
+
+def test_thinking_turns_append_under_a_template_that_renders_the_last_assistant_turn_apart(smollm2):
+    """Qwen3's template renders an assistant message without reasoning differently once more messages follow;
+    what precedes it and what follows it do not change, so observations still append (once refused)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+    tokenizer.chat_template = QWEN3_LIKE
+    chat = ChatFormat(tokenizer, [])
+    eos = [tokenizer.eos_token_id]
+    turns = [
+        tokenizer.encode("<think>\n6 times 7\n</think>\n\n" + CALL, add_special_tokens=False) + eos,
+        tokenizer.encode("<think>\nso\n</think>\n\n42", add_special_tokens=False) + eos,
+    ]
+    traj = _converse(tokenizer, chat, turns, [[{"role": "tool", "content": "42"}]])
+    whole = tokenizer.apply_chat_template(traj.messages, tokenize=False)
+    assert tokenizer.decode(traj.context) == whole.removesuffix("\n")  # every turn reasons: rendered alike
+    observation = tokenizer.decode([t for t, m in zip(traj.ids, traj.mask, strict=True) if not m])
+    assert observation == "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_sampled_ids_are_kept_even_where_retokenising_would_change_them(smollm2):
