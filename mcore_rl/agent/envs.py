@@ -16,7 +16,7 @@ import math
 import numbers
 import re
 
-from mcore_rl.agent.sandbox import SandboxConfig, run_python
+from mcore_rl.agent.sandbox import Sandbox, SandboxConfig
 from mcore_rl.rewards.user import Reward
 from mcore_rl.userfile import UserCodeError, load_attribute
 
@@ -53,7 +53,7 @@ class PythonEnv(AnswerEnv):
     )
     _BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
 
-    def __init__(self, reward: Reward, sandbox: SandboxConfig):
+    def __init__(self, reward: Reward, sandbox: Sandbox):
         super().__init__(reward)
         self.sandbox = sandbox
 
@@ -65,7 +65,7 @@ class PythonEnv(AnswerEnv):
         if not blocks:
             return super().step(message)
         self.messages.append(message)
-        output = "\n".join(run_python(code, self.sandbox) for code in blocks)
+        output = "\n".join(self.sandbox.run(code) for code in blocks)
         observation = {"role": "user", "content": f"Output:\n{output}"}
         self.messages.append(observation)
         return [observation], 0.0, False
@@ -80,8 +80,8 @@ def environment_factory(spec: str, reward_spec: str, sandbox: SandboxConfig):
         reward = Reward(reward_spec)
         return lambda: AnswerEnv(reward)
     if spec == "python":
-        reward = Reward(reward_spec)
-        return lambda: PythonEnv(reward, sandbox)
+        reward, started = Reward(reward_spec), Sandbox.start(sandbox)
+        return lambda: PythonEnv(reward, started)
     cls = load_attribute(KEY, spec, "Environment", "a class {name} with reset(row) and step(message)", EnvError)
     if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("reset", "step")):
         raise EnvError(f"{KEY}={spec!r}: {cls!r} is not a class with reset(row) and step(message) methods")

@@ -1,65 +1,39 @@
-"""Run untrusted Python (a policy's code) in a child interpreter with time, memory and output limits, no network,
-and no file access outside a fresh temporary directory.
+"""Run untrusted Python (a policy's code) in a child interpreter confined by the kernel
+(:mod:`mcore_rl.agent.jail`: namespaces, no capabilities, rlimits, Landlock, seccomp).
 
-Two layers, so the guarantees hold where the kernel layer is not allowed: the child leaves the host's network
-namespace when the kernel lets it (``unshare``; as root, or with unprivileged user namespaces), and always
-installs an audit hook (PEP 578, which Python code cannot remove) that refuses sockets, subprocesses, ``ctypes``,
-reads outside its directory and the Python installation, and any write or file-system change outside its
-directory. Limits are rlimits of the child: address space, CPU seconds, file size; the parent kills it at the
-wall-clock limit.
+What the code sees: the standard library and system shared libraries read-only, a private work directory (a
+tmpfs of ``max_file_mb``, gone with the process) read-write, no network, no other process (it can start none,
+signal none, trace none), and limits it cannot raise: address space, CPU seconds, file size, open files. The
+parent kills it at the wall-clock limit; it dies with its parent. Its output goes to an unnamed file capped by the
+same file-size limit, and only the end is read back, so printing gigabytes costs the host nothing.
+
+:meth:`Sandbox.start` probes once per process which layers the kernel allows and logs them; every run then
+requires the same layers (the child refuses to run the code when one fails). Without Landlock and seccomp there
+is no sandbox, and the start is refused unless ``unsafe_without_kernel_isolation`` says otherwise.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-# Runs in the child before the policy's code (read from stdin before the hook closes the door).
-_BOOTSTRAP = r"""
-import ctypes, os, resource, sys
-workdir, memory, seconds, file_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-code = sys.stdin.read()
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds))
-resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
-libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
-if libc.unshare(CLONE_NEWNET) != 0:
-    libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)
-os.chdir(workdir)
-home = os.path.realpath(workdir) + os.sep
-readable = tuple({os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}) + (home,)
-REFUSED = ("socket.", "subprocess.", "os.system", "os.exec", "os.posix_spawn", "os.fork", "os.forkpty", "os.kill",
-           "ctypes.", "os.putenv", "os.unsetenv", "sys.addaudithook", "os.chroot", "pty.")
-CHANGES = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link", "os.symlink",
-           "os.truncate", "os.utime", "shutil.")
-LOOKS = ("os.listdir", "os.scandir", "os.chdir")
+from mcore_rl.agent import jail
 
-def inside(path, roots):
-    if path is None or isinstance(path, int):
-        return True  # the working directory, or an already open descriptor
-    return (os.path.realpath(os.fsdecode(path)) + os.sep).startswith(roots)
+log = logging.getLogger(__name__)
 
-def hook(event, args):
-    if event.startswith(REFUSED):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open":
-        path, mode, flags = args
-        writes = (mode and any(c in mode for c in "wax+")) or (flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-        if path is not None and not inside(path, (home,) if writes else readable):
-            raise PermissionError(f"sandbox: no access to {path!r} outside the working directory")
-    elif event.startswith(CHANGES) and args and not inside(args[0], (home,)):
-        raise PermissionError(f"sandbox: {event} outside the working directory")
-    elif event.startswith(LOOKS) and args and not inside(args[0], readable):
-        raise PermissionError(f"sandbox: {event} outside the working directory")
+KERNEL_LAYERS = ("landlock", "seccomp")  # without both there is no boundary (files; processes and sockets)
+_WORKDIR_PREFIX = "mcore_rl_sandbox."
 
-sys.addaudithook(hook)
-del ctypes, libc
-exec(compile(code, "<code>", "exec"), {"__name__": "__main__"})
-"""
+
+class SandboxUnavailableError(RuntimeError):
+    """The kernel allows no isolation layer the sandbox needs."""
 
 
 @dataclass
@@ -69,7 +43,10 @@ class SandboxConfig:
     timeout_s: float = 5.0  # wall clock; the CPU limit is the same number of seconds, rounded up
     memory_mb: int = 512  # address space
     max_output_chars: int = 2000  # of stdout + stderr, from the end (a traceback's last line is its message)
-    max_file_mb: int = 16  # the largest file the code may write in its directory
+    max_file_mb: int = 16  # its work directory's size, and the largest file or output it may write
+    # Run the python tool and environment even where the kernel allows neither Landlock nor seccomp: the code then
+    # reads and writes what the run's user can, starts processes and opens sockets. Never for a policy under RL.
+    unsafe_without_kernel_isolation: bool = False
 
     def validate(self, prefix: str) -> None:
         for name, lowest in (("timeout_s", 0.1), ("memory_mb", 64), ("max_output_chars", 1), ("max_file_mb", 1)):
@@ -77,25 +54,117 @@ class SandboxConfig:
                 raise ValueError(f"{prefix}.{name}={getattr(self, name)}: expected at least {lowest}")
 
 
-def run_python(code: str, config: SandboxConfig) -> str:
-    """The code's output (stdout then stderr, the end kept when too long), or what stopped it. Never raises for
-    the code's own failures: they are the result."""
-    workdir = tempfile.mkdtemp(prefix="mcore_rl_sandbox_")
-    args = [
-        sys.executable, "-I", "-S", "-c", _BOOTSTRAP, workdir,
-        str(config.memory_mb << 20), str(int(config.timeout_s) + 1), str(config.max_file_mb << 20),
-    ]  # fmt: skip
-    try:
+@dataclass(frozen=True)
+class Isolation:
+    """The layers a probe child got (name -> detail), and why it did not get the others."""
+
+    layers: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def kernel_enforced(self) -> bool:
+        return all(layer in self.layers for layer in KERNEL_LAYERS)
+
+    def describe(self) -> str:
+        got = ", ".join(f"{name} ({detail})" for name, detail in self.layers.items()) or "none"
+        missing = "; ".join(f"{name}: {error}" for name, error in self.errors.items())
+        return f"kernel layers: {got}" + (f"; unavailable: {missing}" if missing else "")
+
+
+def probe(config: SandboxConfig) -> Isolation:
+    """Which layers the kernel allows here, found by confining a child as a run does (and loading the standard
+    library in it)."""
+    with _Workdir() as workdir:
         done = subprocess.run(
-            args, input=code, capture_output=True, text=True, timeout=config.timeout_s, cwd=workdir, env={}
+            _command(workdir, config, "--probe"), capture_output=True, text=True, timeout=60, cwd=workdir, env={}
         )
-    except subprocess.TimeoutExpired:
-        return f"error: timed out after {config.timeout_s:g} s"
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    output = done.stdout + done.stderr
-    if len(output) > config.max_output_chars:
-        output = "[...]" + output[-config.max_output_chars :]
-    if done.returncode < 0:
-        output += f"\nerror: killed by signal {-done.returncode} (time or memory limit)"
-    return output
+    if done.returncode != 0:
+        return Isolation(
+            errors={"probe": f"the confined child failed (status {done.returncode}): {done.stderr[-500:]}"}
+        )
+    report = json.loads(done.stdout)
+    return Isolation(report["layers"], report["errors"])
+
+
+class Sandbox:
+    """The configured limits and the layers every run must get. Picklable: actors run it as it was started."""
+
+    def __init__(self, config: SandboxConfig, required: tuple[str, ...]):
+        self.config, self.required = config, required
+
+    @classmethod
+    def start(cls, config: SandboxConfig, key: str = "models.reward.sandbox") -> Sandbox:
+        """Probe the kernel, log what isolates the code, and refuse when nothing does (unless opted out)."""
+        _remove_orphans()
+        isolation = probe(config)
+        if not isolation.kernel_enforced:
+            if not config.unsafe_without_kernel_isolation:
+                raise SandboxUnavailableError(
+                    f"the python sandbox needs the kernel's Landlock and seccomp, and this machine does not allow "
+                    f"them ({isolation.describe()}); run on a kernel with Landlock (Linux >= 5.13, 'landlock' in "
+                    f"the lsm= boot list) outside a container profile that blocks it, or drop the python tool and "
+                    f"environment; {key}.unsafe_without_kernel_isolation: true runs the code unconfined"
+                )
+            log.warning("python sandbox WITHOUT kernel isolation (%s=true): %s", key, isolation.describe())
+        else:
+            log.info("python sandbox: %s", isolation.describe())
+        return cls(config, tuple(isolation.layers))
+
+    def run(self, code: str) -> str:
+        """The code's output (stdout and stderr as written, the end kept when too long), or what stopped it.
+        Never raises for anything the code does: that is the result."""
+        config = self.config
+        with _Workdir() as workdir, tempfile.TemporaryFile() as out:
+            try:
+                done = subprocess.run(
+                    _command(workdir, config, ",".join(self.required) or "-"),
+                    input=code.encode("utf-8", "replace"),
+                    stdout=out,
+                    stderr=out,
+                    timeout=config.timeout_s,
+                    cwd=workdir,
+                    env={},
+                )
+            except subprocess.TimeoutExpired:  # killed and reaped; it has no children to leave behind
+                return f"error: timed out after {config.timeout_s:g} s"
+            output = _tail(out, config.max_output_chars)
+            if out.tell() >= config.max_file_mb << 20:
+                output += f"\nerror: the output reached the {config.max_file_mb} MB limit"
+        if done.returncode == jail.REFUSED:
+            return f"error: the sandbox could not start: {output.strip()[-300:]}"
+        if done.returncode < 0:
+            output += f"\nerror: killed by signal {-done.returncode} (time or memory limit)"
+        return output
+
+
+def _command(workdir: str, config: SandboxConfig, required: str) -> list[str]:
+    limits = (config.memory_mb << 20, int(config.timeout_s) + 1, config.max_file_mb << 20)
+    return [sys.executable, "-I", "-S", jail.__file__, workdir, *map(str, limits), required, str(os.getpid())]
+
+
+def _tail(out, max_chars: int) -> str:
+    """The last ``max_chars`` characters of the output file (undecodable bytes replaced)."""
+    start = max(0, out.seek(0, os.SEEK_END) - 4 * max_chars)  # a character is at most 4 bytes
+    out.seek(start)
+    text = out.read().decode("utf-8", "replace")
+    return "[...]" + text[-max_chars:] if start or len(text) > max_chars else text
+
+
+class _Workdir:
+    """A temporary directory named after this process (so another can tell it is orphaned), removed on exit."""
+
+    def __enter__(self) -> str:
+        self.path = tempfile.mkdtemp(prefix=f"{_WORKDIR_PREFIX}{os.getpid()}.")
+        return self.path
+
+    def __exit__(self, *exc) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _remove_orphans() -> None:
+    """Work directories of processes that died mid-run (a tool actor killed at its timeout)."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        match = re.fullmatch(re.escape(_WORKDIR_PREFIX) + r"(\d+)\..*", name)
+        if match and not os.path.exists(f"/proc/{match.group(1)}"):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)

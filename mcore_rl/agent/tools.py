@@ -11,7 +11,7 @@ from fractions import Fraction
 
 import jsonschema
 
-from mcore_rl.agent.sandbox import SandboxConfig, run_python
+from mcore_rl.agent.sandbox import Sandbox, SandboxConfig
 from mcore_rl.userfile import UserCodeError, load_attribute
 
 KEY = "models.reward.tools"
@@ -75,11 +75,11 @@ class PythonTool:
         "required": ["code"],
     }
 
-    def __init__(self, sandbox: SandboxConfig):
+    def __init__(self, sandbox: Sandbox):
         self.sandbox = sandbox
 
     def call(self, arguments: dict) -> str:
-        return run_python(arguments["code"], self.sandbox)
+        return self.sandbox.run(arguments["code"])
 
 
 BUILTIN_TOOLS = (Calculator.name, PythonTool.name)
@@ -90,7 +90,7 @@ def load_tool(spec: str, sandbox: SandboxConfig, key: str = KEY):
     if spec == Calculator.name:
         return Calculator()
     if spec == PythonTool.name:
-        return PythonTool(sandbox)
+        return PythonTool(Sandbox.start(sandbox))
     tool = load_attribute(key, spec, "tool", "a tool object with name, parameters and call(arguments)", ToolError)
     if isinstance(tool, type):
         tool = tool()

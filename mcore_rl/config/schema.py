@@ -9,7 +9,7 @@ from pathlib import Path
 from converters.hf_io import HFCheckpoint
 from converters.torch_dist import Reader, find_megatron
 from mcore_rl.agent.envs import BUILTIN_ENVS
-from mcore_rl.agent.sandbox import SandboxConfig
+from mcore_rl.agent.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
 from mcore_rl.agent.tools import BUILTIN_TOOLS
 from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
@@ -163,6 +163,11 @@ class RewardConfig:
     @property
     def environment(self) -> str:
         return self.env or "answer"
+
+    @property
+    def runs_code(self) -> bool:
+        """The policy's code runs in the sandbox (the python tool or environment)."""
+        return self.environment == "python" or "python" in self.tools
 
 
 @dataclass
@@ -369,6 +374,11 @@ class RunConfig:
             if getattr(reward, key) <= 0:
                 raise ConfigError(f"models.reward.{key}={getattr(reward, key)}: expected a positive number of seconds")
         reward.sandbox.validate("models.reward.sandbox")
+        if reward.runs_code:
+            try:
+                Sandbox.start(reward.sandbox)  # logs the kernel layers that will confine the policy's code
+            except SandboxUnavailableError as err:
+                raise ConfigError(f"models.reward: {err}") from None
         for key, spec, builtins in [("models.reward.env", reward.environment, BUILTIN_ENVS)] + [
             (f"models.reward.tools[{i}]", tool, BUILTIN_TOOLS) for i, tool in enumerate(reward.tools)
         ]:

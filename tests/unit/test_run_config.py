@@ -208,6 +208,22 @@ def test_bad_multi_turn_settings_are_refused_up_front(run_yaml, overrides, messa
         load_run_config(run_yaml, overrides)
 
 
+def test_the_python_tool_is_refused_without_kernel_isolation(run_yaml, monkeypatch, caplog):
+    """Detection forced to fail: a run that would execute the policy's code stops before anything starts, unless
+    the unsafe key says otherwise; a run without the python tool does not care."""
+    from mcore_rl.agent import sandbox
+
+    monkeypatch.setattr(sandbox, "probe", lambda config: sandbox.Isolation(errors={"landlock": "not in this kernel"}))
+    for overrides in (["models.reward.tools=[calculator, python]"], ["models.reward.env=python"]):
+        with pytest.raises(ConfigError, match=r"models.reward: the python sandbox needs the kernel's Landlock and "
+                                              r"seccomp.*landlock: not in this kernel.*unsafe_without_kernel_isolation"):  # fmt: skip
+            load_run_config(run_yaml, overrides)
+    unsafe = ["models.reward.env=python", "models.reward.sandbox.unsafe_without_kernel_isolation=true"]
+    assert load_run_config(run_yaml, unsafe).models.reward.runs_code
+    assert "WITHOUT kernel isolation" in caplog.text
+    assert load_run_config(run_yaml, ["models.reward.tools=[calculator]"]).models.reward.multi_turn
+
+
 def test_multi_turn_settings_from_user_files(run_yaml, tmp_path):
     (tmp_path / "env.py").write_text("class Environment:\n    pass\n")
     config = load_run_config(
