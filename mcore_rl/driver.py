@@ -192,10 +192,13 @@ class System:
             self._stops.append(self.envs.stop)
             self.tools = None
             if reward.tools:
-                self.tools = ToolPool(reward.tools, reward.sandbox, reward.tool_actors, reward.tool_timeout_s)
+                self.tools = ToolPool(
+                    reward.tools, reward.sandbox, reward.tool_actors, reward.tool_timeout_s,
+                    m.policy.rollout.multi_turn.max_observation_chars,
+                )  # fmt: skip
                 self._stops.append(self.tools.stop)
         else:
-            self.rewards = RewardPool(reward.fn, reward.num_actors, reward.num_cpus)
+            self.rewards = RewardPool(reward.fn, reward.num_actors, reward.num_cpus, reward.timeout_s)
             self._stops.append(self.rewards.stop)
         # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
         dtype = Device("cuda" if gpu else "cpu").engine_dtype(m.policy.rollout.dtype)
@@ -299,6 +302,8 @@ class Run:
         metrics |= rollout_stats(samples, rewards, self.config.models.policy.num_inference_per_prompt)
         if self.config.models.reward.multi_turn:
             metrics |= trajectory_stats([s.completion for s in samples])
+        else:  # a multi-turn reward past its deadline is its environment step's: agent/env_errors
+            metrics["reward/errors"] = float(self.system.rewards.take_timeouts())
         metrics |= process_metrics(self.system) | {"data/position": self.progress.position}
         self.logger.log(episode, metrics)
         write_samples(self.out / "rollouts" / f"episode_{episode}.jsonl", samples, rewards)

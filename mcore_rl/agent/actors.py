@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import ray
 
-from mcore_rl.agent.chat import ToolCall
+from mcore_rl.agent.chat import ToolCall, clip
 from mcore_rl.agent.envs import check_messages, check_step, environment_factory
 from mcore_rl.agent.sandbox import SandboxConfig
 from mcore_rl.agent.tools import ToolError, invoke, load_tools, schema
@@ -82,24 +82,26 @@ class EnvPool:
 
 
 class ToolHost:
-    def __init__(self, specs: list[str], sandbox: SandboxConfig):
-        self.tools = load_tools(specs, sandbox)
+    def __init__(self, specs: list[str], sandbox: SandboxConfig, max_chars: int):
+        self.tools, self.max_chars = load_tools(specs, sandbox), max_chars
 
-    def call(self, name: str, arguments: dict) -> tuple[str, bool, float]:
-        """(output or error, whether it failed, seconds the call took here)."""
+    def call(self, name: str, arguments: dict) -> tuple[str, str, float]:
+        """(output or error, the error's kind or "", seconds the call took here); the output cut to ``max_chars``
+        here, so a tool that returns gigabytes does not send them."""
         start = time.perf_counter()
         try:
-            text, error = invoke(self.tools[name], arguments), False
+            text, kind = clip(invoke(self.tools[name], arguments), self.max_chars), ""
         except ToolError as err:
-            text, error = f"error: {err}", True
-        return text, error, time.perf_counter() - start
+            text, kind = clip(f"error: {err}", self.max_chars), err.kind
+        return text, kind, time.perf_counter() - start
 
 
 @dataclass(frozen=True)
 class ToolResult:
     name: str
     text: str  # the tool's output, or the error the policy reads
-    error: bool
+    error: str  # the error's kind (parse, too_many_calls, unknown_tool, arguments, raised, bad_output, timeout,
+    # crashed), "" for none
     seconds: float  # the call's time in its actor (its timeout for one that hung; 0 for one never made)
 
 
@@ -108,11 +110,12 @@ class ToolPool:
     result: its output, or an error (unknown tool, invalid arguments, raised, returned something else than
     text, timed out)."""
 
-    def __init__(self, specs: list[str], sandbox: SandboxConfig, num_actors: int, timeout_s: float):
+    def __init__(self, specs: list[str], sandbox: SandboxConfig, num_actors: int, timeout_s: float,
+                 max_chars: int):  # fmt: skip
         tools = load_tools(specs, sandbox)  # loading errors here, in the driver, before any actor starts
         self.names, self.schemas = set(tools), [schema(t) for t in tools.values()]
         self.timeout_s = timeout_s
-        self._new = lambda: ray.remote(ToolHost).options(num_cpus=0).remote(specs, sandbox)
+        self._new = lambda: ray.remote(ToolHost).options(num_cpus=0).remote(specs, sandbox, max_chars)
         self._free = [self._new() for _ in range(num_actors)]
         self._queue: collections.deque = collections.deque()  # (ticket, call)
         self._running: dict = {}  # object ref -> (ticket, name, actor, start time)
@@ -121,8 +124,8 @@ class ToolPool:
     def submit(self, ticket, call: ToolCall) -> None:
         """Queue a call; its result comes back from :meth:`poll` with ``ticket``."""
         if call.error or call.name not in self.names:
-            error = call.error or f"unknown tool {call.name!r}; the tools are {sorted(self.names)}"
-            self.done.append((ticket, ToolResult(call.name, f"error: {error}", True, 0.0)))
+            error = call.error or f"unknown tool {call.name[:100]!r}; the tools are {sorted(self.names)}"
+            self.done.append((ticket, ToolResult(call.name, f"error: {error}", call.kind or "unknown_tool", 0.0)))
         else:
             self._queue.append((ticket, call))
 
@@ -148,7 +151,7 @@ class ToolPool:
                     ray.kill(actor)  # the only way to stop a call that hangs
                     self._free.append(self._new())
                     error = f"error: {name} timed out after {self.timeout_s:g} s"
-                    self.done.append((ticket, ToolResult(name, error, True, now - start)))
+                    self.done.append((ticket, ToolResult(name, error, "timeout", now - start)))
         done, self.done = self.done, []
         return done
 
@@ -157,7 +160,7 @@ class ToolPool:
             text, error, seconds = ray.get(ref)
         except ray.exceptions.RayActorError:  # the call took its actor down (a crash, not an exception)
             actor = self._new()
-            text, error, seconds = f"error: {name} crashed its process", True, 0.0
+            text, error, seconds = f"error: {name} crashed its process", "crashed", 0.0
         self._free.append(actor)
         return ToolResult(name, text, error, seconds)
 

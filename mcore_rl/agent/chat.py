@@ -17,7 +17,10 @@ import re
 from dataclasses import dataclass
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-_MARK = "\u2063mcore_rl\u2063"  # an assistant message's content, to find what the template puts after it
+_MARK = "\u2063mcore_rl\u2063"
+MAX_CALL_CHARS = (
+    1 << 16
+)  # one tool call's JSON: far past any real call, short enough to parse at once  # an assistant message's content, to find what the template puts after it
 
 # For templates that ignore ``tools`` (SmolLM2's, for one): the Hermes instructions Qwen's template renders.
 HERMES_SYSTEM = (
@@ -33,35 +36,61 @@ class ToolCall:
     name: str
     arguments: dict
     error: str = ""  # why the call could not be parsed (then it is not made; the error is its result)
+    kind: str = ""  # the error's kind, counted in agent/tool_errors/<kind>
 
 
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` of an assistant message, in order; a
-    malformed one (bad JSON, no name, arguments not an object, no closing tag) comes back with its ``error``."""
+def _json(text: str, max_chars: int):
+    """``text`` as JSON, or the reason it is not: too long, malformed, nested too deep (RecursionError), or a
+    number past Python's digit limit (ValueError); nothing the model writes raises past here."""
+    if len(text) > max_chars:
+        raise ValueError(f"it is {len(text)} characters, more than the {max_chars} allowed")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{err.msg} at character {err.pos}") from None
+    except (ValueError, RecursionError) as err:
+        raise ValueError(f"{type(err).__name__}: {str(err)[:200]}") from None
+
+
+def parse_tool_calls(text: str, max_calls: int, max_chars: int = MAX_CALL_CHARS) -> list[ToolCall]:
+    """The first ``max_calls`` ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` of an assistant message,
+    in order (and one error call when there were more); a malformed one (not JSON, too long, no name, arguments
+    not an object, no closing tag) comes back with its ``error``."""
     calls = []
     for match in _TOOL_CALL.finditer(text):
+        if len(calls) == max_calls:
+            error = f"more than {max_calls} tool calls in one turn; only the first {max_calls} were made"
+            calls.append(ToolCall("", {}, error, "too_many_calls"))
+            break
         body = match.group(1).strip()
         if not match.group(0).endswith("</tool_call>"):
-            calls.append(ToolCall("", {}, "a <tool_call> without </tool_call>"))
+            calls.append(ToolCall("", {}, "a <tool_call> without </tool_call>", "parse"))
             continue
         try:
-            call = json.loads(body)
-        except json.JSONDecodeError as err:
-            calls.append(ToolCall("", {}, f"the tool call is not JSON ({err.msg} at character {err.pos})"))
+            call = _json(body, max_chars)
+        except ValueError as err:
+            calls.append(ToolCall("", {}, f"the tool call is not JSON ({err})", "parse"))
             continue
         arguments = call.get("arguments", {}) if isinstance(call, dict) else None
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+                arguments = _json(arguments, max_chars)
+            except ValueError:
                 arguments = None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append(ToolCall("", {}, 'the tool call has no "name" string'))
+            calls.append(ToolCall("", {}, 'the tool call has no "name" string', "parse"))
         elif not isinstance(arguments, dict):
-            calls.append(ToolCall(call["name"], {}, '"arguments" must be a JSON object'))
+            calls.append(ToolCall(call["name"][:100], {}, '"arguments" must be a JSON object', "parse"))
         else:
             calls.append(ToolCall(call["name"], arguments))
     return calls
+
+
+def clip(text: str, max_chars: int) -> str:
+    """``text`` cut to its first ``max_chars`` characters, saying how much was cut."""
+    if len(text) <= max_chars:
+        return text
+    return f"{text[:max_chars]}\n[... {len(text) - max_chars} more characters cut]"
 
 
 class ChatFormat:
@@ -75,6 +104,8 @@ class ChatFormat:
         self._opening = self._render(probe, generation=True)  # what the marker turn was sampled after
         self._base = [*probe, {"role": "assistant", "content": _MARK}]
         self._eos = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
+        # Every string the tokenizer turns into one added token (<|im_start|>, </tool_response>, <think>, ...)
+        self._controls = sorted({t.content for t in tokenizer.added_tokens_decoder.values()}, key=len, reverse=True)
 
     def _render(self, messages: list[dict], generation: bool = False, tools=None) -> str:
         return self.tokenizer.apply_chat_template(
@@ -91,6 +122,15 @@ class ChatFormat:
         if messages and messages[0]["role"] == "system":
             return [{"role": "system", "content": messages[0]["content"] + "\n\n" + system}, *messages[1:]]
         return [{"role": "system", "content": system}, *messages]
+
+    def inert(self, text: str) -> str:
+        """``text`` (a tool's or an environment's output) with every control token's string broken by a word
+        joiner after its first character: it reads the same, but tokenises as text, so it cannot open a system
+        turn or close its own tool response in the policy's context."""
+        for control in self._controls:
+            if control in text:
+                text = text.replace(control, control[0] + "\u2060" + control[1:])
+        return text
 
     def prompt(self, messages: list[dict]) -> list[int]:
         """The opening messages, ending with the assistant turn's opening."""

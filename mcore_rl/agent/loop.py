@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import ray
 
 from mcore_rl.agent.actors import EnvPool, ToolPool, ToolResult
-from mcore_rl.agent.chat import ChatFormat, parse_tool_calls
+from mcore_rl.agent.chat import ChatFormat, clip, parse_tool_calls
 from mcore_rl.agent.envs import EnvError
 from mcore_rl.agent.trajectory import TrajectoryBuilder
 from mcore_rl.batch import Sample
@@ -70,6 +70,7 @@ class AgentLoop:
         self.rollout, self.envs, self.tools, self.tokenizer = rollout, envs, tools, tokenizer
         self.chat = ChatFormat(tokenizer, tools.schemas if tools else [])
         self.max_turns, self.max_tokens = limits.max_turns, limits.total_tokens(max_model_len)
+        self.max_calls, self.max_chars = limits.max_tool_calls_per_turn, limits.max_observation_chars
         self.env_timeout_s = env_timeout_s
         self._open: set[_Group] = set()  # groups with trajectories in flight
         self._lock = threading.Condition()
@@ -224,7 +225,7 @@ class AgentLoop:
         live.traj.add_turn(completion, message)
         if completion.finish_reason == "length":
             return self._finish(live, "max_tokens" if len(live.traj.context) >= self.max_tokens else "length")
-        calls = parse_tool_calls(text) if self.tools is not None else []
+        calls = parse_tool_calls(text, self.max_calls) if self.tools is not None else []
         if not calls:
             ref = live.env.step.remote(live.name, message)
             self._env_steps[ref] = (live, "step", time.monotonic())
@@ -251,6 +252,7 @@ class AgentLoop:
         self._observe(live, observation)
 
     def _observe(self, live: _Live, messages: list[dict]) -> None:
+        messages = [{**m, "content": self.chat.inert(clip(m["content"], self.max_chars))} for m in messages]
         ids = self.chat.observation(messages, live.traj.last_turn)
         if len(live.traj.context) + len(ids) >= self.max_tokens:  # no room left for a turn after it
             return self._finish(live, "max_tokens")

@@ -18,7 +18,12 @@ KEY = "models.reward.tools"
 
 
 class ToolError(UserCodeError):
-    """A tool that cannot be loaded, or one call's failure (its message becomes the policy's observation)."""
+    """A tool that cannot be loaded, or one call's failure (its message becomes the policy's observation; its
+    ``kind`` is counted in ``agent/tool_errors/<kind>``)."""
+
+    def __init__(self, message: str, kind: str = "raised"):
+        super().__init__(message)
+        self.kind = kind
 
 
 class Calculator:
@@ -37,11 +42,19 @@ class Calculator:
     }  # fmt: skip
     _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 
+    MAX_CHARS = 1000  # of an expression
+    MAX_BITS = 1000  # of a result's numerator or denominator (about 300 digits): work stays microseconds
+
     def call(self, arguments: dict) -> str:
+        expression = arguments["expression"]
+        if len(expression) > self.MAX_CHARS:
+            raise ToolError(f"the expression is longer than {self.MAX_CHARS} characters", "arguments")
         try:
-            value = self._eval(ast.parse(arguments["expression"].replace("^", "**"), mode="eval").body)
-        except SyntaxError:
-            raise ToolError(f"not an arithmetic expression: {arguments['expression']!r}") from None
+            value = self._eval(ast.parse(expression.replace("^", "**"), mode="eval").body)
+        except (SyntaxError, ValueError):  # ValueError: a float literal of inf or nan
+            raise ToolError(f"not an arithmetic expression: {expression!r}") from None
+        except (RecursionError, MemoryError):
+            raise ToolError("the expression is nested too deep") from None
         except ZeroDivisionError:
             raise ToolError("division by zero") from None
         if value.denominator == 1:
@@ -55,10 +68,22 @@ class Calculator:
             return self._UNARY[type(node.op)](self._eval(node.operand))
         if isinstance(node, ast.BinOp) and type(node.op) in self._BINARY:
             left, right = self._eval(node.left), self._eval(node.right)
-            if isinstance(node.op, ast.Pow) and (right.denominator != 1 or abs(right) > 64):
-                raise ToolError("exponents must be whole numbers of at most 64")
-            return self._BINARY[type(node.op)](left, right)
-        raise ToolError(f"unsupported in an arithmetic expression: {ast.unparse(node)!r}")
+            if isinstance(node.op, ast.Pow):
+                if right.denominator != 1 or abs(right) > 64:
+                    raise ToolError("exponents must be whole numbers of at most 64")
+                self._check_size(self._bits(left) * abs(right.numerator))  # before computing it
+            value = self._BINARY[type(node.op)](left, right)
+            self._check_size(self._bits(value))
+            return value
+        raise ToolError(f"unsupported in an arithmetic expression: {ast.unparse(node)[:200]!r}")
+
+    @staticmethod
+    def _bits(value: Fraction) -> int:
+        return max(value.numerator.bit_length(), value.denominator.bit_length())
+
+    def _check_size(self, bits: int) -> None:
+        if bits > self.MAX_BITS:
+            raise ToolError(f"the result is too large (more than {self.MAX_BITS} bits)")
 
 
 class PythonTool:
@@ -138,7 +163,9 @@ def invoke(tool, arguments: dict) -> str:
     try:
         jsonschema.validate(arguments, tool.parameters)
     except jsonschema.ValidationError as err:
-        raise ToolError(f"invalid arguments for {tool.name}: {err.message}") from None
+        raise ToolError(f"invalid arguments for {tool.name}: {err.message[:500]}", "arguments") from None
+    except RecursionError:
+        raise ToolError(f"invalid arguments for {tool.name}: nested too deep", "arguments") from None
     try:
         result = tool.call(arguments)
     except ToolError:
@@ -146,5 +173,5 @@ def invoke(tool, arguments: dict) -> str:
     except Exception as err:  # noqa: BLE001 - the tool's failure is the policy's observation
         raise ToolError(f"{tool.name} raised {type(err).__name__}: {err}") from None
     if not isinstance(result, str):
-        raise ToolError(f"{tool.name} returned {type(result).__name__}, not text")
+        raise ToolError(f"{tool.name} returned {type(result).__name__}, not text", "bad_output")
     return result

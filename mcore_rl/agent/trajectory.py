@@ -21,7 +21,7 @@ class Trajectory(Completion):
     reward: float = 0.0
     turns: int = 0
     tool_calls: int = 0
-    tool_errors: int = 0
+    tool_errors: dict[str, int] = field(default_factory=dict)  # by kind
     tool_seconds: list[float] = field(default_factory=list)
     env_errors: int = 0
 
@@ -39,7 +39,7 @@ class TrajectoryBuilder:
     versions: list[int] = field(default_factory=list)
     last_turn: list[int] = field(default_factory=list)  # the latest turn's sampled ids
     reward: float = 0.0
-    stats: dict = field(default_factory=lambda: dict(turns=0, tool_calls=0, tool_errors=0, env_errors=0))
+    stats: dict = field(default_factory=lambda: dict(turns=0, tool_calls=0, tool_errors={}, env_errors=0))
     tool_seconds: list[float] = field(default_factory=list)
 
     @property
@@ -62,9 +62,11 @@ class TrajectoryBuilder:
         self.mask += [0] * len(ids)
         self.messages += messages
 
-    def add_tool_call(self, error: bool, seconds: float) -> None:
+    def add_tool_call(self, error: str, seconds: float) -> None:
+        """A call and its error's kind ("" for none)."""
         self.stats["tool_calls"] += 1
-        self.stats["tool_errors"] += error
+        if error:
+            self.stats["tool_errors"][error] = self.stats["tool_errors"].get(error, 0) + 1
         if seconds:
             self.tool_seconds.append(seconds)
 
@@ -86,12 +88,14 @@ def trajectory_stats(trajectories: list[Trajectory]) -> dict[str, float]:
         "agent/turns_mean": sum(t.turns for t in trajectories) / n,
         "agent/turns_max": float(max(t.turns for t in trajectories)),
         "agent/tool_calls_mean": sum(t.tool_calls for t in trajectories) / n,
-        "agent/tool_errors": float(sum(t.tool_errors for t in trajectories)),
+        "agent/tool_errors": float(sum(sum(t.tool_errors.values()) for t in trajectories)),
         "agent/tool_latency_mean_s": sum(latencies) / len(latencies) if latencies else 0.0,
         "agent/tool_latency_max_s": max(latencies, default=0.0),
         "agent/env_errors": float(sum(t.env_errors for t in trajectories)),
         "agent/observation_token_fraction": sum(t.loss_mask.count(0) for t in trajectories) / max(tokens, 1),
     }
+    kinds = sorted({kind for t in trajectories for kind in t.tool_errors})
+    stats |= {f"agent/tool_errors/{k}": float(sum(t.tool_errors.get(k, 0) for t in trajectories)) for k in kinds}
     return stats | {
         f"agent/stop_{r}_fraction": sum(t.finish_reason == r for t in trajectories) / n for r in STOP_REASONS
     }

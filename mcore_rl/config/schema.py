@@ -143,6 +143,7 @@ class RewardConfig:
     fn: str = "math"  # "math", "path/to/file.py" or "path/to/file.py:function"
     num_actors: int = 1  # single-turn: the reward actors, each reserving num_cpus
     num_cpus: float = 1.0
+    timeout_s: float = 30.0  # a sample's reward call past it is stopped (its actor replaced): reward 0, reward/errors
     # Multi-turn rollouts (limits: models.policy.rollout.multi_turn), when an environment or tools are given.
     # "answer": fn scores the final answer (the default with tools); "python": a code interpreter (sandboxed
     # ```python blocks); or "path/to/file.py:Class" with reset(row) -> messages, step(message) -> (messages,
@@ -233,6 +234,8 @@ class RunConfig:
                 f"models.policy.max_prompt_tokens + max_new_tokens = {longest} exceeds "
                 f"models.policy.rollout.max_model_len={m.policy.rollout.max_model_len}; raise it or shorten either"
             )
+        if m.reward.timeout_s <= 0:
+            raise ConfigError(f"models.reward.timeout_s={m.reward.timeout_s}: expected a positive number of seconds")
         if m.reward.multi_turn:
             self._validate_multi_turn()
         what = (

@@ -27,8 +27,14 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+MAX_NUMBER_CHARS = 100  # longer answers compare as text: no digit string or exponent is ever expanded
+_EXPONENT = re.compile(r"[eE][+-]?\d{4,}")  # 1e1000 and beyond: Fraction would compute the power
+
+
 def parse_number(text: str) -> Fraction | None:
     """The exact value of a numeric answer ("1,234", "-2.5", "3/4", "\\frac{3}{4}", "$5.", "50%"), else None."""
+    if len(text) > MAX_NUMBER_CHARS or _EXPONENT.search(text):
+        return None
     s = text.strip().strip("$").strip().rstrip(".").replace("\\%", "%").replace("\\!", "")
     s = _FRAC.sub(r"(\1)/(\2)", s).replace("(", "").replace(")", "")
     percent = s.endswith("%")

@@ -63,10 +63,13 @@ class MultiTurnConfig:
 
     max_turns: int = 4  # assistant turns per trajectory
     max_total_tokens: int = 0  # prompt, turns and observations together; 0: the engine's max_model_len
+    max_tool_calls_per_turn: int = 8  # more in one turn: the first ones are made, the policy reads an error
+    max_observation_chars: int = 8192  # of each tool result or environment message; the rest is cut
 
     def validate(self, prefix: str, max_model_len: int) -> None:
-        if self.max_turns < 1:
-            raise ValueError(f"{prefix}.max_turns={self.max_turns}: expected at least 1")
+        for key in ("max_turns", "max_tool_calls_per_turn", "max_observation_chars"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{prefix}.{key}={getattr(self, key)}: expected at least 1")
         if not 0 <= self.max_total_tokens <= max_model_len:
             raise ValueError(
                 f"{prefix}.max_total_tokens={self.max_total_tokens}: expected 0 (max_model_len) up to "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from fractions import Fraction
 
 import pytest
@@ -49,3 +50,16 @@ def test_extraction_prefers_the_last_box_then_the_last_number():
 )
 def test_math_reward(response, answer, reward):
     assert math_reward(response, answer) == reward
+
+
+@pytest.mark.parametrize(
+    "response",
+    [r"\boxed{1e999999999}", r"\boxed{-1E+99999999/3}", "9" * 1_000_000, r"\boxed{" + "9" * 5000 + "}",
+     r"\boxed{\frac{" + "7" * 10_000 + "}{3}}", "1e99999999", r"\boxed{" * 100_000, "{" * 100_000 + "}" * 100_000],
+    ids=["huge_exponent", "huge_negative_exponent", "million_digits", "boxed_digits", "huge_fraction", "bare_exponent",
+         "unclosed_boxes", "deep_braces"],
+)  # fmt: skip
+def test_hostile_answers_score_quickly_and_never_raise(response):
+    start = time.monotonic()
+    assert math_reward(response, "1") == 0.0
+    assert time.monotonic() - start < 10  # milliseconds; the power alone took minutes before the cap

@@ -79,13 +79,16 @@ def test_losses_over_multi_turn_masks_equal_losses_over_the_sampled_tokens(algor
 def test_trajectory_stats():
     trajectories = [
         _trajectory([[1], [2]], [[9, 9]], "done", tool_calls=1, tool_seconds=[0.5]),
-        _trajectory([[1], [2], [3]], [[9], [9]], "max_turns", tool_calls=2, tool_errors=1, tool_seconds=[0.1, 1.5]),
+        _trajectory(
+            [[1], [2], [3]], [[9], [9]], "max_turns", tool_calls=2, tool_errors={"timeout": 1}, tool_seconds=[0.1, 1.5]
+        ),
         _trajectory([[1, 1, 1, 1]], [], "env_error", env_errors=1),
         _trajectory([[1, 1]], [], "done"),
     ]
     stats = trajectory_stats(trajectories)
     assert stats["agent/turns_mean"] == 7 / 4 and stats["agent/turns_max"] == 3
     assert stats["agent/tool_calls_mean"] == 3 / 4 and stats["agent/tool_errors"] == 1
+    assert stats["agent/tool_errors/timeout"] == 1
     assert stats["agent/tool_latency_mean_s"] == pytest.approx(0.7) and stats["agent/tool_latency_max_s"] == 1.5
     assert stats["agent/env_errors"] == 1
     assert stats["agent/observation_token_fraction"] == 4 / 15

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from mcore_rl.agent.chat import ToolCall, parse_tool_calls
@@ -35,11 +37,11 @@ def test_hermes_tool_calls_are_parsed_in_order():
         'Let me compute.<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+2"}}\n</tool_call>'
         '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}</tool_call>'
     )
-    assert parse_tool_calls(text) == [
+    assert parse_tool_calls(text, 8) == [
         ToolCall("calculator", {"expression": "1+2"}),
         ToolCall("python", {"code": "print(1)"}),  # arguments written as a JSON string
     ]
-    assert parse_tool_calls("no call here, just <b>text</b>") == []
+    assert parse_tool_calls("no call here, just <b>text</b>", 8) == []
 
 
 @pytest.mark.parametrize(
@@ -51,8 +53,45 @@ def test_hermes_tool_calls_are_parsed_in_order():
      ('<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>', "must be a JSON object")],
 )  # fmt: skip
 def test_malformed_tool_calls_come_back_with_their_error(text, error):
-    (call,) = parse_tool_calls(text)
-    assert error in call.error
+    (call,) = parse_tool_calls(text, 8)
+    assert error in call.error and call.kind == "parse"
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [("[" * 100_000 + "]" * 100_000, "more than the 65536 allowed"),  # never parsed
+     ("[" * 30_000 + "]" * 30_000, "RecursionError"),
+     ('{"name": "calculator", "arguments": {"expression": ' + "9" * 5000 + "}}", "ValueError: Exceeds the limit"),
+     ('{"name": "calculator", "arguments": "' + "[" * 30_000 + '"}', "must be a JSON object"),
+     ('{"a":' * 10_000 + "1" + "}" * 10_000, "RecursionError")],
+    ids=["too_long", "deep_lists", "huge_number", "deep_string_arguments", "deep_objects"],
+)  # fmt: skip
+def test_hostile_tool_calls_are_errors_not_exceptions(body, error):
+    start = time.monotonic()
+    (call,) = parse_tool_calls(f"<tool_call>{body}</tool_call>", 8)
+    assert error in call.error and call.kind == "parse" and time.monotonic() - start < 30
+
+
+def test_tool_calls_per_turn_are_capped():
+    calls = parse_tool_calls('<tool_call>{"name": "calculator", "arguments": {"expression": "1"}}</tool_call>' * 500, 3)
+    assert [c.name for c in calls[:3]] == ["calculator"] * 3 and not any(c.error for c in calls[:3])
+    assert len(calls) == 4 and calls[3].kind == "too_many_calls" and "only the first 3" in calls[3].error
+
+
+@pytest.mark.parametrize(
+    "expression",
+    ["((9**64)**64)**64", "(2**64)**64", "9**64*9**64*9**64*9**64*9**64", "(10**60)**(1/2)", "1e308*10",
+     "(" * 5000 + "1" + ")" * 5000, "+".join(["1"] * 600), "-" * 999 + "1"],
+    ids=["power_tower", "power_of_power", "products", "root", "float_overflow", "parentheses", "long_sum", "unary"],
+)  # fmt: skip
+def test_the_calculator_is_bounded_by_result_size_and_length(expression):
+    start = time.monotonic()
+    with pytest.raises(ToolError) as err:
+        invoke(Calculator(), {"expression": expression})
+    assert time.monotonic() - start < 5, "the calculator worked for seconds"  # microseconds when bounded
+    assert any(s in str(err.value) for s in ("too large", "longer than", "nested too deep", "whole numbers",
+                                              "not an arithmetic"))  # fmt: skip
+    assert invoke(Calculator(), {"expression": "2**64 * 3**40"}) == str(2**64 * 3**40)
 
 
 USER_TOOLS = """
