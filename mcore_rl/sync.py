@@ -21,6 +21,7 @@ import ray
 import torch
 
 from converters.stream import export_hf
+from mcore_rl.roles.cluster import single_node
 from mcore_rl.rollout.transport import BucketSender
 from mcore_rl.training import MegatronModel
 from parallel.comm import all_gather_objects, all_reduce_scalar
@@ -170,7 +171,7 @@ class BroadcastRoute:
         self.senders = [BucketSender(device, bucket_bytes, kind="broadcast")] if self.owner else []
         self.group: TransferGroup | None = None
         if self.owner:
-            address, world = free_addresses(1)[0], 1 + engine_tp * len(self.engines)
+            address, world = free_addresses(1, single_node())[0], 1 + engine_tp * len(self.engines)
             joined = [e.join_transfer.remote(address, 1 + i * engine_tp, world) for i, e in enumerate(self.engines)]
             self.group = TransferGroup(address, 0, world, device)
             ray.get(joined)

@@ -17,6 +17,7 @@ from compat.megatron_core import destroy_groups, install_adam_fixes, install_cpu
 from compat.torch import fake_store, release_groups
 from parallel.config import ParallelConfig
 from parallel.device import Device
+from parallel.transfer import tcp_store
 
 
 def init_parallel(
@@ -35,7 +36,14 @@ def init_parallel(
     if not dist.is_initialized():
         if device.cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(device.dist_backend, timeout=timedelta(minutes=timeout_minutes))
+        rank, world, timeout = (
+            int(os.environ["RANK"]),
+            int(os.environ["WORLD_SIZE"]),
+            timedelta(minutes=timeout_minutes),
+        )
+        address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        store = tcp_store(address, world, rank == 0, timeout)
+        dist.init_process_group(device.dist_backend, store=store, rank=rank, world_size=world, timeout=timeout)
     parallel.validate_world(dist.get_world_size())
     destroy_parallel()
     parallel_state.initialize_model_parallel(

@@ -21,16 +21,28 @@ from parallel.device import Device
 SOURCE = 0  # the trainer's rank in the group
 
 
-def free_addresses(count: int) -> list[tuple[str, int]]:
-    """This node's IP with ``count`` distinct free TCP ports: the rendezvous of roles' torch.distributed worlds (on
-    their rank 0's node). Chosen while all are held, so roles that start side by side cannot share one."""
+def free_addresses(count: int, loopback: bool) -> list[tuple[str, int]]:
+    """This node's IP (``loopback``: 127.0.0.1, for a single-node cluster) with ``count`` distinct free TCP ports:
+    the rendezvous of roles' torch.distributed worlds (on their rank 0's node). Chosen while all are held, so roles
+    that start side by side cannot share one."""
+    host = "127.0.0.1" if loopback else socket.gethostbyname(socket.gethostname())
     with contextlib.ExitStack() as held:
         sockets = [held.enter_context(socket.socket()) for _ in range(count)]
         for s in sockets:
-            s.bind(("", 0))
+            s.bind((host, 0))
         ports = [s.getsockname()[1] for s in sockets]
-    host = socket.gethostbyname(socket.gethostname())
     return [(host, port) for port in ports]
+
+
+def tcp_store(address: tuple[str, int], world: int, is_master: bool, timeout: timedelta) -> dist.TCPStore:
+    """A rendezvous store whose master listens on ``address``'s host alone (torch's own listens on every
+    interface, even when given 127.0.0.1): a single-node run's stores are not reachable from the network."""
+    if not is_master:
+        return dist.TCPStore(address[0], address[1], world, False, timeout, wait_for_workers=False)
+    listener = socket.create_server(address, backlog=max(world, 128))
+    return dist.TCPStore(
+        address[0], address[1], world, True, timeout, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
 
 
 class TransferGroup:
@@ -44,9 +56,7 @@ class TransferGroup:
             raise ValueError(f"transfer group rank {rank} outside a world of {world}")
         timeout = timedelta(seconds=timeout_s)
         self.device, self.rank, self.world = device, rank, world
-        self.store = dist.TCPStore(
-            address[0], address[1], world, is_master=rank == SOURCE, timeout=timeout, wait_for_workers=False
-        )
+        self.store = tcp_store(address, world, rank == SOURCE, timeout)
         store = dist.PrefixStore("mcore_rl_transfer", self.store)
         if Device(device.type).dist_backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()

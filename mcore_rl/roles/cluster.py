@@ -137,10 +137,16 @@ class ActorGroup:
 
 
 def rendezvous(placement: Placement, count: int) -> list[tuple[str, int]]:
-    """``count`` distinct addresses on the node of the placement's first bundle, where every role's rank 0 runs."""
+    """``count`` distinct addresses on the node of the placement's first bundle, where every role's rank 0 runs;
+    loopback ones when the cluster is that one node."""
     from parallel.transfer import free_addresses
 
-    return ray.get(ray.remote(free_addresses).options(**placement.options(0)).remote(count))
+    return ray.get(ray.remote(free_addresses).options(**placement.options(0)).remote(count, single_node()))
+
+
+def single_node() -> bool:
+    """Whether the Ray cluster is one node: its rendezvous stay on loopback, out of the network's reach."""
+    return sum(node["Alive"] for node in ray.nodes()) == 1
 
 
 def wait_ready(*groups: ActorGroup) -> None:

@@ -304,7 +304,7 @@ def weight_transfer() -> str:
         raise SkipStepError(
             f"needs two GPUs (trainer and engine on different devices); {torch.cuda.device_count()} here"
         )
-    address = free_addresses(1)[0]
+    address = free_addresses(1, loopback=True)[0]
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
     process = context.Process(target=_transfer_receiver, args=(address, theirs), daemon=True)

@@ -1,0 +1,30 @@
+"""Rendezvous stores of a single-node run listen on loopback alone (torch's own TCPStore listens on every
+interface even when given 127.0.0.1)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from parallel.transfer import free_addresses, tcp_store
+
+
+def _listeners(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* write them) listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    found.append(local.rsplit(":", 1)[0])
+    return found
+
+
+def test_a_loopback_store_listens_on_loopback_alone():
+    ((host, port),) = free_addresses(1, loopback=True)
+    assert host == "127.0.0.1"
+    master = tcp_store((host, port), 2, True, timedelta(seconds=60))
+    worker = tcp_store((host, port), 2, False, timedelta(seconds=60))
+    worker.set("key", "value")
+    assert master.get("key") == b"value"
+    assert _listeners(port) == ["0100007F"]  # 127.0.0.1, and nothing on 0.0.0.0 or ::
