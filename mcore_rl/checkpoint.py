@@ -9,11 +9,14 @@ Resume takes the highest complete episode.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
 import time
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^episode_(\d+)$")
@@ -34,30 +37,63 @@ def partial_dir(root: str | Path, episode: int) -> Path:
 
 
 def commit(root: str | Path, episode: int, meta: dict) -> Path:
-    """Mark episode ``episode``'s partial directory complete and move it into place (one rank, after a barrier)."""
+    """Mark episode ``episode``'s partial directory complete and move it into place (one rank, after a barrier).
+
+    Every file and directory in it is fsynced first, and the marker lists the files with their sizes: a power
+    cut after the rename cannot leave a marked checkpoint whose data never reached the disk, and one whose files
+    changed afterwards no longer counts as complete."""
     partial, final = Path(root) / f".episode_{episode}.partial", final_dir(root, episode)
+    files = {}
+    for path in sorted(partial.rglob("*")):
+        _fsync(path)
+        if path.is_file():
+            files[str(path.relative_to(partial))] = path.stat().st_size
     marker = partial / MARKER
     with open(marker, "w") as f:
-        json.dump({"episode": episode, "time": time.time(), **meta}, f)
+        json.dump({"episode": episode, "time": time.time(), **meta, "files": files}, f)
         f.flush()
         os.fsync(f.fileno())
+    _fsync(partial)
     os.rename(partial, final)  # atomic on one filesystem
-    dir_fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync(Path(root))
     return final
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def problem(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` is not complete (no or unreadable marker, a listed file missing or of
+    another size), or None."""
+    try:
+        files = json.loads((path / MARKER).read_text()).get("files", {})  # older markers list no files
+    except (OSError, ValueError) as err:
+        return f"its {MARKER} marker is unreadable ({err})"
+    for name, size in files.items():
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if (path / name).stat().st_size != size:
+            return f"{name} is {(path / name).stat().st_size} bytes, the marker says {size}"
+    return None
+
+
 def complete(root: str | Path) -> list[tuple[int, Path]]:
-    """Every complete checkpoint under ``root`` as (episode, path), oldest first."""
+    """Every complete checkpoint under ``root`` as (episode, path), oldest first; a marked one that fails its
+    marker's check is logged and left out."""
     root = Path(root)
     found = []
     for path in root.iterdir() if root.is_dir() else ():
         match = _NAME.match(path.name)
         if match and (path / MARKER).is_file():
-            found.append((int(match.group(1)), path))
+            if (why := problem(path)) is None:
+                found.append((int(match.group(1)), path))
+            else:
+                log.warning("checkpoint %s is not complete: %s; it is skipped", path, why)
     return sorted(found)
 
 

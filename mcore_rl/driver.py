@@ -468,6 +468,25 @@ def _throughput(timer: Timer, metrics: dict) -> dict:
     }
 
 
+def _load_newest(system: System, root: Path):
+    """Load the newest complete checkpoint that loads: ``((episode, path, optimizer digest) or None, [(path,
+    error)] of the newer ones that failed)``. A checkpoint that fails to load is reported and the one before it
+    tried; when none loads, the run stops rather than train from scratch over them."""
+    failed = []
+    for episode, path in reversed(checkpoint.complete(root)):
+        try:
+            with system.on_device(system.trainer, ["optimizer"]):
+                system.trainer.load(str(path))
+                return (episode, path, system.trainer.optimizer_digest()), failed
+        except Exception as err:  # noqa: BLE001 - any failure of this checkpoint sends us to the previous one
+            error = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:500] if str(err).strip() else ''}"
+            log.warning("checkpoint %s failed to load (%s); trying the one before it", path, error)
+            failed.append((path, error))
+    if failed:
+        raise RuntimeError(f"no checkpoint under {root} loads: " + "; ".join(f"{p.name}: {e}" for p, e in failed))
+    return None, failed
+
+
 def run(config: RunConfig) -> Path:
     rt = config.runtime_args
     # Missing or truncated weights, bad data, or a reward function that returns no number: stopped before any write.
@@ -479,18 +498,17 @@ def run(config: RunConfig) -> Path:
     save_resolved_config(config, out)
     ckpt_root = out / "checkpoints"
     system = System(config)
-    found = checkpoint.latest_complete(ckpt_root)
-    start, progress = 0, DataProgress()
-    logger = MetricsLogger(out, rt.log.tensorboard, rt.num_episode, found[0] if found else 0)
+    start, progress, logger = 0, DataProgress(), None
     try:
         if rt.colocated:
             system.rollout.sleep()  # the engines start awake; the trainer loads and syncs first
         with system.on_device(system.trainer, ["weights"]):
+            found, failed = _load_newest(system, ckpt_root)
+            logger = MetricsLogger(out, rt.log.tensorboard, rt.num_episode, found[0] if found else 0)
+            for path, error in failed:
+                logger.event("resume_failed", checkpoint=str(path), error=error)
             if found:
-                start, path = found
-                with system.on_device(system.trainer, ["optimizer"]):
-                    system.trainer.load(str(path))
-                    digest = system.trainer.optimizer_digest()
+                start, path, digest = found
                 progress = DataProgress.from_meta(checkpoint.read_meta(path))
                 logger.event("resume", episode=start, checkpoint=str(path), **progress.meta(), optimizer=digest)
             system.trainer.push_weights(start)  # engines start from the HF weights; the probe checks both
@@ -500,7 +518,8 @@ def run(config: RunConfig) -> Path:
             logger.log(0, job.evaluate(), advance=False)
         LOOPS[rt.rollout_mode](job, start)
     finally:
-        logger.close()
+        if logger is not None:
+            logger.close()
         system.close()
     png = plot_curves(out / "metrics.jsonl", out / "curves.png")
     log.info("TensorBoard logs: %s ; curves: %s", out / "tensorboard", png)

@@ -366,7 +366,7 @@ class PolicyTrainer(MegatronRank):
             chunk.load_state_dict(state[f"model{i}"])
         self.model.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        rng = torch.load(Path(directory) / f"rng_rank{self.rank}.pt", weights_only=False)
+        rng = torch.load(Path(directory) / f"rng_rank{self.rank}.pt", weights_only=True)  # tensors only, no code
         torch.set_rng_state(rng["cpu"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
         if "cuda" in rng:

@@ -37,3 +37,20 @@ def test_prune_keeps_the_newest(tmp_path):
     assert prune(tmp_path, keep=0) == []
     assert [p.name for p in prune(tmp_path, keep=2)] == ["episode_1"]
     assert [e for e, _ in complete(tmp_path)] == [2, 3]
+
+
+def test_the_marker_lists_what_it_covers_and_is_checked(tmp_path, caplog):
+    for episode in (1, 2, 3):
+        part = partial_dir(tmp_path, episode)
+        (part / "policy").mkdir()
+        (part / "policy" / "shard.distcp").write_bytes(b"w" * 100)
+        (part / "rng_rank0.pt").write_bytes(b"r" * 10)
+        commit(tmp_path, episode, {})
+    assert read_meta(tmp_path / "episode_3")["files"] == {"policy/shard.distcp": 100, "rng_rank0.pt": 10}
+    (tmp_path / "episode_3" / "policy" / "shard.distcp").write_bytes(b"w" * 50)  # truncated after the commit
+    (tmp_path / "episode_2" / "rng_rank0.pt").unlink()
+    assert [e for e, _ in complete(tmp_path)] == [1]
+    assert "episode_3 is not complete: policy/shard.distcp is 50 bytes, the marker says 100" in caplog.text
+    assert "rng_rank0.pt is missing" in caplog.text
+    (tmp_path / "episode_1" / "COMPLETE").write_text("{not json")
+    assert complete(tmp_path) == []
