@@ -4,7 +4,8 @@ and its PNG plots.
 Suites: rl (end-to-end GRPO against TRL's GRPOTrainer), agent (word problems with and without the calculator
 tool), experts (grouped vs sequential experts), packing
 (utilisation and speed-up on long-tailed lengths), sync (trainer -> engine weight sync), convert (hf2mcore and
-mcore2hf on a generated multi-GB checkpoint). No suite: all. The same commands run on a GPU machine (bf16 peak,
+mcore2hf on a generated multi-GB checkpoint), sandbox (the code sandbox's start-up, per-call cost and tool calls per
+second). No suite: all. The same commands run on a GPU machine (bf16 peak,
 NCCL, CUDA IPC).
 """
 
@@ -17,11 +18,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks import agent, convert, experts, packing, rl, sync
+from benchmarks import agent, convert, experts, packing, rl, sandbox, sync
 from benchmarks.hardware import measure
 from benchmarks.report import Report, table
 
-SUITES = {"rl": rl, "agent": agent, "experts": experts, "packing": packing, "sync": sync, "convert": convert}
+SUITES = {
+    "rl": rl, "agent": agent, "experts": experts, "packing": packing, "sync": sync, "convert": convert,
+    "sandbox": sandbox,
+}  # fmt: skip
 
 
 def main(argv: list[str]) -> int:

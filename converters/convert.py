@@ -150,12 +150,16 @@ def write_hf(
 
 
 @contextlib.contextmanager
-def output_dir(path: Path, force: bool) -> Iterator[Path]:
+def output_dir(path: Path, force: bool, inputs: tuple[Path, ...] = ()) -> Iterator[Path]:
     """A sibling ``.<name>.partial`` directory, renamed to ``path`` only once the body has finished, so an
-    interrupted conversion never leaves anything at ``path`` (and a failed one is removed). A non-empty ``path`` is replaced only with
-    ``force``, and only after the new output is complete."""
+    interrupted conversion never leaves anything at ``path`` (and a failed one is removed). A non-empty ``path`` is
+    replaced only with ``force``, only after the new output is complete (the old one moved aside first, removed
+    last), and never when it holds one of the ``inputs``."""
     if path.exists() and any(path.iterdir()) and not force:
         raise ConversionError(f"{path}: exists and is not empty (pass --force to replace it)")
+    for source in inputs:
+        if source.resolve().is_relative_to(path.resolve()):
+            raise ConversionError(f"{path}: holds the input {source}; write the output somewhere else")
     partial = path.with_name(f".{path.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)  # an interrupted earlier attempt
     partial.mkdir(parents=True)
@@ -164,6 +168,11 @@ def output_dir(path: Path, force: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # a failed conversion leaves nothing behind
         raise
-    if path.exists():
-        shutil.rmtree(path)
+    if not path.exists():
+        partial.rename(path)
+        return
+    old = path.with_name(f".{path.name}.replaced")
+    shutil.rmtree(old, ignore_errors=True)
+    path.rename(old)  # a crash from here on leaves the old output beside, never neither
     partial.rename(path)
+    shutil.rmtree(old)

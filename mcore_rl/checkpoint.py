@@ -18,6 +18,17 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+
+class CheckpointError(RuntimeError):
+    """A save that could not finish (a full disk, a failing file system): its partial directory is removed, the
+    earlier checkpoints are as they were, and the run stops."""
+
+
+def abandon(root: str | Path, episode: int) -> None:
+    """Remove episode ``episode``'s partial directory (a failed save), freeing what it took."""
+    shutil.rmtree(Path(root) / f".episode_{episode}.partial", ignore_errors=True)
+
+
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^episode_(\d+)$")
 

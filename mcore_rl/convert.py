@@ -219,7 +219,8 @@ def convert(command: Command, args: argparse.Namespace):
     if args.dry_run:
         print("\n".join(plan.listing))
         return None
-    with output_dir(args.output, args.force) as out:
+    inputs = tuple(p for p in (getattr(args, "hf_dir", None), getattr(args, "checkpoint", None), files) if p)
+    with output_dir(args.output, args.force, inputs) as out:
         report = plan.write(out)
         copy_model_files(files, out, skip=(MARKER,))  # a training checkpoint's marker is not the output's
         record = {"source": str(files.resolve()), **provenance, **plan.info, "dtype": args.dtype, **asdict(report)}

@@ -314,12 +314,22 @@ class Run:
 
     def save(self, episode: int) -> None:
         system, root = self.system, self.out / "checkpoints"
-        partial = checkpoint.partial_dir(root, episode)
-        with system.on_device(system.trainer):
-            system.trainer.save(str(partial))
-            meta = self.progress.meta() | {"optimizer": system.trainer.optimizer_digest()}
-        copy_model_files(self.config.models.policy_trainer.load, partial, skip=(checkpoint.MARKER,))
-        self.logger.event("checkpoint", path=str(checkpoint.commit(root, episode, meta)), **meta)
+        try:
+            partial = checkpoint.partial_dir(root, episode)
+            with system.on_device(system.trainer):
+                system.trainer.save(str(partial))
+                meta = self.progress.meta() | {"optimizer": system.trainer.optimizer_digest()}
+            copy_model_files(self.config.models.policy_trainer.load, partial, skip=(checkpoint.MARKER,))
+            path = checkpoint.commit(root, episode, meta)
+        except Exception as err:  # noqa: BLE001 - a full disk reaches here as OSError or wrapped by Ray
+            checkpoint.abandon(root, episode)
+            kept = ", ".join(p.name for _, p in checkpoint.complete(root)) or "none"
+            cause = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
+            raise checkpoint.CheckpointError(
+                f"saving the checkpoint of episode {episode} under {root} failed ({cause}); the run stopped, and the "
+                f"complete checkpoints are as they were ({kept}): free space and run the same command to resume"
+            ) from err
+        self.logger.event("checkpoint", path=str(path), **meta)
         checkpoint.prune(root, self.config.runtime_args.keep_checkpoints)
 
 

@@ -26,10 +26,12 @@ def main(argv: list[str] | None = None) -> int:
     if errors := compat.start():
         print("error: " + "\n".join(errors), file=sys.stderr)
         return 2
+    from mcore_rl.checkpoint import CheckpointError
     from mcore_rl.config.loader import ConfigError
     from mcore_rl.config.schema import load_run_config
     from mcore_rl.driver import run
     from mcore_rl.planner.memory import check_fits
+    from mcore_rl.rollout.transport import SharedMemoryError
     from mcore_rl.userfile import UserCodeError
 
     try:
@@ -42,6 +44,14 @@ def main(argv: list[str] | None = None) -> int:
     # is known (which devices it has), or in the user's reward function (named with the sample) during the run.
     except (ConfigError, UserCodeError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except CheckpointError as err:  # a full disk: what was written before stays valid
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # a machine that cannot run the job, found in a rank: one line, as bad input
+        if not isinstance(getattr(err, "cause", None), SharedMemoryError):
+            raise
+        print(f"error: {err.cause}", file=sys.stderr)
         return 2
     return 0
 

@@ -52,6 +52,7 @@ class PythonEnv(AnswerEnv):
         "When you know the answer, reply without a code block."
     )
     _BLOCK = re.compile(r"```python\n(.*?)```", re.DOTALL)
+    MAX_BLOCKS = 4  # run per message: a message of a thousand blocks must not take a thousand sandbox runs
 
     def __init__(self, reward: Reward, sandbox: Sandbox):
         super().__init__(reward)
@@ -65,7 +66,9 @@ class PythonEnv(AnswerEnv):
         if not blocks:
             return super().step(message)
         self.messages.append(message)
-        output = "\n".join(self.sandbox.run(code) for code in blocks)
+        output = "\n".join(self.sandbox.run(code) for code in blocks[: self.MAX_BLOCKS])
+        if len(blocks) > self.MAX_BLOCKS:
+            output += f"\nerror: only the first {self.MAX_BLOCKS} code blocks of a message run"
         observation = {"role": "user", "content": f"Output:\n{output}"}
         self.messages.append(observation)
         return [observation], 0.0, False

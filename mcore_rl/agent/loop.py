@@ -249,10 +249,12 @@ class AgentLoop:
             return self._finish(live, "done")
         if live.traj.stats["turns"] >= self.max_turns:
             return self._finish(live, "max_turns")
-        self._observe(live, observation)
+        self._observe(live, [{**m, "content": clip(m["content"], self.max_chars)} for m in observation])
 
     def _observe(self, live: _Live, messages: list[dict]) -> None:
-        messages = [{**m, "content": self.chat.inert(clip(m["content"], self.max_chars))} for m in messages]
+        """Append tool results (cut to max_observation_chars in their actor) or environment messages (cut here),
+        made inert, and take the next turn."""
+        messages = [{**m, "content": self.chat.inert(m["content"])} for m in messages]
         ids = self.chat.observation(messages, live.traj.last_turn)
         if len(live.traj.context) + len(ids) >= self.max_tokens:  # no room left for a turn after it
             return self._finish(live, "max_tokens")

@@ -14,8 +14,10 @@ weight-transfer group (:class:`parallel.transfer.TransferGroup`); the handle the
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pickle
+import shutil
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -75,12 +77,27 @@ def _views(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> Iterator[tuple[
         yield m.name, buffer[m.offset : m.offset + n].view(dtype).view(m.shape)
 
 
+class SharedMemoryError(RuntimeError):
+    """/dev/shm cannot hold a bucket: said before the bucket is written (a full tmpfs would kill the writer with
+    SIGBUS mid-sync instead)."""
+
+
 def _remove_stale_segments() -> None:
-    """Delete shm buckets of trainer processes that died without closing them (``mcore_rl_<pid>_<id>``)."""
+    """Delete shm buckets whose sender died without closing them. A live sender holds a shared lock on its segment
+    (released by the kernel when it dies), so one in another container sharing /dev/shm, whose process ids this
+    one cannot see, is never taken for dead."""
     for path in SHM_DIR.glob("mcore_rl_*_*"):
-        pid = path.name.split("_")[2]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             path.unlink(missing_ok=True)
+        except BlockingIOError:
+            pass  # its sender is alive
+        finally:
+            os.close(fd)
 
 
 class BucketSender:
@@ -96,6 +113,7 @@ class BucketSender:
         self._buffer: torch.Tensor | None = None
         self._ref: BufferRef | None = None
         self._path: Path | None = None
+        self._lock: int | None = None  # the shm segment's descriptor, holding its shared lock
         if reserve_bytes:
             self._ensure(reserve_bytes)
             self._buffer.zero_()  # fault the pages in now, so the first sync costs what later ones do
@@ -112,7 +130,16 @@ class BucketSender:
         elif self.kind == "broadcast":
             self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         else:
+            free = shutil.disk_usage(SHM_DIR).free
+            if free < nbytes:
+                raise SharedMemoryError(
+                    f"{SHM_DIR} has {free / 2**20:.1f} MiB free and a weight-sync bucket needs {nbytes / 2**20:.1f} "
+                    f"MiB: enlarge it (docker run --shm-size=2g, or a larger tmpfs) or lower "
+                    f"models.policy.sync.bucket_bytes (a bucket also holds the largest single tensor)"
+                )
             self._path = SHM_DIR / f"mcore_rl_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+            self._lock = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(self._lock, fcntl.LOCK_SH)
             self._buffer = torch.from_file(str(self._path), shared=True, size=nbytes, dtype=torch.uint8)
             self._ref = BufferRef("", self._path.name)
 
@@ -141,6 +168,9 @@ class BucketSender:
         if self._path is not None:
             self._path.unlink(missing_ok=True)
             self._path = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
 
 def buffer_for(handle: BucketHandle, own_device: str, rank: int) -> BufferRef:

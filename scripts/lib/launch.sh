@@ -8,7 +8,9 @@
 #   NNODES, GPUS_PER_NODE
 #                  devices = NNODES x GPUS_PER_NODE (default: the config's runtime_args.num_devices)
 #   RAY_ADDRESS    an existing Ray cluster for multi-node runs: `ray start --head --num-gpus 8` on the first node,
-#                  `ray start --address HEAD:6379 --num-gpus 8` on the others, then run this script on the first
+#                  `ray start --address HEAD:6379 --num-gpus 8` on the others, then run this script on the first;
+#                  with token authentication on every node and here (README, "Network services"): the same
+#                  ~/.ray/auth_token (`ray get-auth-token --generate` once) and RAY_AUTH_MODE=token exported
 #   MCORE_DIR      train from a Megatron checkpoint instead of HF weights: converted from MODEL_DIR once (for the
 #                  config's TP size) with mcore-rl-hf2mcore; the rollout engines still load MODEL_DIR
 #   OUTPUT_DIR     run directory (default: the config's, runs/<exp_name>); re-running resumes from its checkpoints

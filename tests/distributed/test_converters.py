@@ -216,6 +216,14 @@ def test_bad_input_is_refused_before_writing(tmp_path, tiny_models):
 
     run = ok(cli("hf2mcore", qwen2, out, "--force"))
     assert not (out / "keep.txt").exists() and (out / "model" / "metadata.json").is_file()
+    assert not list(tmp_path.glob(".out*"))  # the replaced output is gone once the new one is in place
+
+    # --force never deletes its own input: the output is the checkpoint, or a directory holding it
+    kept = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    for target in (out, tmp_path):
+        run = cli("mcore2hf", out, target, "--force")
+        assert run.returncode == 2 and "holds the input" in run.stderr and "write the output somewhere" in run.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == kept
 
 
 def _refused(run: subprocess.CompletedProcess, message: str, output: Path) -> None:

@@ -153,7 +153,8 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     """Killed between its checkpoints, the same command resumes from the last complete one: Adam's moments and step
     exactly as saved, the prompts an uninterrupted run takes next, and the earlier checkpoint untouched. The run
     (with a reference model and an eval each episode) also shows the first update's invariants and leaves its
-    artifacts: one run serves both, as a run's start-up is most of what an end-to-end test costs."""
+    artifacts: one run serves both, as a run's start-up is most of what an end-to-end test costs. Last, the newest
+    checkpoint garbled: the next resume reports it and falls back to the one before."""
     overrides = ["runtime_args.num_episode=3", "runtime_args.save_episode_interval=2"]
     path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "resume")
     command = train_command(path, overrides, ray_address)
@@ -194,6 +195,59 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     ]
     assert list((out / "tensorboard").glob("events.out.tfevents.*")) and (out / "curves.png").is_file()
     assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
+
+    # The newest checkpoint fails to load (its RNG file garbled, its size unchanged): the next resume says so and
+    # falls back to the one before it, restored exactly.
+    rng = out / "checkpoints" / "episode_3" / "rng_rank0.pt"
+    rng.write_bytes(rng.read_bytes()[::-1])
+    run_to_end(train_command(path, ["runtime_args.num_episode=4", "runtime_args.save_episode_interval=2"], ray_address))
+    (failed,) = events(out, "resume_failed")
+    assert failed["checkpoint"].endswith("episode_3") and failed["error"]
+    assert [(e["episode"], e["optimizer"]) for e in events(out, "resume")][-1] == (2, saved_digest)
+
+
+def test_a_full_disk_during_a_save_stops_the_run_with_the_earlier_checkpoints_intact(
+    tiny_models, ray_address, tmp_path, capsys
+):
+    """The output directory on a small file system that fills up during episode 2 (the reward function writes the
+    ballast once episode 1's checkpoint is complete): the save of episode 2 fails, the run stops with exit status 1
+    and one error line, its partial directory is gone, and episode 1's checkpoint is complete as committed."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)], check=True)
+    try:
+        out = small / "runs" / "full"
+        reward = tmp_path / "filling_reward.py"
+        reward.write_text(
+            "import os\n"
+            f"DONE, BALLAST = {str(out / 'checkpoints' / 'episode_1' / 'COMPLETE')!r}, {str(small / 'ballast')!r}\n"
+            "def reward_fn(messages, answer):\n"
+            "    if os.path.exists(DONE) and not os.path.exists(BALLAST):\n"
+            "        free = os.statvfs(DONE).f_bavail * os.statvfs(DONE).f_frsize\n"
+            "        with open(BALLAST, 'wb') as f:\n"
+            "            f.write(b'\\0' * (free - (256 << 10)))  # 256 KiB left: the logs fit, a checkpoint does not\n"
+            "    return 0.5\n"
+        )
+        path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "full")
+        overrides = [
+            f"runtime_args.output_dir={out}", "runtime_args.num_episode=2", "runtime_args.save_episode_interval=1",
+            "runtime_args.eval_episode_interval=0", "runtime_args.num_devices=1", f"models.reward.fn={reward}",
+            "models.policy_trainer.algorithm.kl_coef=0", *(f"{r}.parallel.tp=1" for r in ROLES),
+        ]  # fmt: skip
+        assert main([str(path), *overrides]) == 1
+        err = capsys.readouterr().err
+        assert re.search(
+            r"^error: saving the checkpoint of episode 2 under .* failed \(.*No space left on device.*\); the run "
+            r"stopped, and the complete checkpoints are as they were \(episode_1\)",
+            err,
+            re.M,
+        ), err
+        root = out / "checkpoints"
+        assert [e for e, _ in checkpoint.complete(root)] == [1]  # its marker's files all there, every size right
+        assert not list(root.glob(".episode_*.partial"))
+        assert [e["path"] for e in events(out, "checkpoint")] == [str(root / "episode_1")]
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=True)
 
 
 # One trainer rank and one engine: the failure is the reward actors'; more processes would only start slower.

@@ -36,3 +36,12 @@ def test_the_python_environment_runs_code_blocks_until_an_answer(sandbox):
     assert observation == [{"role": "user", "content": "Output:\n1024\n"}] and (reward, done) == (0.0, False)
     observation, reward, done = env.step({"role": "assistant", "content": "The answer is 1024."})
     assert (observation, reward, done) == ([], 1.0, True)
+
+
+def test_the_python_environment_runs_a_bounded_number_of_blocks(sandbox):
+    env = PythonEnv(Reward("math"), sandbox)
+    env.reset({"id": "q", "messages": [{"role": "user", "content": "?"}], "answer": "1"})
+    blocks = "".join(f"```python\nprint({i})\n```" for i in range(1000))
+    (observation,), reward, done = env.step({"role": "assistant", "content": blocks})
+    assert observation["content"] == "Output:\n0\n\n1\n\n2\n\n3\n\nerror: only the first 4 code blocks of a message run"
+    assert (reward, done) == (0.0, False)

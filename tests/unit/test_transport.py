@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import subprocess
+
 import pytest
 import torch
 
+from mcore_rl.rollout import transport
 from mcore_rl.rollout.transport import ALIGN, BucketHandle, BucketSender, BufferRef, buffer_for, open_bucket
 
 CPU = torch.device("cpu")
@@ -72,3 +77,44 @@ def test_a_gpu_worker_maps_the_copy_on_its_own_device_or_refuses():
     assert buffer_for(handle, "GPU-bbb", rank=0) is refs[1]  # by device, whatever vLLM's worker order
     with pytest.raises(RuntimeError, match="no copy of the bucket on this worker's GPU GPU-ccc"):
         buffer_for(handle, "GPU-ccc", rank=0)
+
+
+def test_stale_segments_are_those_nobody_holds(tmp_path, monkeypatch):
+    """A segment is stale when no sender holds its lock, whatever its name's process id says: one from another
+    container sharing /dev/shm (a process id this one cannot see) stays while its sender lives."""
+    monkeypatch.setattr(transport, "SHM_DIR", tmp_path)
+    dead, foreign = tmp_path / "mcore_rl_999999999_dead", tmp_path / "mcore_rl_999999999_live"
+    dead.write_bytes(b"x")
+    foreign.write_bytes(b"x")
+    held = os.open(foreign, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_SH)  # its sender, alive elsewhere
+    try:
+        sender = BucketSender(CPU)  # a shm sender clears stale segments when it starts
+        handle = sender.pack(_bucket(0))
+        assert not dead.exists() and foreign.exists()
+        assert (tmp_path / handle.buffers[0].location).exists()
+        transport._remove_stale_segments()  # a second sender's start: the first one's live segment stays
+        assert (tmp_path / handle.buffers[0].location).exists()
+        sender.close()
+    finally:
+        os.close(held)
+    transport._remove_stale_segments()
+    assert not foreign.exists()
+
+
+def test_a_too_small_dev_shm_is_an_error_before_the_bucket_is_written(tmp_path, monkeypatch):
+    small = tmp_path / "shm"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        monkeypatch.setattr(transport, "SHM_DIR", small)
+        with pytest.raises(transport.SharedMemoryError, match=r"has 1.0 MiB free and a weight-sync bucket needs 8.0 "
+                                                                r"MiB: enlarge it \(docker run --shm-size"):  # fmt: skip
+            BucketSender(CPU, reserve_bytes=8 << 20)
+        sender = BucketSender(CPU, reserve_bytes=256 << 10)
+        with pytest.raises(transport.SharedMemoryError, match="needs 4.0 MiB"):
+            sender.pack([("big", torch.zeros(1 << 20))])  # a bucket that outgrows the buffer: checked again
+        sender.close()
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=True)
