@@ -309,10 +309,10 @@ def test_a_killed_parent_leaves_no_process_and_no_directory():
     child = None
     while child is None and time.monotonic() < deadline:
         out = subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout.split()
-        child = int(out[0]) if out and "jail.py" in open(f"/proc/{out[0]}/cmdline").read() else None
+        child = int(out[0]) if out and "jail.main()" in open(f"/proc/{out[0]}/cmdline").read() else None
         time.sleep(0.2)
     assert child is not None, "the sandbox child never started"
-    workdir = open(f"/proc/{child}/cmdline").read().split("\0")[4]
+    workdir = open(f"/proc/{child}/cmdline").read().split("\0")[5]
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     while _alive(child) and time.monotonic() < deadline:
