@@ -324,10 +324,10 @@ class Run:
         except Exception as err:  # noqa: BLE001 - a full disk reaches here as OSError or wrapped by Ray
             checkpoint.abandon(root, episode)
             kept = ", ".join(p.name for _, p in checkpoint.complete(root)) or "none"
-            cause = str(err).strip().splitlines()[-1][:300] if str(err).strip() else type(err).__name__
             raise checkpoint.CheckpointError(
-                f"saving the checkpoint of episode {episode} under {root} failed ({cause}); the run stopped, and the "
-                f"complete checkpoints are as they were ({kept}): free space and run the same command to resume"
+                f"saving the checkpoint of episode {episode} under {root} failed ({_last_line(err)}); the run "
+                f"stopped, and the complete checkpoints are as they were ({kept}): free space and run the same "
+                "command to resume"
             ) from err
         self.logger.event("checkpoint", path=str(path), **meta)
         checkpoint.prune(root, self.config.runtime_args.keep_checkpoints)
@@ -478,6 +478,12 @@ def _throughput(timer: Timer, metrics: dict) -> dict:
     }
 
 
+def _last_line(err: BaseException) -> str:
+    """An error in one line: its type and its message's last line (a Ray task error's is the remote cause)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[-1][:500]}" if lines else type(err).__name__
+
+
 def _load_newest(system: System, root: Path):
     """Load the newest complete checkpoint that loads: ``((episode, path, optimizer digest) or None, [(path,
     error)] of the newer ones that failed)``. A checkpoint that fails to load is reported and the one before it
@@ -489,7 +495,7 @@ def _load_newest(system: System, root: Path):
                 system.trainer.load(str(path))
                 return (episode, path, system.trainer.optimizer_digest()), failed
         except Exception as err:  # noqa: BLE001 - any failure of this checkpoint sends us to the previous one
-            error = f"{type(err).__name__}: {str(err).strip().splitlines()[-1][:500] if str(err).strip() else ''}"
+            error = _last_line(err)
             log.warning("checkpoint %s failed to load (%s); trying the one before it", path, error)
             failed.append((path, error))
     if failed:

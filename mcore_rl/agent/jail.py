@@ -1,13 +1,14 @@
-"""The kernel side of the code sandbox: run as a script (``python -I -S jail.py ...``, standard library only), it
-confines its own process and then executes the policy's code, read from stdin, in it.
+"""The kernel side of the code sandbox (standard library only): imported by a bootstrap in a fresh ``python -I -S``
+(its cached bytecode), :func:`main` confines its own process and then executes the policy's code, read from
+stdin, in it.
 
 Layers, in order (each one the kernel enforces; none can be undone from inside):
 
 - **namespaces** (``unshare``): new network (no interface but a downed loopback), IPC, UTS and mount namespaces,
   and a user namespace when not root; the work directory becomes a private size-capped tmpfs;
+- **rlimits**, hard = soft: address space, CPU seconds, file size (the output file too), open files, no core;
 - **capabilities** dropped, bounding set included, so root inside is an ordinary uid that cannot raise a hard
   rlimit, override file permissions or regain a capability (``no_new_privs``);
-- **rlimits**, hard = soft: address space, CPU seconds, file size (the output file too), open files, no core;
 - **Landlock** (Linux >= 5.13): read and execute only in the standard library and the shared-library
   directories, read-write only in the work directory; TCP bind/connect refused (ABI >= 4); signals and abstract
   unix sockets confined to the sandbox (ABI >= 6); ptrace of anything outside is refused by Landlock itself;

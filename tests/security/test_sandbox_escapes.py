@@ -359,3 +359,53 @@ def test_the_same_boundary_as_an_unprivileged_user(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "('namespaces', 'capabilities', 'landlock', 'seccomp')" in done.stdout
     assert "ESCAPED" not in done.stdout and SECRET not in done.stdout and done.stdout.endswith("45\n\n")
+
+
+def _decide(program, nr: int, arch: int, args=()) -> int:
+    """What the BPF ``program`` returns for a call (a small interpreter of the instructions the filter uses)."""
+    import struct
+
+    args = [a & ((1 << 64) - 1) for a in args] + [0] * (6 - len(args))  # as the kernel passes them: unsigned
+    data = struct.pack("iIQ6Q", nr, arch, 0, *args)  # struct seccomp_data
+    acc, pc = 0, 0
+    while True:
+        code, jt, jf, k = program[pc]
+        if code == 0x20:  # ld [k]
+            acc = struct.unpack_from("I", data, k)[0]
+        elif code == 0x06:  # ret k
+            return k
+        else:
+            taken = {0x15: acc == k, 0x35: acc >= k, 0x45: bool(acc & k)}[code]
+            pc += jt if taken else jf
+        pc += 1
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_seccomp_filter_decides_as_designed_on_each_architecture(machine):
+    """The filter the child installs, run here instruction by instruction, on both architectures' numbers (the
+    escape routes above exercise x86_64's in the kernel)."""
+    from mcore_rl.agent import jail
+
+    column, arch = jail._ARCH[machine]
+    nr = {name: n[column] for name, n in jail._NR.items() if n[column] is not None}
+    program, pid = jail.seccomp_filter(machine, 4242), 4242
+    allow, eperm, enosys, kill = 0x7FFF0000, 0x50001, 0x50026, 0x80000000
+    read = {"x86_64": 0, "aarch64": 63}[machine]
+    assert _decide(program, read, arch) == allow
+    for name in ("execve", "socket", "ptrace", "unshare", "mount", "setrlimit", "io_uring_setup", "bpf", "fchmodat"):
+        assert _decide(program, nr[name], arch) == eperm, name
+    assert _decide(program, nr["clone3"], arch) == enosys
+    thread = 0x3D0F00  # glibc's pthread_create flags: VM FS FILES SIGHAND THREAD SYSVSEM SETTLS PARENT/CHILD_*TID
+    assert _decide(program, nr["clone"], arch, (thread,)) == allow
+    assert _decide(program, nr["clone"], arch, (17,)) == eperm  # fork: SIGCHLD alone
+    assert _decide(program, nr["clone"], arch, (thread | 0x40000000,)) == eperm  # a thread in a new namespace
+    for name in ("kill", "tgkill"):
+        assert _decide(program, nr[name], arch, (pid,)) == allow
+        assert _decide(program, nr[name], arch, (1,)) == eperm
+        assert _decide(program, nr[name], arch, (-1,)) == eperm
+    assert _decide(program, nr["prlimit64"], arch, (0, 0, 0, 0x7FFC0000)) == allow  # reading a limit
+    assert _decide(program, nr["prlimit64"], arch, (0, 0, 0x7FFC0000, 0)) == eperm  # setting one
+    assert _decide(program, nr["prlimit64"], arch, (0, 0, 1 << 40, 0)) == eperm  # a pointer above 4 GiB
+    assert _decide(program, read, 0x40000003) == kill  # i386 calls
+    if machine == "x86_64":
+        assert _decide(program, 0x40000000 + 59, arch) == kill  # the x32 ABI
