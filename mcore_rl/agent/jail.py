@@ -162,7 +162,10 @@ def landlock_abi() -> int:
 def read_only_paths() -> list[str]:
     """What the policy's code may read and execute: the standard library, the shared libraries its extension
     modules load, the loader's cache, time zones, and the harmless devices."""
-    paths = {os.path.dirname(os.__file__), "/usr/lib", "/lib", "/lib64", "/usr/lib64", "/usr/share/zoneinfo"}
+    # The interpreter's lib directory holds the standard library and, in conda-style installs, the shared libraries
+    # its extension modules load (libffi, libssl, libmpdec); a venv's own directory is not in it.
+    lib = os.path.join(sys.base_prefix, "lib")
+    paths = {os.path.dirname(os.__file__), lib, "/usr/lib", "/lib", "/lib64", "/usr/lib64", "/usr/share/zoneinfo"}
     paths |= {"/etc/ld.so.cache", "/etc/localtime", "/dev/null", "/dev/zero", "/dev/urandom"}
     return sorted(p for p in {os.path.realpath(p) for p in paths} if os.path.exists(p))
 
