@@ -198,6 +198,15 @@ def test_shared_prompts_are_checked_up_front(run_yaml, tmp_path):
         ),
         (["models.reward.env=answer", "models.policy.rollout.multi_turn.max_turns=0"], r"multi_turn.max_turns=0: exp"),
         (
+            ["models.reward.tools=[calculator]", "models.policy.rollout.multi_turn.max_tool_calls_per_turn=0"],
+            r"multi_turn.max_tool_calls_per_turn=0: expected at least 1",
+        ),
+        (
+            ["models.reward.tools=[calculator]", "models.policy.rollout.multi_turn.max_observation_chars=0"],
+            r"multi_turn.max_observation_chars=0: expected at least 1",
+        ),
+        (["models.reward.timeout_s=0"], r"models.reward.timeout_s=0.0: expected a positive number of seconds"),
+        (
             ["models.reward.env=answer", "models.policy_trainer.max_token_in_packing=1024"],
             r"max_token_in_packing=1024 is below the longest sample \(2048 tokens: a multi-turn trajectory's max_",
         ),
