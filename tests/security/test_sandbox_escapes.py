@@ -78,7 +78,18 @@ ROUTES = {
     "write_tmp": "open('/tmp/mcore_rl_escape_marker', 'w').write('x'); print('ESCAPED')",
     "write_dev_shm": "open('/dev/shm/mcore_rl_escape_marker', 'w').write('x'); print('ESCAPED')",
     "write_proc_self_mem": "open('/proc/self/mem', 'r+b'); print('ESCAPED')",
+    "environment_secrets": "import os; print(dict(os.environ))",  # the run's variables (the fixture set a secret)
+    "inherited_descriptors": (
+        "import os\nfor fd in range(3, 1024):\n    try: os.fstat(fd)\n    except OSError: continue\n"
+        "    print('ESCAPED: descriptor', fd)"
+    ),
     # ---- processes
+    "kill_parent": DISARM + "import os; os.kill(os.getppid(), 0); print('ESCAPED')",
+    "memfd_exec": DISARM
+    + (
+        "import os; fd = os.memfd_create('x'); os.write(fd, b'#!/bin/sh\\necho ESCAPED\\n')\n"
+        "os.execve(fd, ['sh', '-c', 'echo ESCAPED'], {{}})"
+    ),
     "subprocess": "import subprocess; subprocess.run(['/bin/sh', '-c', 'echo pwned > {outside}/marker']); print('ESCAPED')",
     "subprocess_audit_bypass": (
         "import subprocess, sys, types\n"
@@ -192,6 +203,7 @@ def world(tmp_path_factory):
     (outside / "secret.txt").write_text(SECRET)
     (outside / "victim.txt").write_text("intact")
     python = _python_installation(pyroot)
+    os.environ["MCORE_RL_ESCAPE_SECRET"] = SECRET  # the run's environment must not reach the code
     victim = subprocess.Popen(["sleep", "3600"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tcp = socket.create_server(("127.0.0.1", 0))
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -209,6 +221,7 @@ def world(tmp_path_factory):
     yield {"fields": fields, "python": python, "servers": (tcp, udp, unix), "victim": victim, "watched": watched,
            "baseline": _snapshot(*watched)}  # fmt: skip
     victim.kill()
+    del os.environ["MCORE_RL_ESCAPE_SECRET"]
     for server in (tcp, udp, unix):
         server.close()
 
@@ -328,10 +341,12 @@ def test_a_killed_parent_leaves_no_process_and_no_directory():
     deadline = time.monotonic() + 120
     child = None
     while child is None and time.monotonic() < deadline:
-        child = next((pid for pid in _children(parent.pid) if "jail.main()" in _cmdline(pid)), None)
+        commands = {pid: _cmdline(pid) for pid in _children(parent.pid)}
+        running = [pid for pid, c in commands.items() if "jail.main()" in c and "--probe" not in c]  # not the probe
+        child = running[0] if running else None
         time.sleep(0.2)
     assert child is not None, "the sandbox child never started"
-    workdir = _cmdline(child).split("\0")[5]
+    workdir = commands[child].split("\0")[5]
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     while _alive(child) and time.monotonic() < deadline:
