@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 import types
@@ -322,12 +323,13 @@ class Run:
             copy_model_files(self.config.models.policy_trainer.load, partial, skip=(checkpoint.MARKER,))
             path = checkpoint.commit(root, episode, meta)
         except Exception as err:  # noqa: BLE001 - a full disk reaches here as OSError or wrapped by Ray
+            free = shutil.disk_usage(root).free  # before the partial directory goes: what the save left
             checkpoint.abandon(root, episode)
             kept = ", ".join(p.name for _, p in checkpoint.complete(root)) or "none"
             raise checkpoint.CheckpointError(
-                f"saving the checkpoint of episode {episode} under {root} failed ({_last_line(err)}); the run "
-                f"stopped, and the complete checkpoints are as they were ({kept}): free space and run the same "
-                "command to resume"
+                f"saving the checkpoint of episode {episode} under {root} failed ({_last_line(err)}; "
+                f"{free / 2**20:.1f} MiB were left free on its file system); the run stopped, and the complete "
+                f"checkpoints are as they were ({kept}): free space and run the same command to resume"
             ) from err
         self.logger.event("checkpoint", path=str(path), **meta)
         checkpoint.prune(root, self.config.runtime_args.keep_checkpoints)

@@ -131,7 +131,10 @@ def test_calculator_trajectories_are_exact_token_sequences_with_the_engine_s_log
             assert (abs(logp - engine_logp) <= 1e-4) if sampled else logp == 0.0
         assert traj.versions == [0] * sum(traj.loss_mask)
         assistant = [m["content"] for m in traj.messages if m["role"] == "assistant"]
-        assert traj.turns == len(assistant) and traj.tool_calls == sum(m["role"] == "tool" for m in traj.messages)
+        results = sum(m["role"] == "tool" for m in traj.messages)
+        # a turn's results are appended unless no room is left for them (it stops at max_tokens then)
+        assert traj.turns == len(assistant) and traj.tool_calls >= results
+        assert traj.tool_calls == results or traj.finish_reason == "max_tokens"
         if traj.finish_reason == "done":
             assert reward == math_reward(assistant[-1], row.answer)
         calls += traj.tool_calls
