@@ -108,7 +108,8 @@ class ToolResult:
 class ToolPool:
     """Tool calls queued, run at most ``num_actors`` at a time, each stopped after ``timeout_s``. Every call gets a
     result: its output, or an error (unknown tool, invalid arguments, raised, returned something else than
-    text, timed out)."""
+    text, timed out). Calls go to started actors only, so an actor's start-up (a replaced one's on a loaded
+    machine) never counts against a call's timeout."""
 
     def __init__(self, specs: list[str], sandbox: SandboxConfig, num_actors: int, timeout_s: float,
                  max_chars: int):  # fmt: skip
@@ -116,7 +117,10 @@ class ToolPool:
         self.names, self.schemas = set(tools), [schema(t) for t in tools.values()]
         self.timeout_s = timeout_s
         self._new = lambda: ray.remote(ToolHost).options(num_cpus=0).remote(specs, sandbox, max_chars)
-        self._free = [self._new() for _ in range(num_actors)]
+        self._starting: dict = {}  # ready ref -> actor not started yet
+        self._free: list = []
+        for _ in range(num_actors):
+            self._spawn()
         self._queue: collections.deque = collections.deque()  # (ticket, call)
         self._running: dict = {}  # object ref -> (ticket, name, actor, start time)
         self.done: list[tuple[object, ToolResult]] = []  # finished calls until the caller takes them
@@ -133,8 +137,18 @@ class ToolPool:
     def busy(self) -> bool:
         return bool(self._queue or self._running or self.done)
 
+    def _spawn(self) -> None:
+        actor = self._new()
+        self._starting[actor.__ray_ready__.remote()] = actor
+
     def poll(self, timeout: float) -> list[tuple[object, ToolResult]]:
         """Start queued calls on free actors, wait up to ``timeout`` seconds, and hand out the finished ones."""
+        if self._starting:  # waited on only when queued calls have no actor otherwise
+            idle = self._queue and not self._free and not self._running
+            started, _ = ray.wait(list(self._starting), num_returns=len(self._starting), timeout=timeout if idle else 0)
+            for ref in started:
+                ray.get(ref)  # an actor that cannot start at all (its tools no longer load) stops the rollout
+                self._free.append(self._starting.pop(ref))
         while self._queue and self._free:
             ticket, call = self._queue.popleft()
             actor = self._free.pop()
@@ -149,7 +163,7 @@ class ToolPool:
                 if now - start > self.timeout_s:
                     del self._running[ref]
                     ray.kill(actor)  # the only way to stop a call that hangs
-                    self._free.append(self._new())
+                    self._spawn()
                     error = f"error: {name} timed out after {self.timeout_s:g} s"
                     self.done.append((ticket, ToolResult(name, error, "timeout", now - start)))
         done, self.done = self.done, []
@@ -159,11 +173,11 @@ class ToolPool:
         try:
             text, error, seconds = ray.get(ref)
         except ray.exceptions.RayActorError:  # the call took its actor down (a crash, not an exception)
-            actor = self._new()
-            text, error, seconds = f"error: {name} crashed its process", "crashed", 0.0
+            self._spawn()
+            return ToolResult(name, f"error: {name} crashed its process", "crashed", 0.0)
         self._free.append(actor)
         return ToolResult(name, text, error, seconds)
 
     def stop(self) -> None:
-        for actor in self._free + [a for _, _, a, _ in self._running.values()]:
+        for actor in self._free + list(self._starting.values()) + [a for _, _, a, _ in self._running.values()]:
             ray.kill(actor)

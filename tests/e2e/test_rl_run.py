@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,9 +154,13 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     """Killed between its checkpoints, the same command resumes from the last complete one: Adam's moments and step
     exactly as saved, the prompts an uninterrupted run takes next, and the earlier checkpoint untouched. The run
     (with a reference model and an eval each episode) also shows the first update's invariants and leaves its
-    artifacts: one run serves both, as a run's start-up is most of what an end-to-end test costs. Last, the newest
-    checkpoint garbled: the next resume reports it and falls back to the one before."""
-    overrides = ["runtime_args.num_episode=3", "runtime_args.save_episode_interval=2"]
+    artifacts: one run serves both, as a run's start-up is most of what an end-to-end test costs. The resume also
+    meets a newer checkpoint that fails to load: it reports it and falls back to the one before."""
+    overrides = [
+        "runtime_args.num_episode=3",
+        "runtime_args.save_episode_interval=2",
+        "runtime_args.keep_checkpoints=0",
+    ]
     path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "resume")
     command = train_command(path, overrides, ray_address)
     out = tmp_path / "runs" / "resume"
@@ -164,8 +169,14 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     assert episode == 2, "killed too late: the test needs the run to die between its checkpoints"
     saved_digest = checkpoint.read_meta(saved)["optimizer"]
     kept = {p: p.read_bytes() for p in saved.rglob("*") if p.is_file()}
+    # A newer checkpoint that passes its marker's check but fails to load (its RNG file garbled, same size): the
+    # resume reports it and falls back to episode 2.
+    garbled = shutil.copytree(saved, out / "checkpoints" / "episode_99")
+    (garbled / "rng_rank0.pt").write_bytes((garbled / "rng_rank0.pt").read_bytes()[::-1])
 
     run_to_end(command)
+    (failed,) = events(out, "resume_failed")
+    assert failed["checkpoint"].endswith("episode_99") and failed["error"]
     (resume,) = events(out, "resume")
     assert resume["episode"] == 2 and resume["optimizer"] == saved_digest  # Adam moments and step restored exactly
     # Episode 3 takes the 4 prompts after the 8 of episodes 1 and 2 in the seeded order, 4 samples each.
@@ -195,15 +206,6 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     ]
     assert list((out / "tensorboard").glob("events.out.tfevents.*")) and (out / "curves.png").is_file()
     assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
-
-    # The newest checkpoint fails to load (its RNG file garbled, its size unchanged): the next resume says so and
-    # falls back to the one before it, restored exactly.
-    rng = out / "checkpoints" / "episode_3" / "rng_rank0.pt"
-    rng.write_bytes(rng.read_bytes()[::-1])
-    run_to_end(train_command(path, ["runtime_args.num_episode=2"], ray_address))  # resume, load, nothing to train
-    (failed,) = events(out, "resume_failed")
-    assert failed["checkpoint"].endswith("episode_3") and failed["error"]
-    assert [(e["episode"], e["optimizer"]) for e in events(out, "resume")][-1] == (2, saved_digest)
 
 
 def test_a_full_disk_during_a_save_stops_the_run_with_the_earlier_checkpoints_intact(
