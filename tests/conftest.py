@@ -74,10 +74,11 @@ def ray_address(tmp_path_factory):
     """A local Ray cluster for the session (logical CPUs and devices); yields its address for other processes."""
     import ray
 
-    from mcore_rl.roles.cluster import DEVICE, start_local_ray
+    from compat.ray import start_local_cluster
+    from mcore_rl.roles.cluster import DEVICE
     from mcore_rl.rollout.remote import NAMESPACE
 
-    start_local_ray(
+    start_local_cluster(
         num_cpus=2, resources={DEVICE: WORLD_SIZE}, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE
     )
     yield ray.get_runtime_context().gcs_address

@@ -8,33 +8,11 @@ one), so scheduling takes the same path everywhere.
 
 from __future__ import annotations
 
-import logging
-
 import ray
 from ray.util import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 DEVICE = "mcore_rl_device"
-
-log = logging.getLogger(__name__)
-
-# Ray 2.60's raylet exits when its dashboard agent takes longer than a fixed 15 s to start (ray-project/ray#65983),
-# which a loaded 2-core machine occasionally does (measured: a CI run's agents took 11-38 s to start).
-START_ATTEMPTS = 2
-
-
-def start_local_ray(**init_kwargs) -> None:
-    """``ray.init`` of a new local cluster, started once more if Ray's own start-up times out (see above)."""
-    for attempt in range(1, START_ATTEMPTS + 1):
-        try:
-            ray.init(**init_kwargs)
-            return
-        except Exception as err:  # Ray raises a bare Exception for this
-            if attempt == START_ATTEMPTS or "timed out during startup" not in str(err):
-                raise
-            log.warning(
-                "starting the local Ray cluster timed out (attempt %d of %d); retrying", attempt, START_ATTEMPTS
-            )
 
 
 def device_resource(num_devices: int) -> str:

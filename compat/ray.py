@@ -1,0 +1,91 @@
+"""Ray 2.60's quirks, for the local cluster a single-node run starts (:func:`start_local_cluster`).
+
+**Loopback.** Ray's services (GCS, raylet, core workers, agents) listen on every interface unless the node's
+address is exactly 127.0.0.1 (their gRPC servers' ``listen_to_localhost_only``); binding them to the node's
+address instead (ray-project/ray#59852) was reverted (#60012). ``ray.init`` never passes 127.0.0.1: it replaces a
+loopback ``_node_ip_address`` by the routable one, except where ``ray_constants.ENABLE_RAY_CLUSTER`` is false
+(Ray's single-machine mode for macOS and Windows, whose node address is loopback). The local cluster is started
+with that flag off, then checked to be on loopback. Its actors get the interface for their own collectives too:
+gloo and NCCL pick the host name's or the first non-loopback interface unless told, and vLLM its routable address.
+
+**Start-up.** The raylet exits when its dashboard agent takes longer than a fixed 15 s to start
+(ray-project/ray#65983), which a loaded 2-core machine occasionally does (measured: a CI run's agents took 11-38 s
+to start): the start is tried once more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import os
+
+from compat import RAY, UpstreamChangedError
+
+log = logging.getLogger(__name__)
+
+START_ATTEMPTS = 2
+LOOPBACK = "127.0.0.1"
+# The interface of the actors' own rendezvous and collectives in a local cluster.
+LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": LOOPBACK}
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """Ray's single-machine mode while a local cluster starts: its node address is loopback."""
+    from ray._private import ray_constants, services
+
+    source = inspect.getsource(services.get_node_ip_address)
+    if not hasattr(ray_constants, "ENABLE_RAY_CLUSTER") or "ENABLE_RAY_CLUSTER" not in source:
+        raise UpstreamChangedError(
+            f"ray {RAY}x's services.get_node_ip_address consulted ray_constants.ENABLE_RAY_CLUSTER; this Ray does "
+            "not: re-read it and update the loopback start in compat/ray.py"
+        )
+    enabled, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = enabled
+
+
+def start_local_cluster(**init_kwargs) -> None:
+    """``ray.init`` of a new local cluster on loopback alone, its actors' collectives too unless this process's
+    environment names their interfaces (see above).
+
+    Ray turns on token authentication for it unless ``RAY_AUTH_MODE`` says otherwise; a cluster without a token
+    is open to every process of this host, and that is said.
+    """
+    import ray
+
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        log.warning(
+            "RAY_AUTH_MODE=disabled: the local Ray cluster accepts calls without a token from any process on this host"
+        )
+    runtime_env = dict(init_kwargs.pop("runtime_env", None) or {})
+    loopback = {name: value for name, value in LOOPBACK_ENV.items() if name not in os.environ}
+    runtime_env["env_vars"] = {**loopback, **runtime_env.get("env_vars", {})}
+    with _loopback_node():
+        init_retrying(runtime_env=runtime_env, **init_kwargs)
+    address = ray.get_runtime_context().gcs_address
+    if not address.startswith(f"{LOOPBACK}:"):
+        ray.shutdown()
+        raise UpstreamChangedError(
+            f"the local Ray cluster started at {address}, not on {LOOPBACK}: re-read ray {RAY}x's node address "
+            "and update the loopback start in compat/ray.py"
+        )
+
+
+def init_retrying(**init_kwargs) -> None:
+    """``ray.init``, once more if Ray's own start-up timed out (see above)."""
+    import ray
+
+    for attempt in range(1, START_ATTEMPTS + 1):
+        try:
+            ray.init(**init_kwargs)
+            return
+        except Exception as err:  # Ray raises a bare Exception for this
+            if attempt == START_ATTEMPTS or "timed out during startup" not in str(err):
+                raise
+            log.warning(
+                "starting the local Ray cluster timed out (attempt %d of %d); retrying", attempt, START_ATTEMPTS
+            )
