@@ -1,12 +1,13 @@
-"""megatron-core 0.16.1's quirks: CPU support (:func:`install_cpu_compat`), torch Adam's checkpoints
-(:func:`install_adam_fixes`), multi-latent attention without TransformerEngine (:func:`mla_without_te`), models
-and process groups that outlive a layout (:func:`release_dispatcher_graphs`, :func:`destroy_groups`), and an
-import that pulls in torch's compiler for nothing (:func:`compile_on_first_call`).
+"""megatron-core 0.16.1's quirks: CPU support (:func:`install_cpu_compat`), the MoE router without
+TransformerEngine (:func:`router_without_te`), torch Adam's checkpoints (:func:`install_adam_fixes`), multi-latent
+attention without TransformerEngine (:func:`mla_without_te`), models and process groups that outlive a layout
+(:func:`release_dispatcher_graphs`, :func:`destroy_groups`), and an import that pulls in torch's compiler for
+nothing (:func:`compile_on_first_call`).
 
-**On CPU** (gloo), for CI and laptops; installed by :func:`parallel.groups.init_parallel` on CPU machines only.
-Megatron-Core calls CUDA unconditionally in places that have no extension point. Rather than a global ``TorchFunctionMode`` (measured +30% per step on tiny
-models, and it disables dynamo), this module rebinds the name ``torch`` *inside the listed Megatron modules only*
-to a proxy that forwards everything to torch except:
+**On CPU** (gloo), for CI and laptops; installed by :func:`install_fixes` on CPU machines only. Megatron-Core
+calls CUDA unconditionally in places that have no extension point. Rather than a global ``TorchFunctionMode``
+(measured +30% per step on tiny models, and it disables dynamo), this module rebinds the name ``torch`` *inside
+the listed Megatron modules only* to a proxy that forwards everything to torch except:
 
 * ``torch.cuda``: RNG calls go to the CPU generator (the model-parallel RNG tracker then forks CPU states, so
   TP-region initialisation and dropout keep Megatron's semantics); ``current_device()`` is ``cpu``;
@@ -49,17 +50,23 @@ What a module-level proxy cannot reach is patched narrowly:
   tensors with their CUDA type names and makes ``.cuda()`` the identity.
 * token_dispatcher.py:876-892 converts the alltoall split sizes to numpy only for CUDA tensors; CPU tensors
   reach ``all_to_all_single``, which rejects them. The CPU version converts them too.
-* moe_utils.py:1192 reads ``te_general_gemm``, which is unbound when TransformerEngine is absent.
 * mappings.py:150/190 gather and reduce-scatter *uneven* token counts (the alltoall dispatcher with expert-TP
   > 1) as lists of different sizes, which NCCL accepts and gloo rejects. The CPU versions pad to the longest
   split (gather) or all-reduce and slice (reduce-scatter); even splits still take Megatron's path.
 
-**torch Adam's checkpoints, on any device.** Megatron-Core falls back to ``torch.optim.AdamW`` where neither
-TransformerEngine nor Apex imports: always on CPU, and on GPUs without them. Its distributed optimizer then fails
-to load its own checkpoint with ``KeyError: 'step'`` (distrib_optimizer.py:940; the loaded tensors get the
-already-restored step added), and its load shares one ``step`` tensor among all parameters (:825), which Adam then
-advances once per parameter per step (the loaded states get their own copies). :func:`install_adam_fixes`
-installs both wherever that fallback is in use.
+**On every device** (:func:`install_fixes` installs these wherever Megatron-Core runs, the CPU support on CPU
+only, and returns their names: ``tests/unit/test_device.py`` lists what each device gets, so a fix that is not
+about the CPU cannot end up in the CPU support by accident):
+
+* The MoE router's gating GEMM (moe_utils.py:1192) reads ``te_general_gemm``, which is unbound when
+  TransformerEngine does not import: every MoE model raised ``NameError`` on its first forward. It is bound to
+  None, the value Megatron tests for, so the router takes its torch path.
+* torch Adam's checkpoints. Megatron-Core falls back to ``torch.optim.AdamW`` where neither TransformerEngine nor
+  Apex imports: always on CPU, and on GPUs without them. Its distributed optimizer then fails to load its own
+  checkpoint with ``KeyError: 'step'`` (distrib_optimizer.py:940; the loaded tensors get the already-restored step
+  added), and its load shares one ``step`` tensor among all parameters (:825), which Adam then advances once per
+  parameter per step (the loaded states get their own copies). :func:`install_adam_fixes` installs both wherever
+  that fallback is in use.
 
 ``torch_norm``'s sequence-parallel assert is not patched: our layer spec substitutes its own norm module
 (:mod:`models.spec`), Megatron's intended extension point. ``tests/distributed/test_cpu_compat.py`` fails when a
@@ -445,12 +452,31 @@ def install_cpu_compat() -> bool:
     mappings._gather_along_first_dim = _gloo_uneven_gather(mappings._gather_along_first_dim)
     mappings._reduce_scatter_along_first_dim = _gloo_uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
 
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
     setattr(megatron.core, _INSTALLED_MARK, True)
     return True
+
+
+def router_without_te() -> bool:
+    """Bind the router's ``te_general_gemm`` to None where TransformerEngine does not import (module docstring);
+    returns whether it was needed. Idempotent."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if moe_utils.HAVE_TE:
+        return False
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _check_version("router without TransformerEngine")
+        moe_utils.te_general_gemm = None
+    return True
+
+
+def install_fixes(cpu: bool) -> list[str]:
+    """Every megatron-core patch a process needs: the fixes for every device (those its Megatron-Core needs), and
+    the CPU support where ``cpu``. Returns the names of those installed. Idempotent."""
+    fixes = {
+        "router_without_te": router_without_te,
+        "torch_adam_checkpoints": install_adam_fixes,
+        "cpu_support": install_cpu_compat if cpu else lambda: False,
+    }
+    return [name for name, install in fixes.items() if install()]
 
 
 # ---- import time ---------------------------------------------------------------------------------------------------

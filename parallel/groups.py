@@ -13,7 +13,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from compat.megatron_core import destroy_groups, install_adam_fixes, install_cpu_compat
+from compat.megatron_core import destroy_groups, install_fixes
 from compat.torch import fake_store, release_groups
 from parallel.config import ParallelConfig
 from parallel.device import Device
@@ -30,9 +30,7 @@ def init_parallel(
     (:meth:`Device.current`) unless given.
     """
     device = device or Device.current()
-    if not device.cuda:
-        install_cpu_compat()
-    install_adam_fixes()
+    install_fixes(cpu=not device.cuda)
     if not dist.is_initialized():
         if device.cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -45,10 +45,10 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
     import torch
     import torch.distributed as dist
 
-    from compat.megatron_core import install_cpu_compat
+    from compat.megatron_core import install_fixes
 
     torch.set_num_threads(1)
-    install_cpu_compat()
+    install_fixes(cpu=True)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from parallel.groups import destroy_parallel
 

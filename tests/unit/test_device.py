@@ -186,18 +186,32 @@ def test_the_engine_acknowledges_a_bucket_only_after_its_stream_read_it(monkeypa
         assert torch.equal(param, weights[name]), name
 
 
-def test_torch_adams_checkpoint_fixes_do_not_depend_on_the_cpu_support():
-    """Defect 6: the fixes were installed with the CPU support only, though Megatron-Core falls back to torch's
-    AdamW on any GPU without TransformerEngine or Apex. In a process without the CPU support they install."""
+def test_each_device_gets_every_fix_that_is_not_about_the_cpu():
+    """What :func:`compat.megatron_core.install_fixes` installs per device, each in a fresh process. A CUDA process
+    (the device decision ``install_fixes(cpu=False)``, as :func:`parallel.groups.init_parallel` makes it on a GPU)
+    gets the router and torch-Adam fixes without the CPU support, and the router's gating GEMM then runs: before,
+    it raised ``NameError: te_general_gemm`` on every GPU without TransformerEngine (the fix lived in the CPU
+    support), and torch Adam's checkpoint fixes were once CPU-only as well."""
     code = (
-        "import compat.megatron_core as m, megatron.core, torch\n"
-        "from megatron.core.optimizer import Adam\n"
+        "import sys, compat.megatron_core as m, megatron.core, torch\n"
+        "from megatron.core.transformer.moe.moe_utils import router_gating_linear\n"
         "from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D\n"
-        "assert Adam is torch.optim.AdamW\n"
-        "assert m.install_adam_fixes() and m.install_adam_fixes()\n"  # idempotent
+        "inp, weight, bias = torch.randn(5, 8), torch.randn(4, 8), torch.randn(4)\n"
+        "try:\n"
+        "    router_gating_linear(inp, weight, None, torch.float32)\n"
+        "except NameError as err:\n"
+        "    assert 'te_general_gemm' in str(err), err\n"
+        "else:\n"
+        "    raise AssertionError('the unpatched router ran: is TransformerEngine importable here?')\n"
+        "print(m.install_fixes(cpu=sys.argv[1] == 'cpu'), m.install_fixes(cpu=sys.argv[1] == 'cpu'))\n"
+        "torch.testing.assert_close(router_gating_linear(inp, weight, None, torch.float32), inp @ weight.t())\n"
+        "torch.testing.assert_close(router_gating_linear(inp, weight, bias, torch.float64), "
+        "(inp.double() @ weight.double().t() + bias.double()))\n"
         "assert D.load_state_dict.__wrapped__ and D._set_main_param_and_optimizer_states.__wrapped__\n"
-        "assert not getattr(megatron.core, m._INSTALLED_MARK, False)\n"  # no CPU support in this process
-        "print('ok')\n"
+        "print(getattr(megatron.core, m._INSTALLED_MARK, False))\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+    every_device = ["router_without_te", "torch_adam_checkpoints"]
+    for device, fixes in (("cuda", every_device), ("cpu", [*every_device, "cpu_support"])):
+        run = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.split("\n")[:2] == [f"{fixes} {fixes}", str(device == "cpu")], run.stdout  # idempotent
