@@ -5,7 +5,9 @@ address is exactly 127.0.0.1 (their gRPC servers' ``listen_to_localhost_only``);
 address instead (ray-project/ray#59852) was reverted (#60012). ``ray.init`` never passes 127.0.0.1: it replaces a
 loopback ``_node_ip_address`` by the routable one, except where ``ray_constants.ENABLE_RAY_CLUSTER`` is false
 (Ray's single-machine mode for macOS and Windows, whose node address is loopback). The local cluster is started
-with that flag off, then checked to be on loopback. Its actors get the interface for their own collectives too:
+with that flag off, then checked to be on loopback. A process that connects to it (a test's ranks, a driver given
+its address) must be in that mode too, or ``ray.init`` swaps the loopback address for the routable one and waits
+for a GCS that is not there: the mode's variable is set for the processes this one starts. Its actors get the interface for their own collectives too:
 gloo and NCCL pick the host name's or the first non-loopback interface unless told, and vLLM its routable address.
 
 **Start-up.** The raylet exits when its dashboard agent takes longer than a fixed 15 s to start
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 
 START_ATTEMPTS = 2
 LOOPBACK = "127.0.0.1"
+SINGLE_MACHINE = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # read by ray_constants at import
 # The interface of the actors' own rendezvous and collectives in a local cluster.
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": LOOPBACK}
 
@@ -64,6 +67,7 @@ def start_local_cluster(**init_kwargs) -> None:
     runtime_env = dict(init_kwargs.pop("runtime_env", None) or {})
     loopback = {name: value for name, value in LOOPBACK_ENV.items() if name not in os.environ}
     runtime_env["env_vars"] = {**loopback, **runtime_env.get("env_vars", {})}
+    os.environ.update(SINGLE_MACHINE)  # for the processes this one starts, which connect by the loopback address
     with _loopback_node():
         init_retrying(runtime_env=runtime_env, **init_kwargs)
     address = ray.get_runtime_context().gcs_address

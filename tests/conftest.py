@@ -7,12 +7,15 @@ import os
 import pytest
 from filelock import FileLock
 
+from compat.ray import SINGLE_MACHINE
 from tests.tiny import FAMILIES, make_tiny, make_tool_caller
 
 WORLD_SIZE = 4
 
-# A throw-away local Ray cluster: no token file in ~/.ray; set before the rank pool spawns, so ranks inherit it.
+# A throw-away local Ray cluster: no token file in ~/.ray; on loopback, which the ranks reach only in Ray's
+# single-machine mode (compat/ray.py). Set before the rank pool spawns, so ranks inherit both.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.update(SINGLE_MACHINE)
 
 
 # Longest first, so the two workers finish together: end-to-end runs, then multi-rank tests, then the rest.

@@ -3,7 +3,7 @@
 Ray 2.60's services listen on every interface unless the node's address is loopback (see compat/ray.py). This
 starts the cluster the way the driver does, with Ray's authentication mode unset as a user's shell has it, runs a
 task and an actor, and checks every socket that the driver and the processes under it listen on; then calls the
-GCS and the raylet with no token, a wrong one and the cluster's own.
+GCS and the raylet with no token, a wrong one and the cluster's own, and connects another process by its address.
 """
 
 import os
@@ -15,6 +15,8 @@ from compat.ray import LOOPBACK_ENV
 SCENARIO = r"""
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -76,6 +78,12 @@ raylet = node_manager_pb2_grpc.NodeManagerServiceStub(grpc.insecure_channel(f"12
 stats = node_manager_pb2.GetNodeStatsRequest()
 assert code(raylet.GetNodeStats, stats) == grpc.StatusCode.UNAUTHENTICATED
 assert not isinstance(code(raylet.GetNodeStats, stats, token), grpc.StatusCode)
+
+# A process this one starts (a driver given the address) connects by the loopback address, with the token.
+address = ray.get_runtime_context().gcs_address
+connect = f"import ray; ray.init(address={address!r}); print(len(ray.nodes()))"
+client = subprocess.run([sys.executable, "-c", connect], capture_output=True, text=True, timeout=300)
+assert client.stdout.strip() == "1", client.stderr[-2000:]
 ray.shutdown()
 print(f"{len(listening)} listening sockets on loopback; calls refused without the token")
 """
