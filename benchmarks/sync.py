@@ -41,7 +41,7 @@ def _transport_rank(rank: int, port: int, total: int, bucket: int, results) -> N
     """One side of a two-process transfer of ``total`` bytes in ``bucket``-sized pieces, by shm and by gloo."""
     import torch.distributed as dist
 
-    from mcore_rl.rollout.transport import BucketSender, open_bucket
+    from mcore_rl.rollout.transport import BucketReceiver, BucketSender
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     data = torch.ones(bucket // 4)
@@ -58,7 +58,7 @@ def _transport_rank(rank: int, port: int, total: int, bucket: int, results) -> N
             box = [sender.pack([("x", data)]) if rank == 0 else None]
             dist.broadcast_object_list(box, src=0)  # the handle: a few hundred bytes
             if rank == 1:
-                _, views = open_bucket(box[0], cpu)
+                _, views = BucketReceiver(cpu).open(box[0])
                 data.copy_(views[0][1])  # what the engine's loader does: copy into its own memory
             dist.barrier()  # the sender may reuse the buffer
         timings[method] = time.perf_counter() - start

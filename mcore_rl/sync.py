@@ -125,6 +125,8 @@ class ColocatedRoute:
         return bool(self.senders)
 
     def begin(self) -> None:
+        for sender in self.senders:
+            sender.begin()
         if self.owner:
             ray.get(self.engines[0].begin_weight_update.remote())
         self._pending = [None, None]

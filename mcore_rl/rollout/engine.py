@@ -326,8 +326,8 @@ class RolloutEngine:
 
     def load_bucket(self, handle: BucketHandle) -> int:
         """Every worker loads the bucket: from the copy on its own device, or received from the transfer group's
-        broadcast (see ``transport.open_bucket``)."""
-        return self.llm.collective_rpc("mcore_rl_load_bucket", args=(handle,))[0]
+        broadcast (see ``transport.BucketReceiver``)."""
+        return self.llm.collective_rpc("mcore_rl_load_bucket", args=(handle.to_wire(),))[0]
 
     def finish_weight_update(self, version: int | None = None) -> list[str]:
         """Complete the update, tokens sampled from now on carrying ``version`` (default: the next one); a

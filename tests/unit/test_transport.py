@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
+import gc
 import os
 import subprocess
+import weakref
 
 import pytest
 import torch
 
 from mcore_rl.rollout import transport
-from mcore_rl.rollout.transport import ALIGN, BucketHandle, BucketSender, BufferRef, buffer_for, open_bucket
+from mcore_rl.rollout.transport import ALIGN, BucketHandle, BucketReceiver, BucketSender, BufferRef, buffer_for
 
 CPU = torch.device("cpu")
 
@@ -32,7 +35,7 @@ def test_pack_open_roundtrip_is_exact_and_aligned():
             bucket = _bucket(seed, scale)
             handle = sender.pack(bucket)
             assert handle.kind == "shm" and all(m.offset % ALIGN == 0 for m in handle.tensors)
-            _, received = open_bucket(handle, CPU)
+            _, received = BucketReceiver(CPU).open(handle)
             assert [n for n, _ in received] == [n for n, _ in bucket]
             for (_, want), (_, got) in zip(bucket, received, strict=True):
                 assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
@@ -48,12 +51,12 @@ def test_buffer_is_reused_and_removed_on_close():
     assert first.buffers == second.buffers  # same segment, no allocation per bucket
     sender.close()
     with pytest.raises(FileNotFoundError, match="the shared bucket is gone"):
-        open_bucket(second, CPU)
+        BucketReceiver(CPU).open(second)
 
 
 def test_unknown_handle_kind_is_refused():
     with pytest.raises(ValueError, match="unknown bucket handle kind 'tcp'"):
-        open_bucket(BucketHandle("tcp", (), 0, ()), CPU)
+        BucketReceiver(CPU).open(BucketHandle("tcp", (), 0, ()))
 
 
 def test_each_worker_maps_the_copy_of_its_own_feeder():
@@ -64,7 +67,7 @@ def test_each_worker_maps_the_copy_of_its_own_feeder():
         handle = BucketHandle("shm", tuple(c.buffers[0] for c in copies), copies[0].nbytes, copies[0].tensors)
         senders[1].pack(_bucket(1))  # feeder 1's copy now holds another bucket: worker 1 must see it, worker 0 not
         for rank, seed in ((0, 0), (1, 1)):
-            _, received = open_bucket(handle, CPU, rank)
+            _, received = BucketReceiver(CPU, rank).open(handle)
             assert all(torch.equal(got, want) for (_, got), (_, want) in zip(received, _bucket(seed), strict=True))
     finally:
         for s in senders:
@@ -118,3 +121,104 @@ def test_a_too_small_dev_shm_is_an_error_before_the_bucket_is_written(tmp_path, 
         assert list(small.iterdir()) == []
     finally:
         subprocess.run(["umount", "-l", str(small)], check=True)
+
+
+class _IpcCounts:
+    """torch 2.13's CUDA IPC reference counting, for a CPU run: a share sets its count to 1; a mapping releases it
+    once, when the mapped storage is freed; a buffer the sender drops while its count is not 0 waits in a limbo
+    that a collect clears of buffers whose count is 0 (the count is unsigned: below 0 it never is again)."""
+
+    def __init__(self):
+        self.counts: dict[bytes, int] = {}
+        self.buffers: dict[bytes, torch.Tensor] = {}  # what a receiver maps: views, not the sender's tensor
+        self.limbo: set[bytes] = set()
+        self.mappings = 0
+
+    def share(self, buffer: torch.Tensor) -> bytes:
+        location = f"share-{len(self.counts)}".encode()
+        self.counts[location] = 1
+        self.buffers[location] = buffer[:]
+        weakref.finalize(buffer, self._dropped, location)  # the sender lets go of its buffer
+        return location
+
+    def _dropped(self, location: bytes) -> None:
+        if self.counts[location] != 0:
+            self.limbo.add(location)
+
+    def map(self, location: bytes, device_index) -> torch.Tensor:
+        self.mappings += 1
+        mapped = self.buffers[location][:]
+        weakref.finalize(mapped, self._release, location)
+        return mapped
+
+    def _release(self, location: bytes) -> None:
+        self.counts[location] -= 1
+        assert self.counts[location] >= 0, f"{location} released more often than shared: kept for good"
+
+    def collect(self) -> None:
+        self.limbo = {location for location in self.limbo if self.counts[location] != 0}
+
+
+def _from_another_process(handle: BucketHandle) -> BucketHandle:
+    refs = tuple(dataclasses.replace(ref, sender="the trainer") for ref in handle.buffers)
+    return dataclasses.replace(handle, buffers=refs)
+
+
+def test_a_cuda_buffer_is_mapped_once_per_share_and_freed_when_outgrown(monkeypatch):
+    """Defect 6: the receiver mapped the sender's one share of a buffer for every bucket, so torch's count wrapped
+    below zero and every buffer the sender outgrew stayed allocated. Now each sync shares a buffer when it first
+    packs into it, each update maps it once and releases it when it ends, and an outgrown buffer is freed after."""
+    counts = _IpcCounts()
+    monkeypatch.setattr(transport, "_share", counts.share)
+    monkeypatch.setattr(transport, "_map", counts.map)
+    monkeypatch.setattr(transport, "_collect", counts.collect)
+    monkeypatch.setattr(transport, "device_id", lambda device: "GPU-0")
+    sender = BucketSender(CPU, reserve_bytes=1024, kind="cuda_ipc")  # reserved, not shared: no sync used it yet
+    try:
+        for sync, scale in enumerate((1, 1, 50, 50, 100)):  # the buffer grows in syncs 2 and 4, mid-sync
+            sender.begin()
+            receiver = transport.BucketReceiver(CPU)
+            for seed in range(3):
+                bucket = _bucket(seed, scale if seed == 2 else 1)
+                received = receiver.open(_from_another_process(sender.pack(bucket)))[1]
+                assert all(torch.equal(g, w) for (_, g), (_, w) in zip(received, bucket, strict=True)), sync
+                del received
+            receiver.close()
+            gc.collect()
+            assert counts.mappings == len(counts.counts), sync  # one mapping per share
+            assert set(counts.counts.values()) == {0}, (sync, counts.counts)  # every share released
+        sender.begin()  # a sync that sends nothing: its buffer is never shared
+    finally:
+        sender.close()
+    gc.collect()
+    assert counts.limbo == set(), counts.limbo  # every buffer freed
+    assert len(counts.counts) == 5 + 2  # a share per sync, and one per growth
+
+
+def test_a_handle_crosses_vllms_msgpack_boundary():
+    """Defect 3: with ``rollout.in_process: false`` vLLM's engine core runs in another process and msgpack carries
+    an RPC's arguments there, as its utility calls do (vLLM's own encoder, and the untyped decoder of the engine
+    core): a handle arrived at the worker as a dict. The wire form comes back as the handle it was."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    refs = (BufferRef("GPU-aaa", b"\x80\x04pickled"), BufferRef("", "mcore_rl_1_ab"))
+    handle = BucketHandle("cuda_ipc", refs, 4096, (transport.TensorMeta("a.weight", "bfloat16", (3, 5), 64),))
+
+    def crossed(args):
+        return MsgpackDecoder().decode(MsgpackEncoder().encode(args))
+
+    assert not isinstance(crossed((handle,))[0], BucketHandle)  # what the worker got before
+    assert BucketHandle.from_wire(crossed((handle.to_wire(),))[0]) == handle
+
+
+def test_a_cuda_bucket_from_the_receivers_own_process_is_refused_before_cuda_sees_it(monkeypatch):
+    """Defect 2: the GPU self-check's vLLM step mapped a CUDA IPC handle in the process that exported it, which CUDA
+    refuses with an opaque error. The receiver names the mistake; the step now packs in a process of its own."""
+    monkeypatch.setattr(transport, "_map", lambda location, index: pytest.fail("CUDA asked to map its own export"))
+    monkeypatch.setattr(transport, "device_id", lambda device: "GPU-0")
+    ours = BucketHandle("cuda_ipc", (BufferRef("GPU-0", b"handle", transport.PROCESS),), 0, ())
+    with pytest.raises(RuntimeError, match="CUDA maps a handle only in another process"):
+        BucketReceiver(CPU).open(ours)
+    monkeypatch.setattr(transport, "_map", lambda location, index: torch.zeros(0, dtype=torch.uint8))
+    theirs = BucketHandle("cuda_ipc", (BufferRef("GPU-0", b"handle", "another process"),), 0, ())
+    assert BucketReceiver(CPU).open(theirs)[1] == []
