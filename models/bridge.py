@@ -146,8 +146,9 @@ class Bridge:
         ``params_dtype`` defaults to this machine's (:attr:`parallel.device.Device.params_dtype`).
         """
         self.validate_layout(parallel)
+        device = Device.current()
         if params_dtype is None:
-            params_dtype = Device.current().params_dtype
+            params_dtype = device.params_dtype
         interleaved = parallel.vpp > 1
         fields = {mcore: self.hf[key] for key, mcore in self.config_table if key in self.hf}
         fields.update(
@@ -162,7 +163,7 @@ class Bridge:
             params_dtype=params_dtype,
             pipeline_dtype=params_dtype,
             bf16=params_dtype == torch.bfloat16,
-            use_cpu_initialization=True,
+            use_cpu_initialization=device.cpu_initialization,
             tensor_model_parallel_size=parallel.tp,
             pipeline_model_parallel_size=parallel.pp,
             virtual_pipeline_model_parallel_size=parallel.vpp if interleaved else None,

@@ -75,8 +75,11 @@ class Device:
     def share_cores(self, world_size: int, cores: list[int] | None = None) -> None:
         """On CPU, give each of a role's ``world_size`` ranks its share of the cores (colocated roles take turns,
         so each may use all of its share), or pin this rank to ``cores`` (its device's, where roles on other
-        devices run at the same time); GPU ranks keep torch's default."""
+        devices run at the same time). A GPU rank gets its GPU's share of the node's cores: Ray starts an actor that
+        reserves no CPU with one thread (``OMP_NUM_THREADS=1``), and a rank's host work (start-up, checkpoint
+        conversion, offload copies) would crawl on it."""
         if self.cuda:
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, torch.cuda.device_count())))
             return
         if cores:
             os.sched_setaffinity(0, cores)
@@ -102,6 +105,12 @@ class Device:
         return dict(use_gloo_process_groups=False)
 
     # ---- model ----------------------------------------------------------------------------------------------------
+    @property
+    def cpu_initialization(self) -> bool:
+        """Megatron-Core's ``use_cpu_initialization``: on CPU the only way; on a GPU each rank initialises its own
+        shards there (on CPU every rank would build each layer's full fp32 master weight first)."""
+        return not self.cuda
+
     @property
     def params_dtype(self) -> torch.dtype:
         """Default parameter dtype: bf16 on GPUs; fp32 on CPUs (those without bf16 instructions ran bf16 steps 12x

@@ -215,3 +215,27 @@ def test_each_device_gets_every_fix_that_is_not_about_the_cpu():
         run = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
         assert run.stdout.split("\n")[:2] == [f"{fixes} {fixes}", str(device == "cpu")], run.stdout  # idempotent
+
+
+def test_a_gpu_rank_initialises_its_shards_on_its_gpu_with_its_share_of_the_cores(monkeypatch, tiny_models):
+    """Defect 7: every layer's full fp32 master weight was built on CPU on GPUs too (``use_cpu_initialization``
+    everywhere), by a Ray actor left with one thread. A GPU rank initialises on its GPU, with its GPU's share of
+    the node's cores; a CPU rank as before."""
+    from models.registry import get_bridge
+    from parallel.config import ParallelConfig
+
+    bridge = get_bridge(tiny_models["Qwen3MoeForCausalLM"])
+    assert bridge.transformer_config(ParallelConfig()).use_cpu_initialization
+    monkeypatch.setattr(Device, "current", staticmethod(lambda: CUDA))
+    config = bridge.transformer_config(ParallelConfig())
+    assert not config.use_cpu_initialization and config.params_dtype == torch.bfloat16
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(device_module.os, "sched_getaffinity", lambda pid: set(range(96)))
+    try:
+        torch.set_num_threads(1)  # what Ray gives an actor that reserves no CPU
+        CUDA.share_cores(world_size=16)
+        assert torch.get_num_threads() == 12
+    finally:
+        torch.set_num_threads(threads)
