@@ -164,14 +164,39 @@ def train_and_checkpoint() -> str:
     return f"loss {steps[0]['loss']:.4f}, grad norm {steps[0]['grad_norm']:.3f}, digest {saved}"
 
 
+# Grouped against sequential experts, per dtype: |loss difference| and the largest gradient difference relative to
+# the largest gradient. bf16 is what real runs use, and the only dtype in which torch's CUDA grouped GEMM takes its
+# fast kernel (sm90 and newer).
+GROUPED_TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 3e-2)}
+# Routing replay of a forward's own routing: the same experts, and the output within this (fp32) of the free
+# forward: Megatron-Core sums expert outputs with scatter_add_, whose order is not deterministic on CUDA.
+REPLAY_TOLERANCE = 1e-5
+
+
+def _routed_forward(chunks, inputs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A forward without gradients, and the top-k experts each router chose per token (in router order)."""
+    from mcore_rl.moe import routers
+
+    taken = {}
+    hooks = [
+        r.register_forward_hook(lambda m, i, out, n=n: taken.__setitem__(n, out[1])) for n, r in routers(chunks).items()
+    ]
+    with torch.no_grad():
+        out = chunks[0](inputs, positions, None)
+    for hook in hooks:
+        hook.remove()
+    k = chunks[0].config.moe_router_topk
+    return out, [taken[n].float().topk(k, dim=-1).indices for n in sorted(taken)]
+
+
 def tiny_moe() -> str:
-    """Tiny Qwen3-MoE and DeepSeek-V3: grouped experts match sequential ones (forward, gradients); routing replay
-    of the model's own routing reproduces its output."""
+    """Tiny Qwen3-MoE and DeepSeek-V3: grouped experts match sequential ones (forward, gradients) in fp32 and bf16;
+    routing replay of the model's own routing takes the same experts and reproduces its output."""
     _need("transformers", "safetensors", "tokenizers")
     from converters.plan import local_params
     from converters.stream import load_weights
     from mcore_rl.logprobs import token_logprobs
-    from mcore_rl.moe import end_replay, replay_routing, routers
+    from mcore_rl.moe import end_replay, replay_routing
     from models.registry import get_bridge
     from parallel.config import ParallelConfig
     from parallel.groups import init_parallel
@@ -185,42 +210,43 @@ def tiny_moe() -> str:
             bridge = get_bridge(hf_dir)
             tokens = _tokens(100, rows=4, length=17)
             inputs, positions = tokens[:, :-1], torch.arange(16, device="cuda").expand(4, -1)
-            runs = []
-            for grouped in (True, False):
-                groups = init_parallel(ParallelConfig())
-                config = bridge.transformer_config(
-                    ParallelConfig(), params_dtype=torch.float32, moe_grouped_gemm=grouped
-                )
-                chunks = bridge.build_model(config)
-                load_weights(chunks, bridge, hf_dir, groups)
-                loss = -token_logprobs(chunks[0](inputs, positions, None), tokens[:, 1:], bridge.vocab_size).mean()
-                loss.backward()
-                grads = {p.slot: p.param.grad.clone() for p in local_params(chunks) if p.param.grad is not None}
-                runs.append((loss.detach(), grads, chunks))
-            (loss_g, grads_g, _), (loss_s, grads_s, chunks) = runs  # the last model is the one its groups serve
-            assert grads_g.keys() == grads_s.keys()
-            worst = max((grads_g[n] - grads_s[n]).abs().max().item() for n in grads_g)
-            assert (loss_g - loss_s).abs().item() <= 1e-5 and worst <= 1e-4, (arch, loss_g, loss_s, worst)
+            for dtype, (loss_tolerance, grad_tolerance) in GROUPED_TOLERANCE.items():
+                runs = []
+                for grouped in (True, False):
+                    groups = init_parallel(ParallelConfig())
+                    config = bridge.transformer_config(ParallelConfig(), params_dtype=dtype, moe_grouped_gemm=grouped)
+                    chunks = bridge.build_model(config)
+                    load_weights(chunks, bridge, hf_dir, groups)
+                    logits = chunks[0](inputs, positions, None)
+                    loss = -token_logprobs(logits.float(), tokens[:, 1:], bridge.vocab_size).mean()
+                    loss.backward()
+                    grads = {p.slot: p.param.grad.float() for p in local_params(chunks) if p.param.grad is not None}
+                    runs.append((loss.detach(), grads, chunks))
+                (loss_g, grads_g, _), (loss_s, grads_s, chunks) = runs  # the last model is the one its groups serve
+                assert grads_g.keys() == grads_s.keys()
+                scale = max(grads_s[n].abs().max().item() for n in grads_s)
+                worst = max((grads_g[n] - grads_s[n]).abs().max().item() for n in grads_g) / scale
+                loss_diff = (loss_g - loss_s).abs().item()
+                assert loss_diff <= loss_tolerance and worst <= grad_tolerance, (arch, dtype, loss_diff, worst)
+                report.append(f"{arch} {str(dtype).removeprefix('torch.')}: |Δloss| {loss_diff:.1e}, Δgrad {worst:.1e}")
 
-            # The routing of a forward, replayed: the same experts, so the same output.
-            taken = {}
-            hooks = [
-                r.register_forward_hook(lambda m, i, out, n=n, taken=taken: taken.__setitem__(n, out[1]))
-                for n, r in routers(chunks).items()
-            ]
-            with torch.no_grad():
-                free = chunks[0](inputs, positions, None)
-            for hook in hooks:
-                hook.remove()
-            k = chunks[0].config.moe_router_topk
-            ids = [taken[n].float().topk(k, dim=-1).indices.view(16, 4, k).transpose(0, 1) for n in sorted(taken)]
+            # The routing of an fp32 forward, replayed: the same experts, so the same output.
+            groups = init_parallel(ParallelConfig())
+            chunks = bridge.build_model(bridge.transformer_config(ParallelConfig(), params_dtype=torch.float32))
+            load_weights(chunks, bridge, hf_dir, groups)
+            free, experts = _routed_forward(chunks, inputs, positions)
+            ids = [e.view(16, 4, -1).transpose(0, 1) for e in experts]
             replay_routing(chunks[0], {"routed_experts": torch.stack(ids, dim=2)}, groups)
-            with torch.no_grad():
-                replayed = chunks[0](inputs, positions, None)
+            replayed, replayed_experts = _routed_forward(chunks, inputs, positions)
             end_replay(chunks)
-            assert torch.equal(free, replayed), (arch, (free - replayed).abs().max().item())
-            report.append(f"{arch}: max |Δgrad| {worst:.1e}")
-    return "; ".join(report) + "; replay exact"
+            same = all(
+                torch.equal(a.sort(-1).values, b.sort(-1).values)
+                for a, b in zip(experts, replayed_experts, strict=True)
+            )
+            difference = (free - replayed).abs().max().item()
+            assert same and difference <= REPLAY_TOLERANCE, (arch, same, difference)
+            report.append(f"{arch} replay: same experts, max |Δlogit| {difference:.1e}")
+    return "; ".join(report)
 
 
 def offload() -> str:
