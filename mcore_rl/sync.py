@@ -6,6 +6,9 @@ where their trainer ranks packed it (:class:`ColocatedRoute`); engines on other 
 from trainer rank 0 (:class:`BroadcastRoute`). Afterwards each engine scores a fixed probe batch and its log-probs are compared with the trainer's, scored before the push (so the trainer's weights may
 leave the device before the engine's KV cache returns): stale or corrupted weights fail loudly here instead of
 silently skewing the policy gradient.
+
+Ray is imported only where an engine is called (:func:`_get`): a trainer without engines, as the GPU self-check
+builds one, runs where Ray is not installed.
 """
 
 from __future__ import annotations
@@ -17,11 +20,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import ray
 import torch
 
 from converters.stream import export_hf
-from mcore_rl.roles.cluster import single_node
 from mcore_rl.rollout.transport import BucketSender
 from mcore_rl.training import MegatronModel
 from parallel.comm import all_gather_objects, all_reduce_scalar
@@ -97,9 +98,16 @@ def send_buckets(named: Iterator[tuple[str, torch.Tensor]], budget: int) -> Iter
         yield bucket
 
 
+def _get(refs):
+    """``ray.get``: the results of engine calls."""
+    import ray
+
+    return ray.get(refs)
+
+
 def _waited(refs) -> float:
     start = time.perf_counter()
-    ray.get(refs)
+    _get(refs)
     return time.perf_counter() - start
 
 
@@ -128,7 +136,7 @@ class ColocatedRoute:
         for sender in self.senders:
             sender.begin()
         if self.owner:
-            ray.get(self.engines[0].begin_weight_update.remote())
+            _get(self.engines[0].begin_weight_update.remote())
         self._pending = [None, None]
 
     def send(self, index: int, bucket: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
@@ -152,7 +160,7 @@ class ColocatedRoute:
             return 0.0, ()
         wait = _waited([p for p in self._pending if p is not None])
         wait += _waited(finish := self.engines[0].finish_weight_update.remote(version))
-        return wait, tuple(ray.get(finish))
+        return wait, tuple(_get(finish))
 
     def close(self) -> None:
         for sender in self.senders:
@@ -173,10 +181,12 @@ class BroadcastRoute:
         self.senders = [BucketSender(device, bucket_bytes, kind="broadcast")] if self.owner else []
         self.group: TransferGroup | None = None
         if self.owner:
+            from mcore_rl.roles.cluster import single_node
+
             address, world = free_addresses(1, single_node())[0], 1 + engine_tp * len(self.engines)
             joined = [e.join_transfer.remote(address, 1 + i * engine_tp, world) for i, e in enumerate(self.engines)]
             self.group = TransferGroup(address, 0, world, device)
-            ray.get(joined)
+            _get(joined)
         self._pending: list = []
 
     @property
@@ -184,7 +194,7 @@ class BroadcastRoute:
         return self.owner
 
     def begin(self) -> None:
-        ray.get([e.begin_weight_update.remote() for e in self.engines])
+        _get([e.begin_weight_update.remote() for e in self.engines])
         self._pending = []
 
     def send(self, index: int, bucket: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
@@ -197,7 +207,7 @@ class BroadcastRoute:
     def finish(self, version: int) -> tuple[float, tuple[str, ...]]:
         wait = _waited(self._pending)
         wait += _waited(finishes := [e.finish_weight_update.remote(version) for e in self.engines])
-        return wait, tuple(r for repairs in ray.get(finishes) for r in repairs)
+        return wait, tuple(r for repairs in _get(finishes) for r in repairs)
 
     def close(self) -> None:
         for sender in self.senders:
@@ -278,7 +288,7 @@ class WeightSync:
         if pushed is None:
             raise RuntimeError("WeightSync.verify: nothing pushed since the last verify (call push first)")
         if self.route.engines:  # (ray.get of nothing would start Ray in a process that has none)
-            ray.get([e.wake_up.remote() for e in self.route.engines])
+            _get([e.wake_up.remote() for e in self.route.engines])
         report = pushed
         if self._trainer_logprobs is not None:
             max_diff, mean_diff = self._compare(self._trainer_logprobs, f"after weight sync {pushed.index}")
@@ -305,7 +315,7 @@ class WeightSync:
     def _compare(self, trainer: torch.Tensor, when: str) -> tuple[float, float]:
         max_diff = mean_diff = 0.0
         engines = self.route.engines
-        for engine in ray.get([e.score.remote(self.probe_batch.tolist()) for e in engines]) if engines else ():
+        for engine in _get([e.score.remote(self.probe_batch.tolist()) for e in engines]) if engines else ():
             diff = (torch.tensor(engine, dtype=torch.float32) - trainer).abs()
             max_diff, mean_diff = max(max_diff, diff.max().item()), max(mean_diff, diff.mean().item())
         # The worst engine decides, on every rank, so that all ranks raise together or none does.

