@@ -77,24 +77,63 @@ def _smollm2() -> str:
         raise SkipStepError(f"the embedded SmolLM2-135M is not available ({type(err).__name__}: {err})") from None
 
 
-def _hf_logprobs(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+# SmolLM2-135M's shape (30 layers, 576 hidden, 9 query and 3 KV heads, 49152 tokens, tied embeddings), for machines
+# without the embedded model; its embedding (and so the tied output head) is drawn with this std, wide enough that
+# log-probs spread over several nats (measured on CPU: -18 to -8 for random tokens; with the default 0.02 the whole
+# vocabulary sits within a nat of uniform, and a wrong mapping would hide in it).
+SMOLLM2_SHAPED = REPO / "tests/gpu/smollm2_shaped"
+SHAPED_EMBEDDING_STD = 0.1
+
+
+def smollm2_shaped(directory: Path, seed: int = 0) -> Path:
+    """A SmolLM2-shaped HF model with seeded random weights, saved to ``directory``."""
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).cuda()
+    config = transformers.AutoConfig.from_pretrained(SMOLLM2_SHAPED)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        logits = hf(tokens).logits.float()
-    return torch.log_softmax(logits[:, :-1], -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        generator = torch.Generator().manual_seed(seed + 1)
+        model.get_input_embeddings().weight.normal_(0, SHAPED_EMBEDDING_STD, generator=generator)
+    model.save_pretrained(directory)
+    return directory
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """bf16 agreement as the post-sync probe measures it (max and mean |Δ| of per-token log-probs)."""
+def _model(directory: Path) -> tuple[str, str]:
+    """(HF directory, which model): the embedded SmolLM2-135M where it is installed, else a SmolLM2-shaped one with
+    seeded random weights, built in ``directory``."""
+    try:
+        return _smollm2(), "SmolLM2-135M-Instruct"
+    except SkipStepError:
+        return str(smollm2_shaped(directory)), "a SmolLM2-shaped model with seeded random weights"
+
+
+def _hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(tokens.device)
+    with torch.no_grad():
+        return hf(tokens).logits.float()
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+
+
+def _hf_logprobs(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+    return _logprobs(_hf_logits(hf_dir, tokens), tokens)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> str:
+    """bf16 agreement as the post-sync probe measures it (max and mean |Δ|, of per-token log-probs or logits);
+    returns the differences."""
     from mcore_rl.sync import PROBE_TOLERANCE
 
     max_tol, mean_tol = PROBE_TOLERANCE[torch.bfloat16]
     diff = (got.float().cpu() - want.float().cpu()).abs()
-    assert diff.max() <= max_tol and diff.mean() <= mean_tol, (
-        f"{what}: max |Δ| {diff.max():.3g} (tolerance {max_tol}), mean |Δ| {diff.mean():.3g} (tolerance {mean_tol})"
-    )
+    measured = f"max |Δ| {diff.max():.3g}, mean |Δ| {diff.mean():.3g}"
+    assert diff.max() <= max_tol and diff.mean() <= mean_tol, f"{what}: {measured} (tolerance {max_tol}, {mean_tol})"
+    return measured
 
 
 def _tokens(vocab: int, rows: int = 4, length: int = 48, seed: int = 0) -> torch.Tensor:
@@ -120,7 +159,8 @@ def environment() -> str:
 
 
 def megatron_vs_hf() -> str:
-    """SmolLM2-135M in bf16 on each available layer spec: log-probs match HF transformers, padded and THD-packed."""
+    """SmolLM2-135M (or its shape with random weights) in bf16 on each available layer spec: logits and log-probs
+    match HF transformers, padded and THD-packed."""
     from converters.stream import load_weights
     from mcore_rl.training import MegatronModel
     from models.registry import get_bridge
@@ -128,22 +168,30 @@ def megatron_vs_hf() -> str:
     from parallel.device import Device
     from parallel.groups import init_parallel
 
-    hf_dir = _smollm2()
     _world()
-    bridge = get_bridge(hf_dir)
-    tokens = _tokens(bridge.vocab_size)
-    want = _hf_logprobs(hf_dir, tokens)
-    backends = ["local"] + (["te"] if Device.current().layer_backend("auto") == "te" else [])
-    for backend in backends:
-        groups = init_parallel(ParallelConfig())
-        chunks = bridge.build_model(bridge.transformer_config(ParallelConfig()), backend=backend)
-        load_weights(chunks, bridge, hf_dir, groups)
-        model = MegatronModel(chunks, groups)
-        lengths = [tokens.shape[1]] * len(tokens)
-        for max_tokens in (0, 2 * tokens.shape[1]):
-            got = model.logprobs(tokens, bridge.vocab_size, 2, lengths, max_tokens)
-            _close(got, want, f"{backend} spec, {'packed' if max_tokens else 'padded'}")
-    return f"specs {backends}, padded and packed, within the probe's bf16 tolerance"
+    report = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir, which = _model(Path(tmp))
+        bridge = get_bridge(hf_dir)
+        tokens = _tokens(bridge.vocab_size)
+        hf_logits = _hf_logits(hf_dir, tokens)
+        want = _logprobs(hf_logits, tokens)
+        backends = ["local"] + (["te"] if Device.current().layer_backend("auto") == "te" else [])
+        for backend in backends:
+            groups = init_parallel(ParallelConfig())
+            chunks = bridge.build_model(bridge.transformer_config(ParallelConfig()), backend=backend)
+            load_weights(chunks, bridge, hf_dir, groups)
+            positions = torch.arange(tokens.shape[1], device="cuda").expand(len(tokens), -1)
+            with torch.no_grad():
+                logits = chunks[0](tokens, positions, None)[..., : bridge.vocab_size]
+            report.append(f"{backend} logits {_close(logits, hf_logits, f'{backend} spec, logits')}")
+            model = MegatronModel(chunks, groups)
+            lengths = [tokens.shape[1]] * len(tokens)
+            for max_tokens in (0, 2 * tokens.shape[1]):
+                layout = "packed" if max_tokens else "padded"
+                got = model.logprobs(tokens, bridge.vocab_size, 2, lengths, max_tokens)
+                report.append(f"{backend} {layout} log-probs {_close(got, want, f'{backend} spec, {layout}')}")
+    return f"{which}: " + "; ".join(report)
 
 
 def train_and_checkpoint() -> str:
@@ -153,7 +201,8 @@ def train_and_checkpoint() -> str:
     from mcore_rl.roles.megatron import PolicyTrainer
     from parallel.config import ParallelConfig
 
-    hf_dir = _smollm2()
+    tmp = tempfile.TemporaryDirectory()
+    hf_dir, which = _model(Path(tmp.name))
     _world()
     optimizer = dict(lr=1e-5, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
     args = (0, 1, ("127.0.0.1", 0), hf_dir, ParallelConfig(), 1, optimizer, PolicyLossConfig(), 4)
@@ -170,7 +219,8 @@ def train_and_checkpoint() -> str:
         resumed = PolicyTrainer(*args)
         resumed.load(directory)
     assert resumed.optimizer_digest() == saved, (resumed.optimizer_digest(), saved)
-    return f"loss {steps[0]['loss']:.4f}, grad norm {steps[0]['grad_norm']:.3f}, digest {saved}"
+    tmp.cleanup()
+    return f"{which}: loss {steps[0]['loss']:.4f}, grad norm {steps[0]['grad_norm']:.3f}, digest {saved}"
 
 
 # Grouped against sequential experts, per dtype: |loss difference| and the largest gradient difference relative to

@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import torch
+
 from tests.gpu import checks
 from tests.gpu.checks import NO_CUDA, STEPS, Step
 
@@ -187,3 +189,26 @@ def test_gpu_check_installs_given_wheels_for_its_run_only(tmp_path):
     lines, report = _gpu_check(tmp_path, "--wheels", str(wheels), "environment")
     assert lines[-1] == "gpu_check: 0 passed, 0 failed, 1 skipped" and report["warnings"] == []
     assert subprocess.run([sys.executable, "-m", "pip", "show", "mcore_rl_probe"], capture_output=True).returncode == 1
+
+
+def test_the_smollm2_shaped_model_has_smollm2s_shape_and_log_probs_that_spread(tmp_path):
+    """Without the embedded model the Megatron-vs-HF step uses a SmolLM2-shaped model with seeded random weights:
+    the real model's config (unpadded vocabulary, tied embeddings, 9 / 3 heads) and log-probs spread over several
+    nats, so a wrong mapping cannot hide in a near-uniform output."""
+    import transformers
+
+    from converters.gguf2hf import default_model_dir
+    from models.registry import get_bridge
+
+    shaped = json.loads((checks.SMOLLM2_SHAPED / "config.json").read_text())
+    real = json.loads((default_model_dir() / "config.json").read_text())
+    assert {key: real[key] for key in shaped} == shaped
+    directory = checks.smollm2_shaped(tmp_path / "shaped")
+    assert get_bridge(str(directory)).vocab_size == 49152
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    tokens = torch.randint(0, 49152, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logprobs = checks._logprobs(model(tokens).logits, tokens)
+    assert logprobs.max() - logprobs.min() > 5 and logprobs.std() > 1, (logprobs.min(), logprobs.max())
+    again = transformers.AutoModelForCausalLM.from_pretrained(checks.smollm2_shaped(tmp_path / "again"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True))
