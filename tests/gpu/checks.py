@@ -308,6 +308,144 @@ def tiny_moe() -> str:
     return "; ".join(report)
 
 
+def _hf_engine(hf_dir: str, connection) -> None:
+    """Step hf_sync's engine, in its own process: an HF model on the same GPU, zeroed, whose weights then come from
+    the trainer's CUDA IPC buckets (one update); then its log-probs of the step's tokens, and what it never got."""
+    import transformers
+
+    from mcore_rl.rollout.transport import BucketReceiver
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).cuda()
+    params = dict(model.named_parameters())  # a tied output head is the embedding, listed once
+    with torch.no_grad():
+        for param in params.values():
+            param.zero_()  # a tensor the sync misses shows
+    receiver, loaded, unknown = BucketReceiver(torch.device("cuda", 0)), set(), set()
+    while (handle := connection.recv()) != "finish":
+        for name, tensor in receiver.open(handle)[1]:
+            if name in params:
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+            else:
+                unknown.add(name)
+        torch.cuda.synchronize()
+        connection.send("loaded")
+    receiver.close()
+    tokens = connection.recv().cuda()
+    with torch.no_grad():
+        logprobs = _logprobs(model(tokens).logits, tokens).cpu()
+    connection.send((sorted(set(params) - loaded), sorted(unknown), logprobs))
+
+
+def hf_sync() -> str:
+    """The weight sync without vLLM or Ray: the trainer's weights (perturbed, so only a sync can match them) exported
+    in HF layout, packed into CUDA IPC buckets and loaded by another process into an HF model on the same GPU,
+    whose log-probs then match the trainer's."""
+    import multiprocessing
+
+    from converters.stream import export_hf, load_weights
+    from mcore_rl.rollout.transport import BucketSender
+    from mcore_rl.sync import send_buckets
+    from mcore_rl.training import MegatronModel
+    from models.registry import get_bridge
+    from parallel.config import ParallelConfig
+    from parallel.groups import init_parallel
+
+    _world()
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir, which = _model(Path(tmp))
+        bridge = get_bridge(hf_dir)
+        groups = init_parallel(ParallelConfig())
+        chunks = bridge.build_model(bridge.transformer_config(ParallelConfig()))
+        load_weights(chunks, bridge, hf_dir, groups)
+        generator = torch.Generator(device="cuda").manual_seed(3)
+        with torch.no_grad():
+            for param in chunks[0].parameters():
+                noise = torch.randn(param.shape, device="cuda", generator=generator)
+                param.add_(noise.to(param.dtype) * 0.05 * param.float().std().to(param.dtype))
+        tokens = _tokens(bridge.vocab_size)
+        trainer = MegatronModel(chunks, groups).logprobs(tokens, bridge.vocab_size, 2)
+
+        context = multiprocessing.get_context("spawn")
+        ours, theirs = context.Pipe()
+        engine = context.Process(target=_hf_engine, args=(hf_dir, theirs), daemon=True)
+        engine.start()
+        sender = BucketSender(torch.device("cuda", 0), 64 << 20)
+        try:
+            sender.begin()
+            start, nbytes = time.perf_counter(), 0
+            for bucket in send_buckets(export_hf(chunks, bridge, groups), 64 << 20):
+                handle = sender.pack(bucket)
+                ours.send(handle)
+                assert ours.recv() == "loaded"
+                nbytes += handle.nbytes
+            seconds = time.perf_counter() - start
+            ours.send("finish")
+            ours.send(tokens.cpu())
+            missing, unknown, got = ours.recv()
+        finally:
+            engine.join(timeout=120)
+            sender.close()
+    assert not missing and not unknown, f"the HF model got no tensor for {missing}; unknown names {unknown}"
+    measured = _close(got, trainer, "HF model after the sync, against the trainer")
+    return f"{which}: {nbytes / 2**20:.0f} MiB in {seconds:.2f} s ({nbytes / seconds / 2**30:.1f} GiB/s); {measured}"
+
+
+# Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) of GPUs this check has met or may meet, by name.
+BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def mfu() -> str:
+    """One train step's forward and backward of a Qwen3-30B-A3B-shaped model (its layers cut to fit the GPU, random
+    weights, bf16, grouped experts): tokens per second and model FLOP utilisation (6 x active parameters per token,
+    as benchmarks/rl.py counts them) against the GPU's bf16 peak and against the matmul peak measured here."""
+    import json as json_module
+
+    from benchmarks.hardware import matmul_tflops
+    from benchmarks.rl import flops_per_token
+    from mcore_rl.logprobs import token_logprobs
+    from models.registry import get_bridge
+    from parallel.config import ParallelConfig
+    from parallel.groups import init_parallel
+
+    _world()
+    memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    layers = 4 if memory_gib >= 70 else 2
+    with tempfile.TemporaryDirectory() as tmp:
+        config = json_module.loads((REPO / "models/configs/qwen3_30b_a3b/config.json").read_text())
+        (Path(tmp) / "config.json").write_text(json_module.dumps(config | {"num_hidden_layers": layers}))
+        flops = flops_per_token(tmp)
+        bridge = get_bridge(tmp)
+        init_parallel(ParallelConfig())
+        chunks = bridge.build_model(bridge.transformer_config(ParallelConfig()))
+    rows, length = 4, 4096
+    tokens = _tokens(bridge.vocab_size, rows=rows, length=length + 1)
+    positions = torch.arange(length, device="cuda").expand(rows, -1)
+
+    def step() -> None:
+        logits = chunks[0](tokens[:, :-1], positions, None)
+        (-token_logprobs(logits, tokens[:, 1:], bridge.vocab_size).mean()).backward()
+
+    for _ in range(2):  # warm-up: kernels chosen, memory pools grown
+        step()
+    torch.cuda.synchronize()
+    start, repeats = time.perf_counter(), 3
+    for _ in range(repeats):
+        step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / repeats
+    achieved = 3 * (flops["body"] + flops["head"]) * rows * length / seconds / 1e12  # forward + backward
+    measured_peak = matmul_tflops(torch.device("cuda"), torch.bfloat16, sizes=(4096, 8192))
+    name = torch.cuda.get_device_name()
+    spec = next((peak for gpu, peak in BF16_PEAK_TFLOPS.items() if gpu in name), None)
+    against = f"MFU {achieved / spec:.1%} of {spec:g} TFLOP/s bf16, " if spec else ""
+    return (
+        f"{layers}-layer Qwen3-30B-A3B shape, {rows}x{length} tokens: {seconds * 1e3:.0f} ms a step, "
+        f"{rows * length / seconds:,.0f} tokens/s, {achieved:.0f} TFLOP/s; {against}"
+        f"{achieved / measured_peak:.1%} of the {measured_peak:.0f} TFLOP/s bf16 matmuls measured here"
+    )
+
+
 def offload() -> str:
     """An offload/onload round trip through pinned memory: GPU memory back at its baseline, contents exact."""
     from mcore_rl.offload import StorageOffloader
@@ -518,6 +656,8 @@ STEPS = [
     Step("megatron_vs_hf", megatron_vs_hf, (*MEGATRON, "transformers"), 300, 1),
     Step("tiny_moe", tiny_moe, (*MEGATRON, "transformers", "safetensors"), 300, 1),
     Step("train_and_checkpoint", train_and_checkpoint, (*MEGATRON, "transformers", "yaml"), 420, 2),
+    Step("hf_sync", hf_sync, (*MEGATRON, "transformers", "safetensors"), 420, 2),
+    Step("mfu", mfu, (*MEGATRON, "transformers", "yaml"), 420, 2),
     Step("weight_transfer", weight_transfer, (), 180, 2),
     Step("vllm_engine", vllm_engine, (*MEGATRON, "vllm", "ray", "yaml"), 600, 2),
 ]
