@@ -193,7 +193,7 @@ def test_each_device_gets_every_fix_that_is_not_about_the_cpu():
     it raised ``NameError: te_general_gemm`` on every GPU without TransformerEngine (the fix lived in the CPU
     support), and torch Adam's checkpoint fixes were once CPU-only as well."""
     code = (
-        "import sys, compat.megatron_core as m, megatron.core, torch\n"
+        "import compat.megatron_core as m, megatron.core, torch\n"
         "from megatron.core.transformer.moe.moe_utils import router_gating_linear\n"
         "from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer as D\n"
         "inp, weight, bias = torch.randn(5, 8), torch.randn(4, 8), torch.randn(4)\n"
@@ -203,18 +203,22 @@ def test_each_device_gets_every_fix_that_is_not_about_the_cpu():
         "    assert 'te_general_gemm' in str(err), err\n"
         "else:\n"
         "    raise AssertionError('the unpatched router ran: is TransformerEngine importable here?')\n"
-        "print(m.install_fixes(cpu=sys.argv[1] == 'cpu'), m.install_fixes(cpu=sys.argv[1] == 'cpu'))\n"
+        "print(m.install_fixes(cpu=False), m.install_fixes(cpu=False))\n"  # idempotent
         "torch.testing.assert_close(router_gating_linear(inp, weight, None, torch.float32), inp @ weight.t())\n"
         "torch.testing.assert_close(router_gating_linear(inp, weight, bias, torch.float64), "
         "(inp.double() @ weight.double().t() + bias.double()))\n"
         "assert D.load_state_dict.__wrapped__ and D._set_main_param_and_optimizer_states.__wrapped__\n"
         "print(getattr(megatron.core, m._INSTALLED_MARK, False))\n"
+        "print(m.install_fixes(cpu=True), getattr(megatron.core, m._INSTALLED_MARK, False))\n"
     )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
     every_device = ["router_without_te", "torch_adam_checkpoints"]
-    for device, fixes in (("cuda", every_device), ("cpu", [*every_device, "cpu_support"])):
-        run = subprocess.run([sys.executable, "-c", code, device], capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert run.stdout.split("\n")[:2] == [f"{fixes} {fixes}", str(device == "cpu")], run.stdout  # idempotent
+    assert run.stdout.split("\n")[:3] == [
+        f"{every_device} {every_device}",  # the CUDA decision: no CPU support
+        "False",
+        f"{[*every_device, 'cpu_support']} True",  # the CPU decision: the same fixes and the CPU support
+    ], run.stdout
 
 
 def test_a_gpu_rank_initialises_its_shards_on_its_gpu_with_its_share_of_the_cores(monkeypatch, tiny_models):
