@@ -124,16 +124,22 @@ def _hf_logprobs(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
     return _logprobs(_hf_logits(hf_dir, tokens), tokens)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> str:
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> dict[str, float]:
     """bf16 agreement as the post-sync probe measures it (max and mean |Δ|, of per-token log-probs or logits);
     returns the differences."""
     from mcore_rl.sync import PROBE_TOLERANCE
 
     max_tol, mean_tol = PROBE_TOLERANCE[torch.bfloat16]
     diff = (got.float().cpu() - want.float().cpu()).abs()
-    measured = f"max |Δ| {diff.max():.3g}, mean |Δ| {diff.mean():.3g}"
-    assert diff.max() <= max_tol and diff.mean() <= mean_tol, f"{what}: {measured} (tolerance {max_tol}, {mean_tol})"
+    measured = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item()}
+    assert diff.max() <= max_tol and diff.mean() <= mean_tol, (
+        f"{what}: {_said(measured)} (tolerance {max_tol}, {mean_tol})"
+    )
     return measured
+
+
+def _said(diff: dict[str, float]) -> str:
+    return f"max |Δ| {diff['max_abs_diff']:.3g}, mean |Δ| {diff['mean_abs_diff']:.3g}"
 
 
 def _tokens(vocab: int, rows: int = 4, length: int = 48, seed: int = 0) -> torch.Tensor:
@@ -158,7 +164,7 @@ def environment() -> str:
     )
 
 
-def megatron_vs_hf() -> str:
+def megatron_vs_hf() -> tuple[str, dict]:
     """SmolLM2-135M (or its shape with random weights) in bf16 on each available layer spec: logits and log-probs
     match HF transformers, padded and THD-packed."""
     from converters.stream import load_weights
@@ -169,7 +175,7 @@ def megatron_vs_hf() -> str:
     from parallel.groups import init_parallel
 
     _world()
-    report = []
+    report, numbers = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir, which = _model(Path(tmp))
         bridge = get_bridge(hf_dir)
@@ -184,17 +190,20 @@ def megatron_vs_hf() -> str:
             positions = torch.arange(tokens.shape[1], device="cuda").expand(len(tokens), -1)
             with torch.no_grad():
                 logits = chunks[0](tokens, positions, None)[..., : bridge.vocab_size]
-            report.append(f"{backend} logits {_close(logits, hf_logits, f'{backend} spec, logits')}")
+            numbers[f"{backend}_logits"] = _close(logits, hf_logits, f"{backend} spec, logits")
+            report.append(f"{backend} logits {_said(numbers[f'{backend}_logits'])}")
             model = MegatronModel(chunks, groups)
             lengths = [tokens.shape[1]] * len(tokens)
             for max_tokens in (0, 2 * tokens.shape[1]):
                 layout = "packed" if max_tokens else "padded"
                 got = model.logprobs(tokens, bridge.vocab_size, 2, lengths, max_tokens)
-                report.append(f"{backend} {layout} log-probs {_close(got, want, f'{backend} spec, {layout}')}")
-    return f"{which}: " + "; ".join(report)
+                key = f"{backend}_{layout}_logprobs"
+                numbers[key] = _close(got, want, f"{backend} spec, {layout}")
+                report.append(f"{backend} {layout} log-probs {_said(numbers[key])}")
+    return f"{which}: " + "; ".join(report), numbers | {"model": which}
 
 
-def train_and_checkpoint() -> str:
+def train_and_checkpoint() -> tuple[str, dict]:
     """One policy-trainer step; a distributed checkpoint saved and loaded back with the same optimizer digest."""
     _need("yaml")
     from mcore_rl.algorithms.grpo import PolicyLossConfig
@@ -215,12 +224,23 @@ def train_and_checkpoint() -> str:
     assert steps[0]["update_successful"] == 1.0 and steps[0]["grad_norm"] > 0, steps
     saved = trainer.optimizer_digest()
     with tempfile.TemporaryDirectory() as directory:
+        start = time.perf_counter()
         trainer.save(directory)
+        save_seconds = time.perf_counter() - start
+        checkpoint_bytes = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
         resumed = PolicyTrainer(*args)
+        start = time.perf_counter()
         resumed.load(directory)
+        load_seconds = time.perf_counter() - start
     assert resumed.optimizer_digest() == saved, (resumed.optimizer_digest(), saved)
     tmp.cleanup()
-    return f"{which}: loss {steps[0]['loss']:.4f}, grad norm {steps[0]['grad_norm']:.3f}, digest {saved}"
+    numbers = {"model": which, "loss": steps[0]["loss"], "grad_norm": steps[0]["grad_norm"], "digest": saved}
+    numbers |= {"checkpoint_bytes": checkpoint_bytes, "save_seconds": save_seconds, "load_seconds": load_seconds}
+    detail = f"{which}: loss {steps[0]['loss']:.4f}, grad norm {steps[0]['grad_norm']:.3f}, digest {saved}, "
+    detail += (
+        f"checkpoint {checkpoint_bytes / 2**30:.2f} GiB saved in {save_seconds:.1f} s, loaded in {load_seconds:.1f} s"
+    )
+    return detail, numbers
 
 
 # Grouped against sequential experts, per dtype: |loss difference| and the largest gradient difference relative to
@@ -248,7 +268,7 @@ def _routed_forward(chunks, inputs: torch.Tensor, positions: torch.Tensor) -> tu
     return out, [taken[n].float().topk(k, dim=-1).indices for n in sorted(taken)]
 
 
-def tiny_moe() -> str:
+def tiny_moe() -> tuple[str, dict]:
     """Tiny Qwen3-MoE and DeepSeek-V3: grouped experts match sequential ones (forward, gradients) in fp32 and bf16;
     routing replay of the model's own routing takes the same experts and reproduces its output."""
     _need("transformers", "safetensors", "tokenizers")
@@ -262,7 +282,7 @@ def tiny_moe() -> str:
     from tests.tiny import make_tiny
 
     _world()
-    report = []
+    report, numbers = [], {}
     with tempfile.TemporaryDirectory() as root:
         for arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"):
             hf_dir = str(make_tiny(arch, Path(root) / arch))
@@ -287,7 +307,9 @@ def tiny_moe() -> str:
                 worst = max((grads_g[n] - grads_s[n]).abs().max().item() for n in grads_g) / scale
                 loss_diff = (loss_g - loss_s).abs().item()
                 assert loss_diff <= loss_tolerance and worst <= grad_tolerance, (arch, dtype, loss_diff, worst)
-                report.append(f"{arch} {str(dtype).removeprefix('torch.')}: |Δloss| {loss_diff:.1e}, Δgrad {worst:.1e}")
+                name = str(dtype).removeprefix("torch.")
+                numbers[f"{arch}_{name}"] = {"loss_abs_diff": loss_diff, "grad_rel_diff": worst}
+                report.append(f"{arch} {name}: |Δloss| {loss_diff:.1e}, Δgrad {worst:.1e}")
 
             # The routing of an fp32 forward, replayed: the same experts, so the same output.
             groups = init_parallel(ParallelConfig())
@@ -304,8 +326,9 @@ def tiny_moe() -> str:
             )
             difference = (free - replayed).abs().max().item()
             assert same and difference <= REPLAY_TOLERANCE, (arch, same, difference)
+            numbers[f"{arch}_replay_max_abs_logit_diff"] = difference
             report.append(f"{arch} replay: same experts, max |Δlogit| {difference:.1e}")
-    return "; ".join(report)
+    return "; ".join(report), numbers
 
 
 def _hf_engine(hf_dir: str, connection) -> None:
@@ -337,7 +360,7 @@ def _hf_engine(hf_dir: str, connection) -> None:
     connection.send((sorted(set(params) - loaded), sorted(unknown), logprobs))
 
 
-def hf_sync() -> str:
+def hf_sync() -> tuple[str, dict]:
     """The weight sync without vLLM or Ray: the trainer's weights (perturbed, so only a sync can match them) exported
     in HF layout, packed into CUDA IPC buckets and loaded by another process into an HF model on the same GPU,
     whose log-probs then match the trainer's."""
@@ -388,14 +411,16 @@ def hf_sync() -> str:
             sender.close()
     assert not missing and not unknown, f"the HF model got no tensor for {missing}; unknown names {unknown}"
     measured = _close(got, trainer, "HF model after the sync, against the trainer")
-    return f"{which}: {nbytes / 2**20:.0f} MiB in {seconds:.2f} s ({nbytes / seconds / 2**30:.1f} GiB/s); {measured}"
+    rate = nbytes / seconds / 2**30
+    detail = f"{which}: {nbytes / 2**20:.0f} MiB in {seconds:.2f} s ({rate:.1f} GiB/s); {_said(measured)}"
+    return detail, {"model": which, "bytes": nbytes, "ipc_gib_per_s": rate, "logprobs": measured}
 
 
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) of GPUs this check has met or may meet, by name.
 BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 
 
-def mfu() -> str:
+def mfu() -> tuple[str, dict]:
     """One train step's forward and backward of a Qwen3-30B-A3B-shaped model (its layers cut to fit the GPU, random
     weights, bf16, grouped experts): tokens per second and model FLOP utilisation (6 x active parameters per token,
     as benchmarks/rl.py counts them) against the GPU's bf16 peak and against the matmul peak measured here."""
@@ -439,14 +464,17 @@ def mfu() -> str:
     name = torch.cuda.get_device_name()
     spec = next((peak for gpu, peak in BF16_PEAK_TFLOPS.items() if gpu in name), None)
     against = f"MFU {achieved / spec:.1%} of {spec:g} TFLOP/s bf16, " if spec else ""
-    return (
+    detail = (
         f"{layers}-layer Qwen3-30B-A3B shape, {rows}x{length} tokens: {seconds * 1e3:.0f} ms a step, "
         f"{rows * length / seconds:,.0f} tokens/s, {achieved:.0f} TFLOP/s; {against}"
         f"{achieved / measured_peak:.1%} of the {measured_peak:.0f} TFLOP/s bf16 matmuls measured here"
     )
+    numbers = {"layers": layers, "tokens": rows * length, "step_seconds": seconds, "tflops": achieved}
+    numbers |= {"mfu": achieved / spec if spec else None, "matmul_tflops": measured_peak}
+    return detail, numbers
 
 
-def offload() -> str:
+def offload() -> tuple[str, dict]:
     """An offload/onload round trip through pinned memory: GPU memory back at its baseline, contents exact."""
     from mcore_rl.offload import StorageOffloader
     from parallel.device import Device
@@ -457,13 +485,17 @@ def offload() -> str:
     grads = torch.zeros(4 << 20, device="cuda")
     copies = [w.clone() for w in weights]
     offloader = StorageOffloader(weights, [grads], pin=Device.current().pin_host_copies)
+    start = time.perf_counter()
     freed = offloader.offload()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
     kept = torch.cuda.memory_allocated() - baseline - sum(c.numel() * 4 for c in copies)
     assert freed == 48 << 20 and kept == 0, (freed, kept)
     assert all(c.is_pinned() for c in offloader.copies)
     offloader.onload()
     assert all(torch.equal(w, c) for w, c in zip(weights, copies, strict=True))
-    return f"{freed >> 20} MiB freed and restored"
+    rate = freed / seconds / 1e9
+    return f"{freed >> 20} MiB freed ({rate:.1f} GB/s) and restored", {"freed_bytes": freed, "offload_gb_per_s": rate}
 
 
 def _digests(tensors) -> list[tuple[str, str]]:
@@ -641,7 +673,7 @@ class Step:
     two commands runs it (1: the cheapest and most telling, under 10 minutes in all; 2: the rest)."""
 
     name: str
-    run: Callable[[], str]  # a module-level function: its process imports it by name
+    run: Callable[[], str | tuple[str, dict]]  # (detail, numbers for the report); module-level: imported by name
     needs: tuple[str, ...]
     timeout_s: int
     command: int
@@ -689,7 +721,11 @@ def run_step(step: Step) -> dict:
     if (skipped := _skipped(step)) is not None:
         return skipped
     try:
-        return {"status": "PASS", "detail": step.run()}
+        said = step.run()
+        detail, numbers = said if isinstance(said, tuple) else (said, {})
+        if torch.cuda.is_available():
+            numbers["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        return {"status": "PASS", "detail": detail, "numbers": numbers}
     except SkipStepError as why:
         return {"status": "SKIP", "detail": str(why)}
     except ModuleNotFoundError as err:

@@ -72,8 +72,8 @@ def test_the_two_commands_split_the_steps(capsys):
 
 
 # Steps without a GPU, run the way the runner runs every step: each in its own process.
-def passes() -> str:
-    return "fine"
+def passes() -> tuple[str, dict]:
+    return "fine", {"max_abs_diff": 0.25}
 
 
 def lacks_a_package() -> str:
@@ -101,7 +101,7 @@ def test_each_step_runs_in_its_own_process_under_its_time_limit():
     def run(fn, timeout_s=120):
         return checks._in_own_process(Step(fn.__name__, fn, (), timeout_s, 1, cuda=False))
 
-    assert run(passes) == {"status": "PASS", "detail": "fine"}
+    assert run(passes) == {"status": "PASS", "detail": "fine", "numbers": {"max_abs_diff": 0.25}}
     assert run(lacks_a_package) == {
         "status": "SKIP",
         "detail": "needs a_package_this_machine_lacks, which is not installed",
