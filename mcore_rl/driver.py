@@ -184,7 +184,9 @@ class System:
                 role.offload()
         rollout = dataclasses.replace(m.policy.rollout, return_routed_experts=trainer.moe.routing_replay)
         devices = range(0 if rt.colocated else n, rt.num_devices)
-        self.rollout = RolloutGroup.launch(m.policy.load, rollout, self.placement, devices, f"{name}/policy", cores)
+        self.rollout = RolloutGroup.launch(
+            m.policy.load, rollout, self.placement, devices, f"{name}/policy", rt.colocated, cores
+        )
         self._stops.append(self.rollout.stop)
         reward = m.reward
         if reward.multi_turn:  # the environment scores trajectories, with the reward function if it is built in

@@ -178,17 +178,18 @@ class Device:
             return requested
         return "bfloat16" if self.cuda else "float32"
 
-    def engine_args(self, config) -> dict:
+    def engine_args(self, config, colocated: bool) -> dict:
         """``vllm.LLM`` arguments for memory and workers under a ``RolloutConfig``.
 
-        CUDA: sleep mode (the engine gives its memory to the colocated trainer between rollouts), a share of the
+        CUDA: sleep mode where the engine is ``colocated`` (it gives its memory to the trainer between rollouts; on
+        devices of its own it never sleeps, and vLLM's sleep-mode allocator would only cost), a share of the
         GPU, and over several GPUs vLLM's Ray executor, which places one worker on each of the engine's
         placement-group bundles beside the trainer rank that feeds it. CPU: an explicit KV-cache size (vLLM would
         guess from free RAM) and workers in the engine's process group, sharing the host.
         """
         if not self.cuda:
             return dict(kv_cache_memory_bytes=config.cpu_kv_cache_bytes)
-        args = dict(enable_sleep_mode=True, gpu_memory_utilization=config.gpu_memory_utilization)
+        args = dict(enable_sleep_mode=colocated, gpu_memory_utilization=config.gpu_memory_utilization)
         if config.tensor_parallel_size > 1:
             args["distributed_executor_backend"] = "ray"
         return args

@@ -36,9 +36,11 @@ class RolloutGroup:
         placement: Placement,
         devices: range,
         name: str,
+        colocated: bool,
         cores: list[list[int]] | None = None,
     ) -> RolloutGroup:
-        """``cores``: each device's CPU cores, where the engines must keep to their own (CPU, disaggregated)."""
+        """``colocated``: the engines take turns with the trainer on ``devices`` (and sleep while it trains).
+        ``cores``: each device's CPU cores, where the engines must keep to their own (CPU, disaggregated)."""
         tp = config.tensor_parallel_size
         firsts = range(devices.start, devices.stop, tp)
         configs = [config] * len(firsts)
@@ -48,7 +50,7 @@ class RolloutGroup:
                 for first in firsts
             ]
         launches = [(f"{name}-{i}", placement.engine_options(first, tp)) for i, first in enumerate(firsts)]
-        return cls(launch_engines(model_dir, configs, launches), tp)
+        return cls(launch_engines(model_dir, configs, launches, colocated), tp)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """Prompts spread evenly over the replicas, generated concurrently; results in prompt order."""

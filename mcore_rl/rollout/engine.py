@@ -151,9 +151,10 @@ def cpu_thread_binding(config: RolloutConfig) -> str:
 class RolloutEngine:
     """vLLM ``LLM`` with token-id generation, scoring, sleep/wake and streamed in-place weight updates."""
 
-    def __init__(self, model_dir: str | Path, config: RolloutConfig):
+    def __init__(self, model_dir: str | Path, config: RolloutConfig, colocated: bool = True):
+        """``colocated``: the engine takes turns with the trainer on its devices, and sleeps while it trains."""
         config.validate()
-        self.config = config
+        self.config, self.colocated = config, colocated
         self.machine = Device.current()
         os.environ.update(self.machine.engine_env(config, cpu_thread_binding(config)))
         from vllm import LLM
@@ -176,7 +177,7 @@ class RolloutEngine:
             enforce_eager=config.enforce_eager,
             skip_tokenizer_init=not config.load_tokenizer,
             worker_extension_cls=WORKER_EXTENSION,
-            **self.machine.engine_args(config),
+            **self.machine.engine_args(config, colocated),
             **routing,
             **get_bridge(model_dir).rollout_engine_args(self.machine.cuda),
         )
@@ -285,6 +286,8 @@ class RolloutEngine:
         """Give memory back to the trainer (CUDA sleep mode; on CPU, free the KV cache); returns bytes freed."""
         if self.asleep:
             return 0
+        if self.machine.cuda and not self.colocated:
+            raise RuntimeError("an engine on devices of its own does not sleep (vLLM's sleep mode is off for it)")
         if self.machine.cuda:  # measured by the workers: this actor holds no device when the engine spans several
             free_before = sum(self.llm.collective_rpc("mcore_rl_free_device_bytes"))
             self.llm.sleep(level=self.config.sleep_level)

@@ -17,16 +17,19 @@ NAMESPACE = "mcore_rl"  # Ray namespace of the job's named actors, so other proc
 
 
 def launch_engines(
-    model_dir: str | Path, config: RolloutConfig | list[RolloutConfig], launches: list[tuple[str | None, dict]]
+    model_dir: str | Path,
+    config: RolloutConfig | list[RolloutConfig],
+    launches: list[tuple[str | None, dict]],
+    colocated: bool = True,
 ) -> list:
-    """Start one ``RolloutEngine`` actor per ``(name, Ray actor options)`` (with ``config``, or its own of a list)
-    and wait until all are up: they import vLLM and load the model side by side, not in turn. Start-up errors
+    """Start one ``RolloutEngine`` actor per ``(name, Ray actor options)`` (with ``config``, or its own of a list;
+    ``colocated`` with the trainer, or on devices of their own) and wait until all are up: they import vLLM and load the model side by side, not in turn. Start-up errors
     surface here, not at the first call; the engines of a launch that failed are stopped."""
     engine = ray.remote(RolloutEngine)
     configs = config if isinstance(config, list) else [config] * len(launches)
     # An engine shares its device's CPUs with the trainer it takes turns with, or has its own: it reserves none.
     actors = [
-        engine.options(name=name, **{"num_cpus": 0} | options).remote(str(model_dir), c)
+        engine.options(name=name, **{"num_cpus": 0} | options).remote(str(model_dir), c, colocated)
         for (name, options), c in zip(launches, configs, strict=True)
     ]
     try:

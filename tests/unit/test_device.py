@@ -99,11 +99,13 @@ def test_engine_arguments_are_ones_vllm_accepts():
     from vllm.engine.arg_utils import EngineArgs
 
     config = RolloutConfig(tensor_parallel_size=2)
-    cuda = CUDA.engine_args(config)
+    cuda = CUDA.engine_args(config, colocated=True)
     assert cuda == dict(enable_sleep_mode=True, gpu_memory_utilization=0.5, distributed_executor_backend="ray")
-    assert CUDA.engine_args(RolloutConfig()) == dict(enable_sleep_mode=True, gpu_memory_utilization=0.5)
-    assert CPU.engine_args(config) == dict(kv_cache_memory_bytes=1 << 30)
-    for args in (cuda, CPU.engine_args(config)):
+    own = CUDA.engine_args(RolloutConfig(), colocated=False)  # on devices of its own it never sleeps
+    assert own == dict(enable_sleep_mode=False, gpu_memory_utilization=0.5)
+    assert CPU.engine_args(config, colocated=True) == CPU.engine_args(config, colocated=False)
+    assert CPU.engine_args(config, colocated=True) == dict(kv_cache_memory_bytes=1 << 30)
+    for args in (cuda, own, CPU.engine_args(config, colocated=True)):
         EngineArgs(model="unused", **args)  # a misspelt or removed argument is a TypeError here
     assert (CUDA.engine_dtype("auto"), CPU.engine_dtype("auto"), CPU.engine_dtype("bfloat16")) == (
         "bfloat16",
