@@ -55,16 +55,22 @@ def _version(distribution: str) -> str:
         return "not installed"
 
 
+def _device() -> torch.device:
+    """The GPU; the CPU where a step that can run there is checked without one (tests/unit/test_gpu_check.py)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _world() -> None:
-    """This process as the one rank of a torch.distributed world (NCCL), once."""
+    """This process as the one rank of a torch.distributed world (NCCL; gloo without a GPU), once."""
     if torch.distributed.is_initialized():
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    torch.cuda.set_device(0)
-    torch.distributed.init_process_group("nccl")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
 
 
 def _smollm2() -> str:
@@ -143,7 +149,7 @@ def _said(diff: dict[str, float]) -> str:
 
 
 def _tokens(vocab: int, rows: int = 4, length: int = 48, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed)).cuda()
+    return torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed)).to(_device())
 
 
 # ---- the steps -------------------------------------------------------------------------------------------------------
@@ -252,8 +258,10 @@ GROUPED_TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 3e-2)}
 REPLAY_TOLERANCE = 1e-5
 
 
-def _routed_forward(chunks, inputs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A forward without gradients, and the top-k experts each router chose per token (in router order)."""
+def _routed_forward(
+    chunks, inputs: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """A forward without gradients, and the top-k experts each router chose per token, by layer number."""
     from mcore_rl.moe import routers
 
     taken = {}
@@ -265,7 +273,7 @@ def _routed_forward(chunks, inputs: torch.Tensor, positions: torch.Tensor) -> tu
     for hook in hooks:
         hook.remove()
     k = chunks[0].config.moe_router_topk
-    return out, [taken[n].float().topk(k, dim=-1).indices for n in sorted(taken)]
+    return out, {n: routing.float().topk(k, dim=-1).indices for n, routing in taken.items()}
 
 
 def tiny_moe() -> tuple[str, dict]:
@@ -275,7 +283,7 @@ def tiny_moe() -> tuple[str, dict]:
     from converters.plan import local_params
     from converters.stream import load_weights
     from mcore_rl.logprobs import token_logprobs
-    from mcore_rl.moe import end_replay, replay_routing
+    from mcore_rl.moe import MoEConfig, end_replay, replay_routing
     from models.registry import get_bridge
     from parallel.config import ParallelConfig
     from parallel.groups import init_parallel
@@ -288,7 +296,7 @@ def tiny_moe() -> tuple[str, dict]:
             hf_dir = str(make_tiny(arch, Path(root) / arch))
             bridge = get_bridge(hf_dir)
             tokens = _tokens(100, rows=4, length=17)
-            inputs, positions = tokens[:, :-1], torch.arange(16, device="cuda").expand(4, -1)
+            inputs, positions = tokens[:, :-1], torch.arange(16, device=_device()).expand(4, -1)
             for dtype, (loss_tolerance, grad_tolerance) in GROUPED_TOLERANCE.items():
                 runs = []
                 for grouped in (True, False):
@@ -313,16 +321,20 @@ def tiny_moe() -> tuple[str, dict]:
 
             # The routing of an fp32 forward, replayed: the same experts, so the same output.
             groups = init_parallel(ParallelConfig())
-            chunks = bridge.build_model(bridge.transformer_config(ParallelConfig(), params_dtype=torch.float32))
+            replaying = MoEConfig(routing_replay=True).overrides(bridge)  # as the trainer builds it for replay
+            config = bridge.transformer_config(ParallelConfig(), params_dtype=torch.float32, **replaying)
+            chunks = bridge.build_model(config)
             load_weights(chunks, bridge, hf_dir, groups)
             free, experts = _routed_forward(chunks, inputs, positions)
-            ids = [e.view(16, 4, -1).transpose(0, 1) for e in experts]
-            replay_routing(chunks[0], {"routed_experts": torch.stack(ids, dim=2)}, groups)
+            # As the engine returns them: [rows, positions, layers, k], dense layers included (never read).
+            routed = torch.zeros(4, 16, chunks[0].config.num_layers, chunks[0].config.moe_router_topk, dtype=torch.long)
+            for number, ids in experts.items():
+                routed[:, :, number - 1] = ids.view(16, 4, -1).transpose(0, 1).cpu()
+            replay_routing(chunks[0], {"routed_experts": routed.to(_device())}, groups)
             replayed, replayed_experts = _routed_forward(chunks, inputs, positions)
             end_replay(chunks)
-            same = all(
-                torch.equal(a.sort(-1).values, b.sort(-1).values)
-                for a, b in zip(experts, replayed_experts, strict=True)
+            same = experts.keys() == replayed_experts.keys() and all(
+                torch.equal(experts[n].sort(-1).values, replayed_experts[n].sort(-1).values) for n in experts
             )
             difference = (free - replayed).abs().max().item()
             assert same and difference <= REPLAY_TOLERANCE, (arch, same, difference)
@@ -686,7 +698,7 @@ STEPS = [
     Step("offload", offload, (), 120, 1),
     Step("transport", transport, (), 180, 1),
     Step("megatron_vs_hf", megatron_vs_hf, (*MEGATRON, "transformers"), 300, 1),
-    Step("tiny_moe", tiny_moe, (*MEGATRON, "transformers", "safetensors"), 300, 1),
+    Step("tiny_moe", tiny_moe, (*MEGATRON, "transformers", "safetensors"), 300, 1),  # runs on CPU too
     Step("train_and_checkpoint", train_and_checkpoint, (*MEGATRON, "transformers", "yaml"), 420, 2),
     Step("hf_sync", hf_sync, (*MEGATRON, "transformers", "safetensors"), 420, 2),
     Step("mfu", mfu, (*MEGATRON, "transformers", "yaml"), 420, 2),

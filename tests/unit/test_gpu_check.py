@@ -210,3 +210,18 @@ def test_the_smollm2_shaped_model_has_smollm2s_shape_and_log_probs_that_spread(t
     with torch.no_grad():
         logprobs = checks._logprobs(model(tokens).logits, tokens)
     assert logprobs.max() - logprobs.min() > 5 and logprobs.std() > 1, (logprobs.min(), logprobs.max())
+
+
+def test_the_tiny_moe_step_runs_its_checks_on_cpu():
+    """The MoE step's logic, run before a GPU is lent (defects 4 and 5): grouped experts against sequential ones in
+    bf16 as well as fp32, within the stated tolerances, and routing replay with the same experts within 1e-5."""
+    step = next(s for s in STEPS if s.name == "tiny_moe")
+    result = checks._in_own_process(Step(step.name, step.run, step.needs, step.timeout_s, step.command, cuda=False))
+    assert result["status"] == "PASS", result.get("traceback", result["detail"])
+    numbers = result["numbers"]
+    for arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"):
+        for dtype in ("float32", "bfloat16"):
+            loss_tolerance, grad_tolerance = checks.GROUPED_TOLERANCE[getattr(torch, dtype)]
+            assert numbers[f"{arch}_{dtype}"]["loss_abs_diff"] <= loss_tolerance
+            assert numbers[f"{arch}_{dtype}"]["grad_rel_diff"] <= grad_tolerance
+        assert numbers[f"{arch}_replay_max_abs_logit_diff"] <= checks.REPLAY_TOLERANCE
