@@ -114,10 +114,10 @@ def _model(directory: Path) -> tuple[str, str]:
         return str(smollm2_shaped(directory)), "a SmolLM2-shaped model with seeded random weights"
 
 
-def _hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
+def _hf_logits(hf_dir: str, tokens: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(tokens.device)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(tokens.device)
     with torch.no_grad():
         return hf(tokens).logits.float()
 
@@ -126,20 +126,35 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
 
 
-def _hf_logprobs(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    return _logprobs(_hf_logits(hf_dir, tokens), tokens)
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> dict[str, float]:
-    """bf16 agreement as the post-sync probe measures it (max and mean |Δ|, of per-token log-probs or logits);
-    returns the differences."""
-    from mcore_rl.sync import PROBE_TOLERANCE
-
-    max_tol, mean_tol = PROBE_TOLERANCE[torch.bfloat16]
+def _differences(got: torch.Tensor, want: torch.Tensor) -> dict[str, float]:
     diff = (got.float().cpu() - want.float().cpu()).abs()
-    measured = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item()}
-    assert diff.max() <= max_tol and diff.mean() <= mean_tol, (
-        f"{what}: {_said(measured)} (tolerance {max_tol}, {mean_tol})"
+    return {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item()}
+
+
+def _hf_reference(hf_dir: str, tokens: torch.Tensor) -> dict:
+    """HF transformers' bf16 logits and log-probs of ``tokens``, and how far bf16 alone moves each from HF's fp32
+    ones: the scale a bf16 computation of the same model is judged on (:func:`_within_noise`)."""
+    bf16, fp32 = _hf_logits(hf_dir, tokens), _hf_logits(hf_dir, tokens, torch.float32)
+    logprobs = _logprobs(bf16, tokens)
+    return {
+        "logits": bf16,
+        "logprobs": logprobs,
+        "logits_noise": _differences(bf16, fp32),
+        "logprobs_noise": _differences(logprobs, _logprobs(fp32, tokens)),
+    }
+
+
+# A bf16 computation agrees with HF's within this many times the difference that bf16 alone makes in HF's own logits
+# and log-probs (against fp32). Measured on CPU for SmolLM2-135M and 4 x 48 random tokens, bf16 moves HF's logits by
+# up to 1.5 (0.14 on average) and its log-probs by up to 0.39 (0.077 on average): more than the post-sync probe's
+# bf16 tolerance, which judges two bf16 copies of the same weights on text the model predicts.
+NOISE_FACTOR = 3.0
+
+
+def _within_noise(got: torch.Tensor, want: torch.Tensor, noise: dict[str, float], what: str) -> dict[str, float]:
+    measured = _differences(got, want)
+    assert all(measured[key] <= NOISE_FACTOR * noise[key] for key in measured), (
+        f"{what}: {_said(measured)}, beyond {NOISE_FACTOR:g} x bf16's own ({_said(noise)})"
     )
     return measured
 
@@ -186,17 +201,17 @@ def megatron_vs_hf() -> tuple[str, dict]:
         hf_dir, which = _model(Path(tmp))
         bridge = get_bridge(hf_dir)
         tokens = _tokens(bridge.vocab_size)
-        hf_logits = _hf_logits(hf_dir, tokens)
-        want = _logprobs(hf_logits, tokens)
+        hf = _hf_reference(hf_dir, tokens)
+        numbers["hf_bf16_vs_fp32"] = {"logits": hf["logits_noise"], "logprobs": hf["logprobs_noise"]}
         backends = ["local"] + (["te"] if Device.current().layer_backend("auto") == "te" else [])
         for backend in backends:
             groups = init_parallel(ParallelConfig())
             chunks = bridge.build_model(bridge.transformer_config(ParallelConfig()), backend=backend)
             load_weights(chunks, bridge, hf_dir, groups)
-            positions = torch.arange(tokens.shape[1], device="cuda").expand(len(tokens), -1)
+            positions = torch.arange(tokens.shape[1], device=_device()).expand(len(tokens), -1)
             with torch.no_grad():
                 logits = chunks[0](tokens, positions, None)[..., : bridge.vocab_size]
-            numbers[f"{backend}_logits"] = _close(logits, hf_logits, f"{backend} spec, logits")
+            numbers[f"{backend}_logits"] = _within_noise(logits, hf["logits"], hf["logits_noise"], f"{backend} logits")
             report.append(f"{backend} logits {_said(numbers[f'{backend}_logits'])}")
             model = MegatronModel(chunks, groups)
             lengths = [tokens.shape[1]] * len(tokens)
@@ -204,7 +219,7 @@ def megatron_vs_hf() -> tuple[str, dict]:
                 layout = "packed" if max_tokens else "padded"
                 got = model.logprobs(tokens, bridge.vocab_size, 2, lengths, max_tokens)
                 key = f"{backend}_{layout}_logprobs"
-                numbers[key] = _close(got, want, f"{backend} spec, {layout}")
+                numbers[key] = _within_noise(got, hf["logprobs"], hf["logprobs_noise"], f"{backend} {layout}")
                 report.append(f"{backend} {layout} log-probs {_said(numbers[key])}")
     return f"{which}: " + "; ".join(report), numbers | {"model": which}
 
@@ -399,6 +414,7 @@ def hf_sync() -> tuple[str, dict]:
                 noise = torch.randn(param.shape, device="cuda", generator=generator)
                 param.add_(noise.to(param.dtype) * 0.05 * param.float().std().to(param.dtype))
         tokens = _tokens(bridge.vocab_size)
+        hf = _hf_reference(hf_dir, tokens)
         trainer = MegatronModel(chunks, groups).logprobs(tokens, bridge.vocab_size, 2)
 
         context = multiprocessing.get_context("spawn")
@@ -422,10 +438,13 @@ def hf_sync() -> tuple[str, dict]:
             engine.join(timeout=120)
             sender.close()
     assert not missing and not unknown, f"the HF model got no tensor for {missing}; unknown names {unknown}"
-    measured = _close(got, trainer, "HF model after the sync, against the trainer")
+    noise = hf["logprobs_noise"]
+    moved = _differences(trainer, hf["logprobs"])  # the perturbation, which only the sync can have carried over
+    assert moved["mean_abs_diff"] > NOISE_FACTOR * noise["mean_abs_diff"], f"perturbation too small: {moved}"
+    measured = _within_noise(got, trainer, noise, "HF model after the sync, against the trainer")
     rate = nbytes / seconds / 2**30
     detail = f"{which}: {nbytes / 2**20:.0f} MiB in {seconds:.2f} s ({rate:.1f} GiB/s); {_said(measured)}"
-    return detail, {"model": which, "bytes": nbytes, "ipc_gib_per_s": rate, "logprobs": measured}
+    return detail, {"model": which, "bytes": nbytes, "ipc_gib_per_s": rate, "logprobs": measured, "moved": moved}
 
 
 # Dense bf16 tensor-core peaks (TFLOP/s, without sparsity) of GPUs this check has met or may meet, by name.
@@ -647,6 +666,8 @@ def vllm_engine() -> str:
     ours, theirs = context.Pipe()
     feeder = context.Process(target=_feeder, args=(hf_dir, theirs), daemon=True)
     feeder.start()
+    tokens = _tokens(49152, rows=2, length=32)
+    hf = _hf_reference(hf_dir, tokens)
     engine = RolloutEngine(hf_dir, RolloutConfig(load_tokenizer=False, max_model_len=256))
     try:
         assert engine.generate([[1, 2, 3, 4]])[0][0].token_ids
@@ -658,9 +679,8 @@ def vllm_engine() -> str:
             engine.load_bucket(ours.recv())
             engine.finish_weight_update()
             engine.wake_up()
-            tokens = _tokens(49152, rows=2, length=32)
             got = torch.tensor(engine.score(tokens.tolist()))
-            _close(got, _hf_logprobs(hf_dir, tokens), f"engine after a weight update from sleep level {level}")
+            _within_noise(got, hf["logprobs"], hf["logprobs_noise"], f"engine after an update from sleep level {level}")
     finally:
         ours.send(None)
         feeder.join(timeout=60)
