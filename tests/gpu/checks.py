@@ -696,7 +696,7 @@ def vllm_engine() -> str:
         )  # fmt: skip
         assert run.returncode == 0, run.stderr[-3000:]
         assert (Path(out) / "metrics.jsonl").is_file()
-    return "; ".join(report) + "; probe within bf16 tolerance; one episode of the main job"
+    return "; ".join(report) + "; log-probs within 3 x bf16's own of HF's; one episode of the main job"
 
 
 @dataclass(frozen=True)
