@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.algorithms.grpo import constant_groups, group_advantages
+from mcore_rl.algorithms.advantages import estimate
+from mcore_rl.algorithms.grpo import constant_groups
 from mcore_rl.data.prompts import Prompt
 from mcore_rl.rollout.engine import Completion
 
@@ -25,10 +26,10 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]], texts
     return [Sample(f"{p.row.id}/{k}", p, c, t) for (p, k, c), t in zip(flat, texts, strict=True)]
 
 
-def training_batch(samples: list[Sample], rewards: list[float], group_size: int, normalize_std: bool) -> dict:
+def training_batch(samples: list[Sample], rewards: list[float], group_size: int, estimator: str) -> dict:
     """Right-padded tensors of prompt + response: ``tokens`` [N, L]; per next-token position ([N, L-1]) the
     response ``mask`` and the engine's ``rollout_logp``; per sample ``lengths`` and ``prompt_lengths`` (real
-    tokens), ``advantages`` and ``rewards``; and when the engine returned them, ``routed_experts``
+    tokens), ``advantages`` (by ``estimator``, see :mod:`mcore_rl.algorithms.advantages`) and ``rewards``; and when the engine returned them, ``routed_experts``
     [N, L-1, layers, top-k]. A multi-turn trajectory's observation tokens are masked (``Completion.loss_mask``)."""
     sequences = [s.prompt.token_ids + s.completion.token_ids for s in samples]
     length = max(map(len, sequences))
@@ -42,7 +43,7 @@ def training_batch(samples: list[Sample], rewards: list[float], group_size: int,
         mask[i, start : start + count] = torch.tensor(sample.completion.loss_mask or [1] * count)
         rollout_logp[i, start : start + count] = torch.tensor(sample.completion.logprobs)
     reward_t = torch.tensor(rewards, dtype=torch.float32)
-    advantages = group_advantages(reward_t, group_size, normalize_std)
+    advantages = estimate(estimator, reward_t, group_size, mask.sum(dim=1))
     batch = {
         "tokens": tokens,
         "lengths": torch.tensor([len(seq) for seq in sequences]),

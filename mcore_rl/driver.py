@@ -366,7 +366,7 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
     """Reference and old log-probs -> advantages -> optimizer steps -> ``before_sync()`` (what the mode waits for
     before the weights change) -> the weights into the engines as policy ``version``, checked by the probe."""
     system, rt, m = run.system, run.config.runtime_args, run.config.models
-    batch = training_batch(samples, rewards, m.policy.num_inference_per_prompt, m.policy_trainer.advantage_std_norm)
+    batch = training_batch(samples, rewards, m.policy.num_inference_per_prompt, m.policy_trainer.advantage_estimator)
     with system.on_device(system.trainer, ["weights"]) as weights:  # the sync needs no optimizer state
         if system.use_ref:
             with system.on_device(system.ref):

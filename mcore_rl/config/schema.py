@@ -11,6 +11,7 @@ from converters.torch_dist import Reader, find_megatron
 from mcore_rl.agent.envs import BUILTIN_ENVS
 from mcore_rl.agent.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
 from mcore_rl.agent.tools import BUILTIN_TOOLS
+from mcore_rl.algorithms.advantages import ESTIMATORS
 from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
@@ -103,7 +104,8 @@ class TrainerConfig:
     micro_batch_size: int = 2
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     algorithm: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    advantage_std_norm: bool = True  # False: Dr.GRPO advantages
+    # grpo, dr_grpo, rloo or reinforce_pp_baseline (mcore_rl/algorithms/advantages.py)
+    advantage_estimator: str = "grpo"
     # Drop prompt groups with constant rewards and sample new prompts in their place (up to 3 refill rounds; then
     # the dropped groups, whose advantages are 0, fill what is still missing)
     dynamic_sampling: bool = False
@@ -264,6 +266,16 @@ class RunConfig:
                 "expected 'constant', 'cosine' or 'linear'"
             )
         m.policy_trainer.algorithm.validate("models.policy_trainer.algorithm")
+        if m.policy_trainer.advantage_estimator not in ESTIMATORS:
+            raise ConfigError(
+                f"models.policy_trainer.advantage_estimator={m.policy_trainer.advantage_estimator!r}: expected one of "
+                f"{sorted(ESTIMATORS)}"
+            )
+        if m.policy_trainer.advantage_estimator == "rloo" and m.policy.num_inference_per_prompt < 2:
+            raise ConfigError(
+                "models.policy_trainer.advantage_estimator='rloo' needs models.policy.num_inference_per_prompt >= 2 "
+                "(the baseline is the other samples of the prompt)"
+            )
         m.policy.rollout.validate("models.policy.rollout")
         m.policy.sync.validate("models.policy.sync")
         for key in MODEL_KEYS:

@@ -187,7 +187,7 @@ def test_environment_rewards_over_several_steps_reach_the_advantages(rollout, to
                 hidden = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if not m]
                 assert tokenizer.decode(hidden).endswith("<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
         assert rewards == expected and len(set(expected)) > 1
-        batch = training_batch(samples, rewards, group_size=3, normalize_std=True)
+        batch = training_batch(samples, rewards, group_size=3, estimator="grpo")
         assert torch.equal(batch["advantages"], group_advantages(torch.tensor(expected), 3, True))
         assert torch.equal(batch["rewards"], torch.tensor(expected))
     assert any(s.completion.finish_reason == "max_turns" for s in samples)

@@ -19,7 +19,7 @@ def _samples():
 def test_training_batch_marks_response_targets_and_engine_logprobs():
     samples = _samples()
     assert [s.id for s in samples] == ["p0/0", "p0/1", "p1/0", "p1/1"]
-    batch = training_batch(samples, [1.0, 0.0, 0.5, 0.5], group_size=2, normalize_std=False)
+    batch = training_batch(samples, [1.0, 0.0, 0.5, 0.5], group_size=2, estimator="dr_grpo")
     assert batch["tokens"].tolist()[0] == [7, 7, 1, 2, 0, 0]  # prompt, response, right padding
     assert batch["tokens"].tolist()[2] == [7, 7, 7, 4, 5, 6]
     # Position i predicts token i+1: sample 0's response tokens sit at 2..3, so its targets are positions 1..2.
@@ -53,7 +53,7 @@ def test_routed_experts_are_kept_per_input_position_and_checked():
         dataclasses.replace(s, completion=dataclasses.replace(s.completion, routed_experts=r))
         for s, r in zip(samples, routed, strict=True)
     ]
-    batch = training_batch(with_routing, [1.0, 0.0, 0.5, 0.5], group_size=2, normalize_std=False)
+    batch = training_batch(with_routing, [1.0, 0.0, 0.5, 0.5], group_size=2, estimator="dr_grpo")
     assert batch["routed_experts"].shape == (4, 5, 3, 2)  # [samples, input positions, layers, top-k]
     assert torch.equal(batch["routed_experts"][0, :3], torch.from_numpy(routed[0][:3].astype("int16")))
     assert batch["routed_experts"][1, 2:].abs().sum() == 0  # padding past the sample's 2 input positions
@@ -62,4 +62,4 @@ def test_routed_experts_are_kept_per_input_position_and_checked():
         short[2], completion=dataclasses.replace(short[2].completion, routed_experts=routed[2][:3])
     )
     with pytest.raises(ValueError, match=r"sample p1/0: the engine's routed experts have shape \(3, 3, 2\); expected"):
-        training_batch(short, [1.0, 0.0, 0.5, 0.5], group_size=2, normalize_std=False)
+        training_batch(short, [1.0, 0.0, 0.5, 0.5], group_size=2, estimator="dr_grpo")

@@ -30,7 +30,7 @@ def test_observation_tokens_are_masked_and_engine_logprobs_sit_where_the_policy_
     a = _trajectory([[10, 11], [12]], [[50, 51, 52]])
     b = _trajectory([[20, 21, 22, 23]], [])
     samples = [Sample(f"q/{k}", Prompt(ROW, t.prompt_ids), t, "") for k, t in enumerate((a, b))]
-    batch = training_batch(samples, [1.0, 0.0], group_size=2, normalize_std=False)
+    batch = training_batch(samples, [1.0, 0.0], group_size=2, estimator="dr_grpo")
     assert batch["tokens"].tolist() == [[1, 2, 3, 10, 11, 50, 51, 52, 12], [1, 2, 3, 20, 21, 22, 23, 0, 0]]
     # position i predicts token i + 1: the prompt's last position predicts the first response token
     assert batch["mask"].tolist() == [[0, 0, 1, 1, 0, 0, 0, 1], [0, 0, 1, 1, 1, 1, 0, 0]]

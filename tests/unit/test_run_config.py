@@ -57,6 +57,8 @@ def test_a_valid_config_resolves_references(run_yaml, tmp_path):
         ("models.policy_trainer.moe.aux_loss_coeff=0.01", r"moe.aux_loss_coeff=0.01: LlamaForCausalLM has no experts"),
         ("models.policy_trainer.recompute=selective", r"models.policy_trainer.recompute='selective': expected 'none'"),
         ("runtime_args.device_memory_gb=-1", r"runtime_args.device_memory_gb=-1.0: expected >= 0"),
+        ("models.policy_trainer.advantage_estimator=ppo", r"advantage_estimator='ppo': expected one of \['dr_grpo'"),
+        ("models.policy_trainer.advantage_std_norm=false", r"advantage_std_norm: unknown key"),
     ],
 )
 def test_bad_configs_are_refused_with_the_key(run_yaml, override, message):
