@@ -1,4 +1,4 @@
-"""GRPO/GSPO math as pure functions over padded [batch, tokens] tensors with a 0/1 response ``mask``.
+"""GRPO/GSPO/CISPO math as pure functions over padded [batch, tokens] tensors with a 0/1 response ``mask``.
 
 Nothing here knows about ranks, devices or models: the trainer computes log-probs and calls these per micro-batch.
 Conventions: ``logp`` is the current policy's log-prob of each response token (differentiable), ``old_logp`` the
@@ -66,6 +66,37 @@ def clipped_surrogate(
     return -torch.minimum(unclipped, clipped), (clipped < unclipped)
 
 
+def cispo_surrogate(
+    ratio: torch.Tensor, logp: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO's per-token loss (MiniMax-M1, 2025): ``-sg(clip(ratio)) * A * logp``. The importance weight is clipped
+    and detached instead of the update, so every token keeps a gradient (PPO's clip drops those outside the band).
+    Returns (loss, clipped) where ``clipped`` marks tokens whose weight the clip changed."""
+    adv = advantages.unsqueeze(-1) if advantages.dim() == ratio.dim() - 1 else advantages
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high)
+    return -weight.detach() * adv * logp, (weight != ratio)
+
+
+def _token_clip(config, logp, old_logp, advantages, mask):
+    ratio = token_ratio(logp, old_logp)
+    return (ratio, *clipped_surrogate(ratio, advantages, config.clip_low, config.clip_high))
+
+
+def _sequence_clip(config, logp, old_logp, advantages, mask):
+    ratio = sequence_ratio(logp, old_logp, mask)
+    return (ratio, *clipped_surrogate(ratio, advantages, config.clip_low, config.clip_high))
+
+
+def _cispo(config, logp, old_logp, advantages, mask):
+    ratio = token_ratio(logp, old_logp)
+    return (ratio, *cispo_surrogate(ratio, logp, advantages, config.clip_low, config.clip_high))
+
+
+# The policy losses by ``algorithm``: (ratio, per-token loss, clipped) of a micro-batch. A new loss is a function
+# here and its line in this table.
+LOSSES = {"grpo": _token_clip, "gspo": _sequence_clip, "cispo": _cispo}
+
+
 def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -> torch.Tensor:
     """Truncated importance-sampling weight min(pi_old / pi_rollout, cap) per token: corrects for the rollout
     engine sampling from slightly different probabilities than the trainer computes (no gradient)."""
@@ -116,7 +147,8 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: str, share: Share 
 
 @dataclass
 class PolicyLossConfig:
-    algorithm: str = "grpo"  # "grpo": token ratios; "gspo": sequence ratios
+    # "grpo": PPO's clip of token ratios; "gspo": of sequence ratios; "cispo": clipped, detached token weights
+    algorithm: str = "grpo"
     clip_low: float = 0.2  # ratio floor 1 - clip_low
     clip_high: float = 0.28  # ratio ceiling 1 + clip_high (clip-higher keeps low-probability tokens learning)
     kl_coef: float = 0.0  # weight of k3 KL to the reference; 0 skips the reference model's log-probs
@@ -126,8 +158,8 @@ class PolicyLossConfig:
     tis_cap: float = 2.0
 
     def validate(self, prefix: str = "algorithm") -> None:
-        if self.algorithm not in ("grpo", "gspo"):
-            raise ValueError(f"{prefix}.algorithm={self.algorithm!r}: expected 'grpo' or 'gspo'")
+        if self.algorithm not in LOSSES:
+            raise ValueError(f"{prefix}.algorithm={self.algorithm!r}: expected one of {sorted(LOSSES)}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError(f"{prefix}.clip_low must be in [0, 1) and {prefix}.clip_high >= 0")
         if self.tis_cap < 1:
@@ -147,14 +179,11 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     share: Share | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The GRPO/GSPO objective for one micro-batch; returns (loss, detached metrics). Loss and metrics are means
-    over the micro-batch, or its part of the batch means given the batch's ``share`` (see :class:`Share`)."""
+    """The policy objective (``config.algorithm``, see :data:`LOSSES`) for one micro-batch; returns (loss, detached
+    metrics). Loss and metrics are means over the micro-batch, or its part of the batch means given the batch's
+    ``share`` (see :class:`Share`)."""
     mask = mask.to(logp.dtype)
-    if config.algorithm == "gspo":
-        ratio = sequence_ratio(logp, old_logp, mask)
-    else:
-        ratio = token_ratio(logp, old_logp)
-    per_token, clipped = clipped_surrogate(ratio, advantages, config.clip_low, config.clip_high)
+    ratio, per_token, clipped = LOSSES[config.algorithm](config, logp, old_logp, advantages, mask)
     metrics = {}
     if config.tis and rollout_logp is not None:
         weight = tis_weight(old_logp, rollout_logp, config.tis_cap)

@@ -1,4 +1,4 @@
-"""GRPO/GSPO math against hand-computed values."""
+"""GRPO/GSPO/CISPO math against hand-computed values."""
 
 from __future__ import annotations
 
@@ -116,3 +116,23 @@ def test_policy_loss_config_errors_name_the_field():
         PolicyLossConfig(tis_cap=0.5).validate()
     with pytest.raises(ValueError, match="algorithm.loss_agg='mean': expected one of"):
         PolicyLossConfig(loss_agg="mean").validate()
+
+
+def test_cispo_clips_and_detaches_the_weight_so_every_token_keeps_a_gradient():
+    """MiniMax-M1's CISPO: loss -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * logp, so d loss / d logp_t is
+    -clip(r_t) * A / N over the N response tokens (token-mean), written out here; PPO's clip (grpo) instead drops
+    the gradient of a token whose ratio left the band in the advantage's direction."""
+    old = torch.tensor([[-1.0, -1.0, -1.0, -2.0]])
+    start = torch.tensor([[-0.5, -1.0, -1.6, -2.0]])  # ratios e^0.5 (above 1.28), 1, e^-0.6 (below 0.8); padding
+    mask = torch.tensor([[1, 1, 1, 0]])
+    adv = torch.tensor([2.0])
+    weight = torch.exp(start - old).clamp(0.8, 1.28)
+    logp = start.clone().requires_grad_()
+    loss, metrics = policy_loss(PolicyLossConfig(algorithm="cispo", tis=False), logp, old, adv, mask)
+    loss.backward()
+    assert torch.allclose(logp.grad, -weight * 2.0 * mask / 3)
+    assert loss.item() == pytest.approx((-weight * 2.0 * start * mask).sum().item() / 3)
+    assert metrics["clip_fraction"].item() == pytest.approx(2 / 3)
+    logp = start.clone().requires_grad_()
+    policy_loss(PolicyLossConfig(algorithm="grpo", tis=False), logp, old, adv, mask)[0].backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 2] != 0  # above the band with A > 0: no gradient under PPO's clip
