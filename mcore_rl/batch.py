@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.algorithms.advantages import estimate
+from mcore_rl.algorithms.advantages import estimate, overlong_penalty
 from mcore_rl.algorithms.grpo import constant_groups
 from mcore_rl.data.prompts import Prompt
 from mcore_rl.rollout.engine import Completion
@@ -85,6 +85,28 @@ def partition_groups(samples: list[Sample], rewards: list[float], group_size: in
         part[0].append(sample)
         part[1].append(reward)
     return parts
+
+
+def shape_overlong(samples: list[Sample], rewards: list[float], trainer, max_new_tokens: int):
+    """DAPO's overlong shaping (``trainer``: the policy trainer's config): the rewards with the soft penalty of
+    responses within ``overlong_buffer`` tokens of ``max_new_tokens`` added, and its metrics."""
+    if not trainer.overlong_buffer:
+        return rewards, {}
+    lengths = torch.tensor([len(s.completion.token_ids) for s in samples])
+    penalty = overlong_penalty(lengths, max_new_tokens, trainer.overlong_buffer, trainer.overlong_penalty)
+    metrics = {
+        "reward/overlong_penalty_mean": penalty.mean().item(),
+        "reward/overlong_fraction": (penalty < 0).float().mean().item(),
+    }
+    return (torch.tensor(rewards) + penalty).tolist(), metrics
+
+
+def filter_truncated(batch: dict, samples: list[Sample]) -> dict[str, float]:
+    """DAPO's overlong filtering: truncated samples (stopped at max_new_tokens) leave the loss (their response
+    mask is cleared; they still count in their groups' advantages)."""
+    truncated = torch.tensor([s.completion.finish_reason == "length" for s in samples])
+    batch["mask"][truncated] = 0
+    return {"batch/truncated_filtered_fraction": truncated.float().mean().item()}
 
 
 def rollout_stats(samples: list[Sample], rewards: list[float], group_size: int) -> dict[str, float]:

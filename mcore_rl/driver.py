@@ -28,7 +28,15 @@ from compat import upstream_notices_env
 from converters.hf_io import copy_model_files
 from mcore_rl import checkpoint
 from mcore_rl.agent.trajectory import Trajectory, trajectory_stats
-from mcore_rl.batch import partition_groups, rollout_stats, samples_of, staleness_stats, training_batch
+from mcore_rl.batch import (
+    filter_truncated,
+    partition_groups,
+    rollout_stats,
+    samples_of,
+    shape_overlong,
+    staleness_stats,
+    training_batch,
+)
 from mcore_rl.config.loader import ConfigError, to_dict
 from mcore_rl.config.schema import RunConfig
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
@@ -366,7 +374,10 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
     """Reference and old log-probs -> advantages -> optimizer steps -> ``before_sync()`` (what the mode waits for
     before the weights change) -> the weights into the engines as policy ``version``, checked by the probe."""
     system, rt, m = run.system, run.config.runtime_args, run.config.models
+    rewards, shaping = shape_overlong(samples, rewards, m.policy_trainer, m.policy.rollout.train.max_new_tokens)
     batch = training_batch(samples, rewards, m.policy.num_inference_per_prompt, m.policy_trainer.advantage_estimator)
+    if m.policy_trainer.overlong_filter:
+        shaping |= filter_truncated(batch, samples)
     with system.on_device(system.trainer, ["weights"]) as weights:  # the sync needs no optimizer state
         if system.use_ref:
             with system.on_device(system.ref):
@@ -392,6 +403,7 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
     metrics |= {f"train/first_step_{k}": steps[0][k] for k in ("ratio_mean", "kl") if k in steps[0]}
     return (
         metrics
+        | shaping
         | router
         | {f"sync/{k}": v for k, v in sync.items()}
         | {

@@ -66,3 +66,10 @@ ESTIMATORS: dict[str, Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]]
 def estimate(name: str, rewards: torch.Tensor, group_size: int, tokens: torch.Tensor) -> torch.Tensor:
     """Per-sample advantages by the estimator ``name`` (see :data:`ESTIMATORS`)."""
     return ESTIMATORS[name](rewards, group_size, tokens)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to each sample's reward: 0 up to
+    ``max_new_tokens - buffer`` response tokens, then falling linearly to ``-penalty`` at ``max_new_tokens``."""
+    exceed = lengths.float() - (max_new_tokens - buffer)
+    return (-exceed / buffer * penalty).clamp(max=0.0)

@@ -106,6 +106,11 @@ class TrainerConfig:
     algorithm: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     # grpo, dr_grpo, rloo or reinforce_pp_baseline (mcore_rl/algorithms/advantages.py)
     advantage_estimator: str = "grpo"
+    # DAPO's overlong shaping: over the last overlong_buffer tokens before the rollout's max_new_tokens the reward
+    # falls linearly, by overlong_penalty at the limit (0: off); overlong_filter: truncated samples leave the loss.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    overlong_filter: bool = False
     # Drop prompt groups with constant rewards and sample new prompts in their place (up to 3 refill rounds; then
     # the dropped groups, whose advantages are 0, fill what is still missing)
     dynamic_sampling: bool = False
@@ -271,6 +276,7 @@ class RunConfig:
                 f"models.policy_trainer.advantage_estimator={m.policy_trainer.advantage_estimator!r}: expected one of "
                 f"{sorted(ESTIMATORS)}"
             )
+        self._validate_overlong()
         if m.policy_trainer.advantage_estimator == "rloo" and m.policy.num_inference_per_prompt < 2:
             raise ConfigError(
                 "models.policy_trainer.advantage_estimator='rloo' needs models.policy.num_inference_per_prompt >= 2 "
@@ -377,6 +383,25 @@ class RunConfig:
                 "runtime_args.partial_rollout: a partial rollout recomputes its context with new weights, so the "
                 "routing of its earlier tokens is not the routing that sampled them; set partial_rollout: false "
                 "or models.policy_trainer.moe.routing_replay: false"
+            )
+
+    def _validate_overlong(self) -> None:
+        trainer, rollout = self.models.policy_trainer, self.models.policy.rollout
+        prefix = "models.policy_trainer"
+        if trainer.overlong_buffer < 0 or trainer.overlong_penalty < 0:
+            raise ConfigError(f"{prefix}.overlong_buffer and {prefix}.overlong_penalty: expected >= 0 (buffer 0: off)")
+        if not trainer.overlong_buffer:
+            return
+        if self.models.reward.multi_turn:
+            raise ConfigError(
+                f"{prefix}.overlong_buffer={trainer.overlong_buffer}: overlong shaping is measured against one "
+                "response's max_new_tokens, and a multi-turn trajectory has one per turn; set it to 0"
+            )
+        if trainer.overlong_buffer >= rollout.train.max_new_tokens:
+            raise ConfigError(
+                f"{prefix}.overlong_buffer={trainer.overlong_buffer}: expected fewer than "
+                f"models.policy.rollout.train.max_new_tokens={rollout.train.max_new_tokens} (the penalty starts "
+                "that many tokens before the limit)"
             )
 
     def _validate_multi_turn(self) -> None:

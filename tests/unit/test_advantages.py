@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from mcore_rl.algorithms.advantages import ESTIMATORS, estimate
+from mcore_rl.algorithms.advantages import ESTIMATORS, estimate, overlong_penalty
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.5, 0.0, 1.0, 0.25]
 TOKENS = [3, 5, 1, 7, 2, 2, 4, 9, 6, 1, 3, 8]  # response tokens per sample
@@ -59,3 +59,12 @@ def test_a_constant_group_gets_no_advantage_of_its_own_and_bad_groups_are_refuse
     assert torch.allclose(got[1], got[1, :1].expand(G))
     with pytest.raises(ValueError, match="12 rewards do not split into groups of 5"):
         estimate(name, torch.tensor(REWARDS), 5, torch.tensor(TOKENS))
+
+
+def test_overlong_penalty_follows_dapos_piecewise_formula():
+    """DAPO eq. 13 with L_max = 20 and L_cache = 8, scaled by the penalty 0.5: 0 up to 12 tokens, then
+    ((L_max - L_cache) - |y|) / L_cache, down to -1 at L_max."""
+    lengths = list(range(0, 21))
+    want = [0.5 * (0.0 if n <= 12 else (12 - n) / 8) for n in lengths]
+    got = overlong_penalty(torch.tensor(lengths), 20, 8, 0.5)
+    assert torch.allclose(got, torch.tensor(want)) and got[-1] == -0.5

@@ -1,8 +1,17 @@
 """Episode samples -> training tensors: response positions, engine log-probs, advantages, dynamic sampling."""
 
+import pytest
 import torch
 
-from mcore_rl.batch import partition_groups, rollout_stats, samples_of, training_batch
+from mcore_rl.batch import (
+    filter_truncated,
+    partition_groups,
+    rollout_stats,
+    samples_of,
+    shape_overlong,
+    training_batch,
+)
+from mcore_rl.config.schema import TrainerConfig
 from mcore_rl.data.prompts import Prompt, PromptRow
 from mcore_rl.rollout.engine import Completion
 
@@ -63,3 +72,18 @@ def test_routed_experts_are_kept_per_input_position_and_checked():
     )
     with pytest.raises(ValueError, match=r"sample p1/0: the engine's routed experts have shape \(3, 3, 2\); expected"):
         training_batch(short, [1.0, 0.0, 0.5, 0.5], group_size=2, estimator="dr_grpo")
+
+
+def test_overlong_shaping_penalises_near_the_limit_and_filtering_drops_truncated_samples():
+    """DAPO's overlong shaping (max_new_tokens 3, buffer 2: 1 token is free, 2 cost half the penalty, 3 all of it)
+    and filtering (the one sample stopped by the length limit leaves the loss)."""
+    samples = _samples()  # responses of 2, 1, 3 and 1 tokens; the second was truncated
+    trainer = TrainerConfig(overlong_buffer=2, overlong_penalty=0.4)
+    rewards, metrics = shape_overlong(samples, [1.0, 0.0, 0.5, 0.5], trainer, max_new_tokens=3)
+    assert rewards == pytest.approx([0.8, 0.0, 0.1, 0.5])
+    assert metrics == pytest.approx({"reward/overlong_penalty_mean": -0.15, "reward/overlong_fraction": 0.5})
+    assert shape_overlong(samples, [1.0, 0.0, 0.5, 0.5], TrainerConfig(), 3) == ([1.0, 0.0, 0.5, 0.5], {})
+    batch = training_batch(samples, rewards, group_size=2, estimator="dr_grpo")
+    kept = batch["mask"].sum(dim=1).tolist()
+    assert filter_truncated(batch, samples) == {"batch/truncated_filtered_fraction": 0.25}
+    assert batch["mask"].sum(dim=1).tolist() == [kept[0], 0, kept[2], kept[3]] and kept[1] == 1

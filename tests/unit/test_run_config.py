@@ -209,6 +209,15 @@ def test_shared_prompts_are_checked_up_front(run_yaml, tmp_path):
         ),
         (["models.reward.timeout_s=0"], r"models.reward.timeout_s=0.0: expected a positive number of seconds"),
         (
+            ["models.policy_trainer.overlong_buffer=64", "models.policy.rollout.train.max_new_tokens=64"],
+            r"overlong_buffer=64: expected fewer than models.policy.rollout.train.max_new_tokens=64",
+        ),
+        (
+            ["models.policy_trainer.overlong_buffer=8", "models.reward.tools=[calculator]"],
+            r"overlong_buffer=8: overlong shaping is measured against one response's max_new_tokens",
+        ),
+        (["models.policy_trainer.overlong_penalty=-1"], r"overlong_penalty: expected >= 0"),
+        (
             ["models.reward.env=answer", "models.policy_trainer.max_token_in_packing=1024"],
             r"max_token_in_packing=1024 is below the longest sample \(2048 tokens: a multi-turn trajectory's max_",
         ),
