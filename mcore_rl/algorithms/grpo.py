@@ -103,6 +103,24 @@ def tis_weight(old_logp: torch.Tensor, rollout_logp: torch.Tensor, cap: float) -
     return torch.exp(old_logp - rollout_logp).clamp(max=cap).detach()
 
 
+def sequence_mis_keep(
+    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, low: float, high: float
+) -> torch.Tensor:
+    """Sequence-level masked importance sampling: 1 for the sequences whose geometric-mean ratio
+    exp(mean_t (old_logp - rollout_logp)) over their response tokens lies in [low, high], else 0 ([batch, 1]): a
+    sequence the engine sampled from a visibly different distribution than the trainer's leaves the loss."""
+    lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(((old_logp - rollout_logp) * mask).sum(dim=-1, keepdim=True) / lengths)
+    return ((ratio >= low) & (ratio <= high)).to(old_logp.dtype)
+
+
+def icepop_keep(old_logp: torch.Tensor, rollout_logp: torch.Tensor, low: float, high: float) -> torch.Tensor:
+    """IcePop's token rejection (Ring-1T, 2025): 1 for the tokens whose ratio pi_old / pi_rollout lies in
+    [low, high], else 0: a token the two compute too differently gets no gradient, rather than a capped weight."""
+    ratio = torch.exp(old_logp - rollout_logp)
+    return ((ratio >= low) & (ratio <= high)).to(old_logp.dtype)
+
+
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
@@ -156,6 +174,13 @@ class PolicyLossConfig:
     loss_agg: str = "token-mean"
     tis: bool = True  # truncated importance sampling against the rollout engine's log-probs
     tis_cap: float = 2.0
+    # Train-inference mismatch, beside TIS (0 and 0: off). Sequences whose geometric-mean ratio pi_old / pi_rollout
+    # leaves [seq_mis_low, seq_mis_high] leave the loss; tokens whose ratio leaves [icepop_low, icepop_high] get no
+    # gradient (IcePop). The loss keeps its denominators: a rejected token counts as a zero term.
+    seq_mis_low: float = 0.0
+    seq_mis_high: float = 0.0
+    icepop_low: float = 0.0
+    icepop_high: float = 0.0
 
     def validate(self, prefix: str = "algorithm") -> None:
         if self.algorithm not in LOSSES:
@@ -166,6 +191,13 @@ class PolicyLossConfig:
             raise ValueError(f"{prefix}.tis_cap={self.tis_cap}: expected >= 1")
         if self.loss_agg not in LOSS_AGGREGATIONS:
             raise ValueError(f"{prefix}.loss_agg={self.loss_agg!r}: expected one of {list(LOSS_AGGREGATIONS)}")
+        for name in ("seq_mis", "icepop"):
+            low, high = getattr(self, f"{name}_low"), getattr(self, f"{name}_high")
+            if (low, high) != (0.0, 0.0) and not 0 < low < 1 < high:
+                raise ValueError(
+                    f"{prefix}.{name}_low={low}, {prefix}.{name}_high={high}: expected 0 < low < 1 < high (a band "
+                    "around ratio 1), or both 0 to turn it off"
+                )
 
 
 def policy_loss(
@@ -190,6 +222,14 @@ def policy_loss(
         per_token = per_token * weight
         metrics["tis_weight_mean"] = aggregate(weight, mask, "token-mean", share)
         metrics["rollout_logp_abs_diff"] = aggregate((old_logp - rollout_logp).abs(), mask, "token-mean", share)
+    if config.seq_mis_high and rollout_logp is not None:
+        keep = sequence_mis_keep(old_logp, rollout_logp, mask, config.seq_mis_low, config.seq_mis_high)
+        per_token = per_token * keep
+        metrics["seq_mis_rejected_fraction"] = aggregate((1 - keep).expand_as(mask), mask, "token-mean", share)
+    if config.icepop_high and rollout_logp is not None:
+        keep = icepop_keep(old_logp, rollout_logp, config.icepop_low, config.icepop_high)
+        per_token = per_token * keep
+        metrics["icepop_rejected_fraction"] = aggregate(1 - keep, mask, "token-mean", share)
     loss = aggregate(per_token, mask, config.loss_agg, share)
     if config.kl_coef and ref_logp is not None:
         kl = aggregate(kl_k3(logp, ref_logp), mask, config.loss_agg, share)

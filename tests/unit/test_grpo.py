@@ -136,3 +136,30 @@ def test_cispo_clips_and_detaches_the_weight_so_every_token_keeps_a_gradient():
     logp = start.clone().requires_grad_()
     policy_loss(PolicyLossConfig(algorithm="grpo", tis=False), logp, old, adv, mask)[0].backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 2] != 0  # above the band with A > 0: no gradient under PPO's clip
+
+
+def test_mismatch_corrections_reject_sequences_and_tokens_outside_their_bands():
+    """Sequence-level masked IS drops a sequence whose geometric-mean ratio pi_old / pi_rollout leaves its band;
+    IcePop drops single tokens whose ratio does. Rejected terms count as zeros in the token mean, and their tokens
+    get no gradient; the rest are as without the corrections."""
+    old = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]])
+    rollout = torch.tensor([[-1.0, -1.5, -1.0], [-1.1, -0.9, -1.0]])  # row 0: mean log-ratio 1/6; token 1: e^0.5
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([1.0, -1.0])
+    base = PolicyLossConfig(tis=False)
+    seq = PolicyLossConfig(tis=False, seq_mis_low=0.9, seq_mis_high=1.1)  # e^(1/6) = 1.18: row 0 out, row 1 in
+    ice = PolicyLossConfig(tis=False, icepop_low=0.5, icepop_high=1.5)  # e^0.5 = 1.65: token (0, 1) out
+    grads, losses, metrics = {}, {}, {}
+    for name, config in (("base", base), ("seq", seq), ("ice", ice)):
+        logp = old.clone().requires_grad_()
+        losses[name], metrics[name] = policy_loss(config, logp, old, adv, mask, rollout_logp=rollout)
+        losses[name].backward()
+        grads[name] = logp.grad
+    assert torch.equal(grads["seq"][0], torch.zeros(3)) and torch.equal(grads["seq"][1], grads["base"][1])
+    assert grads["ice"][0, 1] == 0 and torch.equal(grads["ice"][1], grads["base"][1]) and grads["ice"][0, 0] != 0
+    assert losses["seq"].item() == pytest.approx(-(-1.0 * 2) / 5)  # row 0's three terms are zeros; 5 tokens
+    assert losses["ice"].item() == pytest.approx(-(1.0 * 2 - 1.0 * 2) / 5)
+    assert metrics["seq"]["seq_mis_rejected_fraction"].item() == pytest.approx(3 / 5)
+    assert metrics["ice"]["icepop_rejected_fraction"].item() == pytest.approx(1 / 5)
+    with pytest.raises(ValueError, match=r"icepop_low=1.2, algorithm.icepop_high=2.0: expected 0 < low < 1 < high"):
+        PolicyLossConfig(icepop_low=1.2, icepop_high=2.0).validate()
