@@ -7,8 +7,9 @@ loopback ``_node_ip_address`` by the routable one, except where ``ray_constants.
 (Ray's single-machine mode for macOS and Windows, whose node address is loopback). The local cluster is started
 with that flag off, then checked to be on loopback. A process that connects to it (a test's ranks, a driver given
 its address) must be in that mode too, or ``ray.init`` swaps the loopback address for the routable one and waits
-for a GCS that is not there: the mode's variable is set for the processes this one starts. Its actors get the interface for their own collectives too:
-gloo and NCCL pick the host name's or the first non-loopback interface unless told, and vLLM its routable address.
+for a GCS that is not there: the mode's variable is set for the processes this one starts. Its actors get the
+interface of their own collectives too: gloo and NCCL pick the host name's or the first non-loopback interface
+unless told, and vLLM its routable address.
 
 **Start-up.** The raylet exits when its dashboard agent takes longer than a fixed 15 s to start
 (ray-project/ray#65983), which a loaded 2-core machine occasionally does (measured: a CI run's agents took 11-38 s
