@@ -96,7 +96,9 @@ def suite(out: Path, hardware, report: Report) -> None:
         rows.append([name, f"{unconfined:.1f}", f"{confined:.1f}", f"{confined - unconfined:+.1f}"])
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        from compat.ray import start_local_cluster
+
+        start_local_cluster(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         sandboxed = _calls_per_s("python", config)
         unconfined = _calls_per_s(f"{tools_file}:Bare", config)
