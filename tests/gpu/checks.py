@@ -685,6 +685,19 @@ def vllm_engine() -> str:
         ours.send(None)
         feeder.join(timeout=60)
         engine.shutdown()
+    # An engine on devices of its own runs without sleep mode: it generates, and refuses to sleep.
+    own = RolloutEngine(hf_dir, RolloutConfig(load_tokenizer=False, max_model_len=256), colocated=False)
+    try:
+        assert own.generate([[1, 2, 3, 4]])[0][0].token_ids
+        try:
+            own.sleep()
+        except RuntimeError as err:
+            assert "does not sleep" in str(err), err
+        else:
+            raise AssertionError("an engine without sleep mode slept")
+    finally:
+        own.shutdown()
+    report.append("an engine without sleep mode generates and refuses to sleep")
     with tempfile.TemporaryDirectory() as out:
         env = dict(os.environ, MCORE_RL_MODEL=hf_dir)
         overrides = ["runtime_args.num_devices=1", "runtime_args.num_episode=1", f"runtime_args.output_dir={out}"]
