@@ -29,8 +29,9 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]], texts
 def training_batch(samples: list[Sample], rewards: list[float], group_size: int, estimator: str) -> dict:
     """Right-padded tensors of prompt + response: ``tokens`` [N, L]; per next-token position ([N, L-1]) the
     response ``mask`` and the engine's ``rollout_logp``; per sample ``lengths`` and ``prompt_lengths`` (real
-    tokens), ``advantages`` (by ``estimator``, see :mod:`mcore_rl.algorithms.advantages`) and ``rewards``; and when the engine returned them, ``routed_experts``
-    [N, L-1, layers, top-k]. A multi-turn trajectory's observation tokens are masked (``Completion.loss_mask``)."""
+    tokens), ``advantages`` (by ``estimator``, see :mod:`mcore_rl.algorithms.advantages`) and ``rewards``; and
+    when the engine returned them, ``routed_experts`` [N, L-1, layers, top-k]. A multi-turn trajectory's
+    observation tokens are masked (``Completion.loss_mask``)."""
     sequences = [s.prompt.token_ids + s.completion.token_ids for s in samples]
     length = max(map(len, sequences))
     n = len(samples)

@@ -21,12 +21,6 @@ import torch
 from mcore_rl.algorithms.grpo import group_advantages
 
 
-def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    return rewards.float().view(-1, group_size)
-
-
 def grpo(rewards: torch.Tensor, group_size: int, tokens: torch.Tensor) -> torch.Tensor:
     return group_advantages(rewards, group_size, normalize_std=True)
 
@@ -38,16 +32,13 @@ def dr_grpo(rewards: torch.Tensor, group_size: int, tokens: torch.Tensor) -> tor
 def rloo(rewards: torch.Tensor, group_size: int, tokens: torch.Tensor) -> torch.Tensor:
     if group_size < 2:
         raise ValueError("rloo needs at least 2 samples per prompt (models.policy.num_inference_per_prompt)")
-    groups = _groups(rewards, group_size)
-    others = (groups.sum(dim=1, keepdim=True) - groups) / (group_size - 1)
-    return (groups - others).view(-1)
+    return group_advantages(rewards, group_size, normalize_std=False) * group_size / (group_size - 1)
 
 
 def reinforce_pp_baseline(
     rewards: torch.Tensor, group_size: int, tokens: torch.Tensor, eps: float = 1e-8
 ) -> torch.Tensor:
-    groups = _groups(rewards, group_size)
-    centred = (groups - groups.mean(dim=1, keepdim=True)).view(-1)
+    centred = group_advantages(rewards, group_size, normalize_std=False)
     weights = tokens.float()
     count = weights.sum()
     mean = (centred * weights).sum() / count

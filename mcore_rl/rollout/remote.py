@@ -23,8 +23,9 @@ def launch_engines(
     colocated: bool = True,
 ) -> list:
     """Start one ``RolloutEngine`` actor per ``(name, Ray actor options)`` (with ``config``, or its own of a list;
-    ``colocated`` with the trainer, or on devices of their own) and wait until all are up: they import vLLM and load the model side by side, not in turn. Start-up errors
-    surface here, not at the first call; the engines of a launch that failed are stopped."""
+    ``colocated`` with the trainer, or on devices of their own) and wait until all are up: they import vLLM and load
+    the model side by side, not in turn. Start-up errors surface here, not at the first call; the engines of a
+    launch that failed are stopped."""
     engine = ray.remote(RolloutEngine)
     configs = config if isinstance(config, list) else [config] * len(launches)
     # An engine shares its device's CPUs with the trainer it takes turns with, or has its own: it reserves none.
