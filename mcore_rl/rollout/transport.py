@@ -180,8 +180,12 @@ class BucketSender:
                     f"models.policy.sync.bucket_bytes (a bucket also holds the largest single tensor)"
                 )
             self._path = SHM_DIR / f"mcore_rl_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-            self._lock = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            # Created and locked under a name the stale-segment cleanup does not match, then renamed: another
+            # sender's cleanup never finds it unlocked (between its creation and the lock it took it for stale).
+            staging = SHM_DIR / f".{self._path.name}"
+            self._lock = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             fcntl.flock(self._lock, fcntl.LOCK_SH)
+            os.rename(staging, self._path)
             self._buffer = torch.from_file(str(self._path), shared=True, size=nbytes, dtype=torch.uint8)
             self._ref = BufferRef("", self._path.name)
 

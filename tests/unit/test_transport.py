@@ -105,6 +105,30 @@ def test_stale_segments_are_those_nobody_holds(tmp_path, monkeypatch):
     assert not foreign.exists()
 
 
+def test_a_segment_is_never_stale_while_its_sender_creates_it(tmp_path, monkeypatch):
+    """Another sender's cleanup running between a segment's creation and its lock (a CI run saw an engine find its
+    bucket gone): the new segment is already locked when it takes its name, so it stays."""
+    monkeypatch.setattr(transport, "SHM_DIR", tmp_path)
+    flock = fcntl.flock
+
+    def cleanup_first(fd, operation):
+        if operation == fcntl.LOCK_SH:  # the sender locking its new segment (the cleanup asks LOCK_EX | LOCK_NB)
+            transport._remove_stale_segments()  # another process's sender starting at the worst moment
+        flock(fd, operation)
+
+    monkeypatch.setattr(transport.fcntl, "flock", cleanup_first)
+    sender = BucketSender(CPU, reserve_bytes=64 << 10)  # its segment created now
+    monkeypatch.setattr(transport.fcntl, "flock", flock)
+    try:
+        handle = sender.pack(_bucket(0))
+        transport._remove_stale_segments()  # and once more, after
+        received = BucketReceiver(CPU).open(handle)[1]
+        assert all(torch.equal(g, w) for (_, g), (_, w) in zip(received, _bucket(0), strict=True))
+    finally:
+        sender.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_too_small_dev_shm_is_an_error_before_the_bucket_is_written(tmp_path, monkeypatch):
     small = tmp_path / "shm"
     small.mkdir()
