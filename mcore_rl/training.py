@@ -165,11 +165,20 @@ class MegatronModel:
                 end_replay(self.model)
             release_dispatcher_graphs(self.model)
 
+    def logprobs(self, tokens: torch.Tensor, vocab_size: int, micro_batch_size: int, *args, **kwargs) -> torch.Tensor:
+        """log p(tokens[:, i] | tokens[:, :i]) for i >= 1, shape [b, s-1], on every rank (fp32); the other arguments
+        are :meth:`score`'s."""
+
+        def measure(batch, output):
+            return token_logprobs(output, batch["labels"], vocab_size)
+
+        return self.score(tokens, measure, micro_batch_size, *args, **kwargs)
+
     @torch.no_grad()
-    def logprobs(
+    def score(
         self,
         tokens: torch.Tensor,
-        vocab_size: int,
+        measure: Callable[[dict, torch.Tensor], torch.Tensor],
         micro_batch_size: int,
         lengths: list[int] | None = None,
         max_tokens: int = 0,
@@ -177,7 +186,8 @@ class MegatronModel:
         shared_plan: list[list[list[int]]] | None = None,
         **extra: torch.Tensor,
     ) -> torch.Tensor:
-        """log p(tokens[:, i] | tokens[:, :i]) for i >= 1, shape [b, s-1], on every rank (fp32).
+        """``measure(micro-batch, model output)`` per input position ([b, s] of the micro-batch's layout) for every
+        row of ``tokens``: shape [b, s-1], on every rank (fp32).
 
         ``max_tokens`` > 0: the rows (``lengths`` real tokens each) are scored in THD packs of at most that many
         tokens (:mod:`mcore_rl.packing`) instead of padded micro-batches; positions past a row's length are not
@@ -204,15 +214,15 @@ class MegatronModel:
                 micro_batch_size = max(d for d in range(1, limit + 1) if tokens.shape[0] % d == 0)
             batches = microbatches(tokens, micro_batch_size, align, **extra)
 
-        def score(batch, output):
-            logprobs = rows_of(batch, token_logprobs(output, batch["labels"], vocab_size))
-            logprobs = torch.nn.functional.pad(logprobs, (0, max(0, length - logprobs.shape[1])))
-            return logprobs.sum() * 0, {"logprobs": logprobs[:, :length]}
+        def per_row(batch, output):
+            values = rows_of(batch, measure(batch, output).float())
+            values = torch.nn.functional.pad(values, (0, max(0, length - values.shape[1])))
+            return values.sum() * 0, {"values": values[:, :length]}
 
         for chunk in self.model:
             chunk.eval()
         try:
-            outputs = self._schedule(batches, score, forward_only=True)
+            outputs = self._schedule(batches, per_row, forward_only=True)
         finally:
             for chunk in self.model:
                 chunk.train()
@@ -220,7 +230,7 @@ class MegatronModel:
         local = None
         if is_last:
             local = [torch.zeros(tokens.shape[0], length, device=tokens.device)]
-            local[0][order] = torch.cat([o["logprobs"] for o in outputs])
+            local[0][order] = torch.cat([o["values"] for o in outputs])
         shape = torch.Size([tokens.shape[0], length])
         return broadcast_bucket(local, [shape], torch.float32, pp - 1, self.groups.pp, tokens.device)[0]
 

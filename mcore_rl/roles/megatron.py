@@ -1,4 +1,5 @@
-"""The Megatron roles, one Ray actor per rank: the reference policy (scoring only) and the policy trainer.
+"""The Megatron roles, one Ray actor per rank: the reference policy or teacher (scoring only), the policy trainer
+and PPO's critic.
 
 Each role's ranks form their own torch.distributed world (gloo on CPU, NCCL on GPU) with their own Megatron
 layout, so colocated roles never share a process group. Batches arrive whole on every rank as a dict of tensors
@@ -16,6 +17,7 @@ import torch
 from converters.stream import load_weights
 from converters.torch_dist import model_state
 from mcore_rl.algorithms.grpo import PolicyLossConfig, Share, policy_loss
+from mcore_rl.algorithms.ppo import value_loss
 from mcore_rl.logprobs import token_entropy, token_logprobs
 from mcore_rl.metrics import process_stats
 from mcore_rl.moe import MoEConfig, RouterLoad
@@ -24,6 +26,7 @@ from mcore_rl.packing import pack_rows, plan_packing, plan_shared_prompts, rows_
 from mcore_rl.sync import BroadcastRoute, ColocatedRoute, SyncConfig, WeightSync
 from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
 from models.registry import get_bridge
+from models.value_head import attach_value_heads
 from parallel.comm import all_gather_bucket, all_reduce_, all_reduce_scalar
 from parallel.config import ParallelConfig
 from parallel.device import Device
@@ -63,11 +66,16 @@ class MegatronRank:
         self.config = self.bridge.transformer_config(parallel, **(overrides or {}))
         self.share_prompts = share_prompts
         # Shared-prompt rows carry a block attention mask, which TransformerEngine's fused attention does not take.
-        self.chunks = self.bridge.build_model(self.config, **({"backend": "local"} if share_prompts else {}))
-        load_weights(self.chunks, self.bridge, hf_dir, self.groups)
+        self.chunks = self._build(hf_dir)
         self.device = next(self.chunks[0].parameters()).device
         self.model = MegatronModel(self.chunks, self.groups)
         self.offloaders: dict[str, StorageOffloader] = {}
+
+    def _build(self, hf_dir: str) -> list[torch.nn.Module]:
+        """This rank's model chunks, loaded from ``hf_dir``."""
+        chunks = self.bridge.build_model(self.config, **({"backend": "local"} if self.share_prompts else {}))
+        load_weights(chunks, self.bridge, hf_dir, self.groups)
+        return chunks
 
     def _routing(self, batch: dict) -> tuple[str, ...]:
         """The rollout's routing, as a batch key to pass to the model, where this model replays it."""
@@ -85,20 +93,25 @@ class MegatronRank:
 
     def logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         """Log-probs [N, L-1] of ``batch["tokens"]``; each DP rank scores its share, every rank gets all rows."""
+        vocab = self.bridge.vocab_size
+        return self._score(batch, micro_batch_size, lambda mb, output: token_logprobs(output, mb["labels"], vocab))
+
+    def _score(self, batch: dict, micro_batch_size: int, measure) -> torch.Tensor:
+        """``measure`` (see :meth:`MegatronModel.score`) of every row of ``batch``, each DP rank scoring its share."""
         size, rank = self.dp
-        vocab, packing = self.bridge.vocab_size, self.max_token_in_packing
+        packing = self.max_token_in_packing
         if self.share_prompts:  # whole prompt groups, token-balanced: the ranks' shares differ in rows
             tokens = batch["tokens"].to(self.device)
             lengths, prompts = batch["lengths"].tolist(), batch["prompt_lengths"].tolist()
             plan = self._shared_plan(tokens, lengths, prompts, micro_batch_size)[rank]
-            local = self.model.logprobs(
-                tokens, vocab, micro_batch_size, lengths, prompt_lengths=prompts, shared_plan=plan
+            local = self.model.score(
+                tokens, measure, micro_batch_size, lengths, prompt_lengths=prompts, shared_plan=plan
             )
             return all_reduce_(local, self.groups.dp).cpu()  # each row is scored on one rank, 0 on the others
         mine = {k: batch[k].chunk(size)[rank].to(self.device) for k in ("tokens", *self._routing(batch))}
         lengths = batch["lengths"].chunk(size)[rank].tolist() if packing else None
         tokens = mine.pop("tokens")
-        local = self.model.logprobs(tokens, vocab, micro_batch_size, lengths, packing, **mine)
+        local = self.model.score(tokens, measure, micro_batch_size, lengths, packing, **mine)
         return torch.cat([shards[0] for shards in all_gather_bucket([local], self.groups.dp)]).cpu()
 
     def _shared_plan(self, tokens, lengths: list[int], prompts: list[int], micro_batch_size: int):
@@ -138,8 +151,11 @@ class MegatronRank:
         return sum(self.offloaders[p].onload() for p in parts or self.offload_parts if p in self.offloaders)
 
 
-class PolicyTrainer(MegatronRank):
-    """One rank of the policy: GRPO/GSPO steps, the weight sync into its rollout engine, checkpoints."""
+class TrainableRank(MegatronRank):
+    """One rank of a trained Megatron role (the policy, the critic): its optimizer and LR schedule, optimizer steps
+    over global batches, offload of weights and optimizer state apart, and checkpoints under ``checkpoint_dir``."""
+
+    checkpoint_dir = ""  # the role's subdirectory of a run's checkpoint
 
     def __init__(
         self,
@@ -150,18 +166,12 @@ class PolicyTrainer(MegatronRank):
         parallel: ParallelConfig,
         seed: int,
         optimizer: dict,
-        loss: PolicyLossConfig,
         total_steps: int,
         max_token_in_packing: int = 0,
         share_prompts: bool = False,
-        moe: MoEConfig | None = None,
-        recompute: str = "none",
         overrides: dict | None = None,
         cores: list[int] | None = None,
     ):
-        """``overrides``: TransformerConfig fields beyond what the run config sets (a test's ``params_dtype``)."""
-        moe = moe or MoEConfig()
-        overrides = moe.overrides(get_bridge(hf_dir)) | recompute_overrides(recompute) | (overrides or {})
         super().__init__(
             rank, world, master, hf_dir, parallel, seed, max_token_in_packing, share_prompts, overrides, cores
         )
@@ -187,65 +197,24 @@ class PolicyTrainer(MegatronRank):
             wd_incr_steps=max(total_steps, 1),
             wd_incr_style="constant",
         )
-        self.loss = loss
-        self.router_load = (
-            RouterLoad(self.chunks, self.groups, parallel.sequence_parallel)
-            if moe.router_metrics and self.bridge.num_experts
-            else None
-        )
-        self.sync: WeightSync | None = None
 
-    # ---- training -----------------------------------------------------------------------------------------
-    def _loss_fn(self, batch: dict, output: torch.Tensor):
-        vocab = self.bridge.vocab_size
-        logp = rows_of(batch, token_logprobs(output, batch["labels"], vocab))
-        # The first step's old policy is the current one: its old log-probs are its own, detached (ratio 1).
-        old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
-        # Logged, and optimised only with a coefficient: without one, no graph keeps its [tokens, V/tp] tensors.
-        with torch.set_grad_enabled(bool(self.loss.entropy_coef) and torch.is_grad_enabled()):
-            entropy = rows_of(batch, token_entropy(output, vocab, self.groups.tp))
-        loss, metrics = policy_loss(
-            self.loss,
-            logp,
-            old_logp,
-            batch["advantages"],
-            batch["mask"],
-            ref_logp=batch.get("ref_logp"),
-            rollout_logp=batch["rollout_logp"],
-            entropy=entropy,
-            share=batch["share"],
-        )
-        return loss, metrics | {"loss": loss.detach()}
-
-    def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
-        """Optimizer steps over ``batch`` in global batches of ``global_batch_size`` rows; metrics per step.
-
-        ``batch["old_logp"]`` covers its last rows (all, or those after the first step): a step without them is
-        the first, whose old policy is the current one (:meth:`_loss_fn`).
-        """
+    def _optimize(self, steps: list[dict], names: list[str], micro_batch_size: int, loss_fn) -> list[dict]:
+        """One optimizer step per global batch in ``steps`` (whole on every rank; each DP rank takes its share),
+        with ``names``: the batch keys the loss reads, split into micro-batches with the rows; metrics per step."""
         size, rank = self.dp
-        batch = dict(batch)
-        old = batch.pop("old_logp", None)
-        first_old = batch["tokens"].shape[0] - (old.shape[0] if old is not None else 0)
-        per_token = ("mask", "old_logp", "rollout_logp", "ref_logp", *self._routing(batch))
         results = []
-        for start in range(0, batch["tokens"].shape[0], global_batch_size):
-            step = {k: v[start : start + global_batch_size] for k, v in batch.items()}
-            if start >= first_old:
-                step["old_logp"] = old[start - first_old : start - first_old + global_batch_size]
-            elif start + global_batch_size > first_old:
-                raise ValueError(f"old_logp starts at row {first_old}, inside the step of rows {start}+")
-            names = [k for k in (*per_token, "advantages") if k in step]
+        for step in steps:
+            keys = [k for k in names if k in step]
             if self.share_prompts:
-                mbs, packing = self._shared(step, names, size, rank, micro_batch_size)
+                mbs, packing = self._shared(step, keys, size, rank, micro_batch_size)
             elif self.max_token_in_packing:
-                mbs, packing = self._packed(step, names, size, rank)
+                mbs, packing = self._packed(step, keys, size, rank)
             else:
                 rows = {k: v.chunk(size)[rank].to(self.device) for k, v in step.items()}
-                mbs = microbatches(rows["tokens"], micro_batch_size, self.model.align, **{k: rows[k] for k in names})
+                mbs = microbatches(rows["tokens"], micro_batch_size, self.model.align, **{k: rows[k] for k in keys})
                 packing = {}
             share = Share.of(step["mask"], len(mbs), size)  # batch means, whatever the micro-batches
-            result = self.model.step([mb | {"share": share} for mb in mbs], self._loss_fn)
+            result = self.model.step([mb | {"share": share} for mb in mbs], loss_fn)
             self.scheduler.step(increment=1)
             results.append(
                 result.metrics
@@ -258,10 +227,6 @@ class PolicyTrainer(MegatronRank):
                 }
             )
         return results
-
-    def router_metrics(self) -> dict:
-        """Router load over the training steps since the last call (:class:`RouterLoad`); {} for dense models."""
-        return self.router_load.collect() if self.router_load is not None else {}
 
     def _shared(self, step: dict, names: list[str], size: int, rank: int, micro_batch_size: int):
         """This rank's shared-prompt micro-batches of a global batch: whole prompt groups, token-balanced over
@@ -307,6 +272,132 @@ class PolicyTrainer(MegatronRank):
     def _optimizers(self) -> list:
         return list(getattr(self.model.optimizer, "chained_optimizers", [self.model.optimizer]))
 
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def _sharded_state(self, is_loading: bool) -> dict:
+        model = model_state(self.chunks)
+        # Resharding-friendly optimizer layout: a checkpoint saved under one layout loads under another.
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        optimizer = self.model.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
+        return {**model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+
+    def save(self, directory: str) -> None:
+        """Model, optimizer and LR schedule as a Megatron distributed checkpoint in ``directory/checkpoint_dir``."""
+        from megatron.core import dist_checkpointing
+
+        (Path(directory) / self.checkpoint_dir).mkdir(exist_ok=True)
+        dist_checkpointing.save(self._sharded_state(is_loading=False), str(Path(directory) / self.checkpoint_dir))
+
+    def load(self, directory: str) -> None:
+        from megatron.core import dist_checkpointing
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        for opt in self._optimizers():
+            if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+                opt._init_optimizer_states_with_dummy_values()  # Adam's state exists only after a step otherwise
+        path = str(Path(directory) / self.checkpoint_dir)
+        state = dist_checkpointing.load(self._sharded_state(is_loading=True), path)
+        for i, chunk in enumerate(self.chunks):
+            chunk.load_state_dict(state[f"model{i}"])
+        self.model.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def optimizer_digest(self) -> dict:
+        """Step count and sums of Adam's moments over all ranks: equal before a save and after its load."""
+        step, sums = 0.0, {"exp_avg": 0.0, "exp_avg_sq": 0.0}
+        for opt in self._optimizers():
+            for state in opt.optimizer.state.values():
+                step = max(step, float(state.get("step", 0)))
+                for key in sums:
+                    if key in state:
+                        sums[key] += state[key].double().sum().item()
+        world = torch.distributed.group.WORLD
+        return {"step": all_reduce_scalar(step, world, "max")} | {
+            k: all_reduce_scalar(v, world) for k, v in sums.items()
+        }
+
+
+class PolicyTrainer(TrainableRank):
+    """One rank of the policy: GRPO/GSPO steps, the weight sync into its rollout engine, checkpoints."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        master: tuple[str, int],
+        hf_dir: str,
+        parallel: ParallelConfig,
+        seed: int,
+        optimizer: dict,
+        loss: PolicyLossConfig,
+        total_steps: int,
+        max_token_in_packing: int = 0,
+        share_prompts: bool = False,
+        moe: MoEConfig | None = None,
+        recompute: str = "none",
+        overrides: dict | None = None,
+        cores: list[int] | None = None,
+    ):
+        """``overrides``: TransformerConfig fields beyond what the run config sets (a test's ``params_dtype``)."""
+        moe = moe or MoEConfig()
+        overrides = moe.overrides(get_bridge(hf_dir)) | recompute_overrides(recompute) | (overrides or {})
+        super().__init__(
+            rank, world, master, hf_dir, parallel, seed, optimizer, total_steps, max_token_in_packing, share_prompts,
+            overrides, cores,
+        )  # fmt: skip
+        self.loss = loss
+        self.router_load = (
+            RouterLoad(self.chunks, self.groups, parallel.sequence_parallel)
+            if moe.router_metrics and self.bridge.num_experts
+            else None
+        )
+        self.sync: WeightSync | None = None
+
+    # ---- training -----------------------------------------------------------------------------------------
+    def _loss_fn(self, batch: dict, output: torch.Tensor):
+        vocab = self.bridge.vocab_size
+        logp = rows_of(batch, token_logprobs(output, batch["labels"], vocab))
+        # The first step's old policy is the current one: its old log-probs are its own, detached (ratio 1).
+        old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
+        # Logged, and optimised only with a coefficient: without one, no graph keeps its [tokens, V/tp] tensors.
+        with torch.set_grad_enabled(bool(self.loss.entropy_coef) and torch.is_grad_enabled()):
+            entropy = rows_of(batch, token_entropy(output, vocab, self.groups.tp))
+        loss, metrics = policy_loss(
+            self.loss,
+            logp,
+            old_logp,
+            batch["advantages"],
+            batch["mask"],
+            ref_logp=batch.get("ref_logp"),
+            rollout_logp=batch["rollout_logp"],
+            entropy=entropy,
+            share=batch["share"],
+        )
+        return loss, metrics | {"loss": loss.detach()}
+
+    def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
+        """Optimizer steps over ``batch`` in global batches of ``global_batch_size`` rows; metrics per step.
+
+        ``batch["old_logp"]`` covers its last rows (all, or those after the first step): a step without them is
+        the first, whose old policy is the current one (:meth:`_loss_fn`).
+        """
+        batch = dict(batch)
+        old = batch.pop("old_logp", None)
+        first_old = batch["tokens"].shape[0] - (old.shape[0] if old is not None else 0)
+        steps = []
+        for start in range(0, batch["tokens"].shape[0], global_batch_size):
+            step = {k: v[start : start + global_batch_size] for k, v in batch.items()}
+            if start >= first_old:
+                step["old_logp"] = old[start - first_old : start - first_old + global_batch_size]
+            elif start + global_batch_size > first_old:
+                raise ValueError(f"old_logp starts at row {first_old}, inside the step of rows {start}+")
+            steps.append(step)
+        names = ["mask", "old_logp", "rollout_logp", "ref_logp", *self._routing(batch), "advantages"]
+        return self._optimize(steps, names, micro_batch_size, self._loss_fn)
+
+    def router_metrics(self) -> dict:
+        """Router load over the training steps since the last call (:class:`RouterLoad`); {} for dense models."""
+        return self.router_load.collect() if self.router_load is not None else {}
+
     # ---- weight sync --------------------------------------------------------------------------------------
     def connect_engines(self, engines: list, colocated: bool, engine_tp: int, sync: SyncConfig, dtype: str) -> None:
         """Attach the rollout engines: colocated, the engine on this rank's devices (one per block of ``engine_tp``
@@ -336,52 +427,62 @@ class PolicyTrainer(MegatronRank):
         }
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    def _sharded_state(self, is_loading: bool) -> dict:
-        model = model_state(self.chunks)
-        # Resharding-friendly optimizer layout: a checkpoint saved under one layout loads under another.
-        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
-        optimizer = self.model.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
-        return {**model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
+    checkpoint_dir = "policy"
 
     def save(self, directory: str) -> None:
-        """Model, optimizer and LR schedule as a Megatron distributed checkpoint, plus this rank's RNG states."""
-        from megatron.core import dist_checkpointing, tensor_parallel
+        """The role's checkpoint (:meth:`TrainableRank.save`) and this rank's RNG states."""
+        from megatron.core import tensor_parallel
 
-        (Path(directory) / "policy").mkdir(exist_ok=True)
-        dist_checkpointing.save(self._sharded_state(is_loading=False), str(Path(directory) / "policy"))
+        super().save(directory)
         rng = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
         if self.machine.cuda:
             rng["cuda"] = torch.cuda.get_rng_state()
         torch.save(rng, Path(directory) / f"rng_rank{self.rank}.pt")
 
     def load(self, directory: str) -> None:
-        from megatron.core import dist_checkpointing, tensor_parallel
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        from megatron.core import tensor_parallel
 
-        for opt in self._optimizers():
-            if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
-                opt._init_optimizer_states_with_dummy_values()  # Adam's state exists only after a step otherwise
-        state = dist_checkpointing.load(self._sharded_state(is_loading=True), str(Path(directory) / "policy"))
-        for i, chunk in enumerate(self.chunks):
-            chunk.load_state_dict(state[f"model{i}"])
-        self.model.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        super().load(directory)
         rng = torch.load(Path(directory) / f"rng_rank{self.rank}.pt", weights_only=True)  # tensors only, no code
         torch.set_rng_state(rng["cpu"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
         if "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"])
 
-    def optimizer_digest(self) -> dict:
-        """Step count and sums of Adam's moments over all ranks: equal before a save and after its load."""
-        step, sums = 0.0, {"exp_avg": 0.0, "exp_avg_sq": 0.0}
-        for opt in self._optimizers():
-            for state in opt.optimizer.state.values():
-                step = max(step, float(state.get("step", 0)))
-                for key in sums:
-                    if key in state:
-                        sums[key] += state[key].double().sum().item()
-        world = torch.distributed.group.WORLD
-        return {"step": all_reduce_scalar(step, world, "max")} | {
-            k: all_reduce_scalar(v, world) for k, v in sums.items()
-        }
+
+class ValueTrainer(TrainableRank):
+    """One rank of PPO's critic: the policy's architecture (loaded from ``hf_dir``, the policy's or another
+    checkpoint of that family) with a :class:`models.value_head.ValueHead` for its LM head, scoring values and
+    trained with the clipped value loss."""
+
+    checkpoint_dir = "critic"
+
+    def __init__(self, *args, value_clip: float = 0.5, recompute: str = "none", overrides: dict | None = None, **kw):
+        super().__init__(*args, overrides=recompute_overrides(recompute) | (overrides or {}), **kw)
+        self.value_clip = value_clip
+
+    def _build(self, hf_dir: str) -> list[torch.nn.Module]:
+        chunks = super()._build(hf_dir)
+        attach_value_heads(chunks, self.groups.tp)
+        return chunks
+
+    def values(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
+        """The critic's value [N, L-1] of every input position of ``batch["tokens"]`` (the state before the token at
+        the next position, aligned with log-probs), every rank gets all rows."""
+        return self._score(batch, micro_batch_size, lambda mb, output: output.squeeze(-1))
+
+    def _loss_fn(self, batch: dict, output: torch.Tensor):
+        values = rows_of(batch, output.squeeze(-1).float())
+        loss, metrics = value_loss(
+            values, batch["values"], batch["returns"], batch["mask"], self.value_clip, batch["share"]
+        )
+        return loss, metrics | {"loss": loss.detach()}
+
+    def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
+        """Optimizer steps towards ``batch["returns"]`` from ``batch["values"]`` (the values the returns were
+        estimated with: the clip's centre), in global batches of ``global_batch_size`` rows; metrics per step."""
+        steps = [
+            {k: v[start : start + global_batch_size] for k, v in batch.items()}
+            for start in range(0, batch["tokens"].shape[0], global_batch_size)
+        ]
+        return self._optimize(steps, ["mask", "values", "returns"], micro_batch_size, self._loss_fn)

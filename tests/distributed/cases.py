@@ -652,3 +652,49 @@ def optimizer_with_megatrons_gloo_groups(hf_dir: str) -> str:
     except ValueError as err:
         return str(err)
     return ""
+
+
+def _critic_batch(seed: int = 0) -> dict:
+    """Eight rows of different lengths (4-token prompts), returns to regress on."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([12, 9, 7, 12, 10, 8, 11, 6])
+    tokens = torch.randint(4, 100, (8, 12), generator=generator)
+    tokens[torch.arange(12)[None] >= lengths[:, None]] = 0
+    positions = torch.arange(11)[None]
+    mask = ((positions >= 4) & (positions < lengths[:, None] - 1)).float()
+    returns = torch.randn(8, 11, generator=generator) * mask
+    prompt_lengths = torch.full((8,), 4)
+    return {"tokens": tokens, "lengths": lengths, "prompt_lengths": prompt_lengths, "mask": mask, "returns": returns}
+
+
+def critic_episodes(
+    hf_dir: str,
+    layout: dict,
+    max_token_in_packing: int = 0,
+    share_prompts: bool = False,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
+    episodes: int = 2,
+) -> dict:
+    """``episodes`` PPO critic episodes (values scored, then two optimizer steps towards fixed returns) of the
+    critic role; each episode's values and each step's metrics. ``checkpoint_dir``: saved there after the first
+    episode; ``resume``: instead loaded from there before the (remaining) episodes run."""
+    from mcore_rl.roles.megatron import ValueTrainer
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    optimizer = dict(lr=1e-3, lr_decay_style="cosine", min_lr=1e-4, lr_warmup_steps=1, weight_decay=0.0)
+    critic = ValueTrainer(
+        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 4,
+        max_token_in_packing=max_token_in_packing, share_prompts=share_prompts, value_clip=0.2,
+    )  # fmt: skip
+    batch = _critic_batch()
+    if resume:
+        critic.load(checkpoint_dir)
+    values, steps = [], []
+    for episode in range(episodes):
+        batch["values"] = critic.values(batch, micro_batch_size=2) * batch["mask"]
+        values.append(batch["values"])
+        steps += critic.train(batch, global_batch_size=4, micro_batch_size=2)
+        if checkpoint_dir and not resume and episode == 0:
+            critic.save(checkpoint_dir)
+    return dict(values=values, steps=steps, digest=critic.optimizer_digest())

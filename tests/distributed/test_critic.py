@@ -1,0 +1,61 @@
+"""PPO's critic role (:class:`mcore_rl.roles.megatron.ValueTrainer`): its values and value-loss steps under every
+parallel layout equal the data-parallel run's (the loss is a batch mean, so the layout cannot change it), in
+padded, packed and shared-prompt micro-batches; a run resumed from its checkpoint continues exactly."""
+
+import pytest
+
+from tests.distributed import cases
+
+KEYS = ("loss", "grad_norm", "value_loss", "value_clip_fraction", "values_mean", "lr")
+
+
+def _same(result: dict, expected: dict, what) -> None:
+    for values, want in zip(result["values"], expected["values"], strict=True):
+        assert (values - want).abs().max().item() <= 1e-5, what
+    assert len(result["steps"]) == len(expected["steps"])
+    for step, want in zip(result["steps"], expected["steps"], strict=True):
+        for key in KEYS:
+            assert step[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (what, key)
+
+
+@pytest.mark.parametrize(
+    "arch, layouts",
+    [
+        # tied embeddings (the critic unties them), under TP with sequence parallelism and under PP
+        ("LlamaForCausalLM", [dict(tp=2, sequence_parallel=True), dict(pp=2, tp=2)]),
+        ("DeepseekV3ForCausalLM", [dict(ep=2), dict(pp=2, ep=2)]),
+    ],
+)
+def test_critic_layouts_match_data_parallel(ranks, tiny_models, arch, layouts):
+    hf_dir = tiny_models[arch]
+    padded = ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout={})[0]
+    # the critic learns: its loss falls over the two episodes' steps towards the same returns
+    assert padded["steps"][2]["value_loss"] < padded["steps"][0]["value_loss"]
+    assert padded["steps"][0]["value_clip_fraction"] == 0  # the first step starts at the old values
+    variants = [dict(max_token_in_packing=24)]
+    if arch == "LlamaForCausalLM":  # shared-prompt rows: not with MLA
+        variants.append(dict(share_prompts=True))
+    for variant in variants:
+        _same(ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout={}, **variant)[0], padded, variant)
+    for layout in layouts:
+        for result in ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout=layout):
+            _same(result, padded, layout)
+
+
+def test_critic_resumes_exactly_from_its_checkpoint(ranks, tiny_models, tmp_path):
+    """Saved after one episode under one layout, loaded under another: the second episode's values and steps
+    (warm-up and cosine LR schedule included) and the Adam state equal the uninterrupted run's (its sums over ranks
+    compared under one layout: replicated parameters count once per TP rank)."""
+    hf_dir = tiny_models["Qwen3ForCausalLM"]
+    straight = ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout=dict(tp=2))[0]
+    ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout=dict(tp=2), checkpoint_dir=str(tmp_path), episodes=1)
+    resumed = ranks.run(
+        cases.critic_episodes, hf_dir=hf_dir, layout=dict(pp=2), checkpoint_dir=str(tmp_path), resume=True, episodes=1
+    )
+    second = dict(values=straight["values"][1:], steps=straight["steps"][2:])
+    for result in resumed:
+        _same(result, second, "resumed")
+    digest = ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout=dict(pp=2))[0]["digest"]
+    for result in resumed:
+        for key, value in digest.items():
+            assert result["digest"][key] == pytest.approx(value, rel=1e-6), key
