@@ -2,7 +2,7 @@
 and its PNG plots.
 
 Suites: rl (end-to-end GRPO against TRL's GRPOTrainer), agent (word problems with and without the calculator
-tool), experts (grouped vs sequential experts), packing
+tool), algorithms (one SmolLM2 run per advantage estimator: rloo, reinforce_pp, gae, distillation), experts (grouped vs sequential experts), packing
 (utilisation and speed-up on long-tailed lengths), sync (trainer -> engine weight sync), convert (hf2mcore and
 mcore2hf on a generated multi-GB checkpoint), sandbox (the code sandbox's start-up, per-call cost and tool calls per
 second). No suite: all. The same commands run on a GPU machine (bf16 peak,
@@ -18,12 +18,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks import agent, convert, experts, packing, rl, sandbox, sync
+from benchmarks import agent, algorithms, convert, experts, packing, rl, sandbox, sync
 from benchmarks.hardware import measure
 from benchmarks.report import Report, table
 
 SUITES = {
-    "rl": rl, "agent": agent, "experts": experts, "packing": packing, "sync": sync, "convert": convert,
+    "rl": rl, "agent": agent, "algorithms": algorithms, "experts": experts, "packing": packing, "sync": sync, "convert": convert,
     "sandbox": sandbox,
 }  # fmt: skip
 
@@ -32,7 +32,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     parser.add_argument("suites", nargs="*", choices=[[], *SUITES], help="default: all")
     parser.add_argument("--out", required=True, type=Path, help="directory for report.md, plots and run outputs")
-    parser.add_argument("--episodes", type=int, default=4, help="rl, agent: episodes per run (rl leaves out the first)")
+    parser.add_argument(
+        "--episodes", type=int, default=4, help="rl, agent, algorithms: episodes per run (rl leaves out the first)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="rl: runs of mcore-rl and of the peer, alternating")
     names = ",".join(v.name for v in rl.VARIANTS)
     parser.add_argument("--variants", default=names, help=f"rl: comma-separated variants (default {names}; '' none)")
@@ -57,8 +59,8 @@ def main(argv: list[str]) -> int:
         if name == "rl":
             variants = [v for v in args.variants.split(",") if v]
             rl.suite(args.out, hardware, report, args.episodes, args.repeats, variants)
-        elif name == "agent":
-            agent.suite(args.out, hardware, report, args.episodes)
+        elif name in ("agent", "algorithms"):
+            SUITES[name].suite(args.out, hardware, report, args.episodes)
         elif name == "convert":
             convert.suite(args.out, hardware, report, args.convert_gb)
         else:

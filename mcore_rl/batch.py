@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.algorithms.advantages import estimate, overlong_penalty
+from mcore_rl.algorithms.advantages import (
+    ESTIMATORS,
+    estimate,
+    gae,
+    outcome_rewards,
+    overlong_penalty,
+    reinforce_pp,
+    reward_kl,
+)
 from mcore_rl.algorithms.grpo import constant_groups
 from mcore_rl.data.prompts import Prompt
 from mcore_rl.rollout.engine import Completion
@@ -26,11 +34,10 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]], texts
     return [Sample(f"{p.row.id}/{k}", p, c, t) for (p, k, c), t in zip(flat, texts, strict=True)]
 
 
-def training_batch(samples: list[Sample], rewards: list[float], group_size: int, estimator: str) -> dict:
+def training_batch(samples: list[Sample], rewards: list[float]) -> dict:
     """Right-padded tensors of prompt + response: ``tokens`` [N, L]; per next-token position ([N, L-1]) the
     response ``mask`` and the engine's ``rollout_logp``; per sample ``lengths`` and ``prompt_lengths`` (real
-    tokens), ``advantages`` (by ``estimator``, see :mod:`mcore_rl.algorithms.advantages`) and ``rewards``; and
-    when the engine returned them, ``routed_experts`` [N, L-1, layers, top-k]. A multi-turn trajectory's
+    tokens) and ``rewards``; and when the engine returned them, ``routed_experts`` [N, L-1, layers, top-k]. A multi-turn trajectory's
     observation tokens are masked (``Completion.loss_mask``)."""
     sequences = [s.prompt.token_ids + s.completion.token_ids for s in samples]
     length = max(map(len, sequences))
@@ -43,20 +50,47 @@ def training_batch(samples: list[Sample], rewards: list[float], group_size: int,
         start, count = len(sample.prompt.token_ids) - 1, len(sample.completion.token_ids)
         mask[i, start : start + count] = torch.tensor(sample.completion.loss_mask or [1] * count)
         rollout_logp[i, start : start + count] = torch.tensor(sample.completion.logprobs)
-    reward_t = torch.tensor(rewards, dtype=torch.float32)
-    advantages = estimate(estimator, reward_t, group_size, mask.sum(dim=1))
     batch = {
         "tokens": tokens,
         "lengths": torch.tensor([len(seq) for seq in sequences]),
         "prompt_lengths": torch.tensor([len(s.prompt.token_ids) for s in samples]),
         "mask": mask,
         "rollout_logp": rollout_logp,
-        "advantages": advantages,
-        "rewards": reward_t,
+        "rewards": torch.tensor(rewards, dtype=torch.float32),
     }
     if samples[0].completion.routed_experts is not None:
         batch["routed_experts"] = routed_experts(samples, sequences, length - 1)
     return batch
+
+
+def add_advantages(batch: dict, trainer, group_size: int) -> dict[str, float]:
+    """``batch["advantages"]`` by ``trainer.advantage_estimator`` (``trainer``: the policy trainer's config), per
+    sample or, for per-token estimators and distillation, per response position; with GAE also the critic's
+    ``returns``. Reads what the estimator needs: ``old_logp`` and ``ref_logp`` of every row for a KL penalty in the
+    reward, ``values`` for GAE, ``teacher_logp`` and ``old_logp`` for distillation. Returns the metrics."""
+    mask, rewards, estimator = batch["mask"], batch["rewards"], trainer.advantage_estimator
+    metrics = {}
+    if estimator in ESTIMATORS:
+        advantages = estimate(estimator, rewards, group_size, mask.sum(dim=1))
+    elif estimator == "none":  # distillation alone
+        advantages = torch.zeros_like(mask)
+    else:
+        token_rewards = outcome_rewards(rewards, mask)
+        if trainer.reward_kl_coef:
+            kl = reward_kl(batch["old_logp"], batch["ref_logp"], mask)
+            token_rewards = token_rewards - trainer.reward_kl_coef * kl
+            metrics["batch/reward_kl"] = (kl.sum() / mask.sum().clamp(min=1)).item()
+        if estimator == "reinforce_pp":
+            advantages = reinforce_pp(token_rewards, mask, trainer.gamma)
+        else:
+            advantages, batch["returns"] = gae(token_rewards, batch["values"], mask, trainer.gamma, trainer.lam)
+    if trainer.distill_coef:
+        reverse_kl = (batch["old_logp"] - batch["teacher_logp"]) * mask
+        per_token = advantages if advantages.dim() == 2 else advantages[:, None] * mask
+        advantages = per_token - trainer.distill_coef * reverse_kl
+        metrics["distill/reverse_kl"] = (reverse_kl.sum() / mask.sum().clamp(min=1)).item()
+    batch["advantages"] = advantages
+    return metrics
 
 
 def routed_experts(samples: list[Sample], sequences: list[list[int]], positions: int) -> torch.Tensor:

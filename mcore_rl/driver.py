@@ -28,7 +28,9 @@ from compat import upstream_notices_env
 from converters.hf_io import copy_model_files
 from mcore_rl import checkpoint
 from mcore_rl.agent.trajectory import Trajectory, trajectory_stats
+from mcore_rl.algorithms.ppo import explained_variance
 from mcore_rl.batch import (
+    add_advantages,
     filter_truncated,
     partition_groups,
     rollout_stats,
@@ -116,7 +118,8 @@ class SingleTurn:
 
 
 class System:
-    """The roles on a Ray placement group: policy trainer ranks, reference ranks, rollout engines, rewards."""
+    """The roles on a Ray placement group: policy trainer ranks, reference, teacher and critic ranks where the run
+    uses them (else ``None``), rollout engines, rewards."""
 
     def __init__(self, config: RunConfig):
         import ray
@@ -146,14 +149,14 @@ class System:
 
     def _start(self, config: RunConfig) -> None:
         from mcore_rl.roles.cluster import Placement, rendezvous, wait_ready
-        from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer
+        from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer, ValueTrainer
         from mcore_rl.roles.rollout import RewardPool, RolloutGroup
-        from mcore_rl.roles.trainer import ReferenceGroup, TrainerGroup
+        from mcore_rl.roles.trainer import CriticGroup, ReferenceGroup, TrainerGroup
 
         rt, m = config.runtime_args, config.models
-        self.use_ref = bool(m.policy_trainer.algorithm.kl_coef)
+        roles = m.megatron_roles
         n = rt.trainer_devices
-        self.placement = Placement.pools(n, rt.rollout_devices, trainer_roles=1 + self.use_ref)
+        self.placement = Placement.pools(n, rt.rollout_devices, trainer_roles=len(roles))
         self._stops.append(self.placement.remove)
         gpu = self.placement.resource == "GPU"
         if m.policy_trainer.moe.routing_replay and not gpu:
@@ -166,24 +169,38 @@ class System:
         name = rt.exp_name
         steps = rt.num_episode * (rt.sample_per_episode // rt.train_global_batch_size)
         trainer = m.policy_trainer
-        masters = rendezvous(self.placement, 1 + self.use_ref)
+        masters = dict(zip(roles, rendezvous(self.placement, len(roles)), strict=True))
         self.trainer = TrainerGroup(
-            PolicyTrainer, self.placement, n, f"{name}/policy_trainer", masters[0], cores,
+            PolicyTrainer, self.placement, n, f"{name}/policy_trainer", masters["policy_trainer"], cores,
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
             optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
             max_token_in_packing=trainer.max_token_in_packing, share_prompts=trainer.share_prompts, moe=trainer.moe,
             recompute=trainer.recompute,
         )  # fmt: skip
         self._stops.append(self.trainer.kill)
-        if self.use_ref:
-            ref = m.ref_policy
-            self.ref = ReferenceGroup(
-                MegatronRank, self.placement, n, f"{name}/ref_policy", masters[1], cores,
-                hf_dir=ref.load, parallel=ref.parallel, seed=rt.seed, max_token_in_packing=ref.max_token_in_packing,
-                share_prompts=ref.share_prompts,
+        megatron_roles = [self.trainer]
+        self.ref = self.teacher = self.critic = None
+        for role in ("ref_policy", "teacher"):  # scoring only, like the reference
+            if m.uses(role):
+                section = getattr(m, role)
+                group = ReferenceGroup(
+                    MegatronRank, self.placement, n, f"{name}/{role}", masters[role], cores, hf_dir=section.load,
+                    parallel=section.parallel, seed=rt.seed, max_token_in_packing=section.max_token_in_packing,
+                    share_prompts=section.share_prompts,
+                )  # fmt: skip
+                setattr(self, "ref" if role == "ref_policy" else role, group)
+                self._stops.append(group.kill)
+                megatron_roles.append(group)
+        if m.uses("critic"):
+            critic = m.critic
+            self.critic = CriticGroup(
+                ValueTrainer, self.placement, n, f"{name}/critic", masters["critic"], cores, hf_dir=critic.load,
+                parallel=critic.parallel, seed=rt.seed, optimizer=dataclasses.asdict(critic.optimizer),
+                total_steps=steps, max_token_in_packing=critic.max_token_in_packing,
+                share_prompts=critic.share_prompts, value_clip=critic.value_clip, recompute=critic.recompute,
             )  # fmt: skip
-            self._stops.append(self.ref.kill)
-        megatron_roles = [self.trainer] + ([self.ref] if self.use_ref else [])
+            self._stops.append(self.critic.kill)
+            megatron_roles.append(self.critic)
         wait_ready(*megatron_roles)  # they started side by side
         # GPU, colocated: the trainer leaves the device while the engines roll out (on CPU there is nowhere to go).
         self.offload = trainer.offload and rt.colocated
@@ -215,6 +232,10 @@ class System:
         # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
         dtype = Device("cuda" if gpu else "cpu").engine_dtype(m.policy.rollout.dtype)
         self.trainer.connect_engines(self.rollout.engines, rt.colocated, self.rollout.tp, m.policy.sync, dtype)
+
+    def trained_roles(self) -> list[tuple[str, object]]:
+        """(checkpoint metadata key of its optimizer digest, role) of each trained role, the policy first."""
+        return [("optimizer", self.trainer)] + ([("critic_optimizer", self.critic)] if self.critic else [])
 
     def agent_loop(self, tokenizer):
         """The multi-turn loop over the engines, environments and tools (closed with the system)."""
@@ -328,9 +349,11 @@ class Run:
         system, root = self.system, self.out / "checkpoints"
         try:
             partial = checkpoint.partial_dir(root, episode)
-            with system.on_device(system.trainer):
-                system.trainer.save(str(partial))
-                meta = self.progress.meta() | {"optimizer": system.trainer.optimizer_digest()}
+            meta = self.progress.meta()
+            for key, role in system.trained_roles():
+                with system.on_device(role):
+                    role.save(str(partial))
+                    meta[key] = role.optimizer_digest()
             copy_model_files(self.config.models.policy_trainer.load, partial, skip=(checkpoint.MARKER,))
             path = checkpoint.commit(root, episode, meta)
         except Exception as err:  # noqa: BLE001 - a full disk reaches here as OSError or wrapped by Ray
@@ -371,27 +394,47 @@ def rollout_phase(run: Run) -> tuple[list, list[float], list[int]]:
 
 
 def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=None) -> dict:
-    """Reference and old log-probs -> advantages -> optimizer steps -> ``before_sync()`` (what the mode waits for
-    before the weights change) -> the weights into the engines as policy ``version``, checked by the probe."""
+    """Reference, teacher and old log-probs, values -> advantages -> critic and policy steps -> ``before_sync()``
+    (what the mode waits for before the weights change) -> the weights into the engines as policy ``version``,
+    checked by the probe."""
     system, rt, m = run.system, run.config.runtime_args, run.config.models
-    rewards, shaping = shape_overlong(samples, rewards, m.policy_trainer, m.policy.rollout.train.max_new_tokens)
-    batch = training_batch(samples, rewards, m.policy.num_inference_per_prompt, m.policy_trainer.advantage_estimator)
-    if m.policy_trainer.overlong_filter:
-        shaping |= filter_truncated(batch, samples)
+    trainer, gbs = m.policy_trainer, rt.train_global_batch_size
+    rewards, metrics = shape_overlong(samples, rewards, trainer, m.policy.rollout.train.max_new_tokens)
+    batch = training_batch(samples, rewards)
+    if trainer.overlong_filter:
+        metrics |= filter_truncated(batch, samples)
     with system.on_device(system.trainer, ["weights"]) as weights:  # the sync needs no optimizer state
-        if system.use_ref:
-            with system.on_device(system.ref):
-                batch["ref_logp"] = system.ref.logprobs(batch, m.ref_policy.micro_batch_size)
+        for role, key, section in ((system.ref, "ref_logp", m.ref_policy), (system.teacher, "teacher_logp", m.teacher)):
+            if role is not None:
+                with system.on_device(role):
+                    batch[key] = role.logprobs(batch, section.micro_batch_size)
         timer("ref_logprobs")
-        later = {k: v[rt.train_global_batch_size :] for k, v in batch.items()}  # the first step's are its own
+        # The first step's rows score their own old log-probs, unless the advantages read them before any step.
+        first = 0 if trainer.reward_kl_coef or trainer.distill_coef else gbs
+        later = {k: v[first:] for k, v in batch.items()}
         if len(later["tokens"]):
-            batch["old_logp"] = system.trainer.logprobs(later, m.policy_trainer.micro_batch_size)
+            batch["old_logp"] = system.trainer.logprobs(later, trainer.micro_batch_size)
         timer("old_logprobs")
-        with system.on_device(system.trainer, ["optimizer"]) as optimizer:
-            steps = system.trainer.train(batch, rt.train_global_batch_size, m.policy_trainer.micro_batch_size)
-            memory = system.trainer.memory_bytes()
-        timer("train")
-        router = system.trainer.router_metrics()
+        if system.critic is not None:
+            with system.on_device(system.critic):
+                batch["values"] = system.critic.values(batch, m.critic.micro_batch_size) * batch["mask"]
+        metrics |= add_advantages(batch, trainer, m.policy.num_inference_per_prompt)
+        if system.critic is not None:
+            with system.on_device(system.critic):
+                metrics |= critic_metrics(system.critic.train(batch, gbs, m.critic.micro_batch_size), batch)
+            timer("critic")
+        steps = []
+        if system.critic is None or version > m.critic.warmup_episodes:  # the critic's warm-up trains it alone
+            with system.on_device(system.trainer, ["optimizer"]) as optimizer:
+                steps = system.trainer.train(batch, gbs, trainer.micro_batch_size)
+                memory = system.trainer.memory_bytes()
+            timer("train")
+            metrics |= {f"train/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+            metrics |= {f"train/first_step_{k}": steps[0][k] for k in ("ratio_mean", "kl") if k in steps[0]}
+            metrics |= system.trainer.router_metrics() | {
+                "memory/trainer_bytes": memory,
+                "memory/trainer_offloaded_bytes": weights.offloaded + optimizer.offloaded,
+            }
         if before_sync is not None:
             before_sync()
             timer("wait_for_rollout")
@@ -399,22 +442,28 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
     sync = system.trainer.verify_sync()  # the engines' KV caches return after the trainer's weights left
     timer("sync")
     tokens = float(batch["mask"].sum())
-    metrics = {f"train/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-    metrics |= {f"train/first_step_{k}": steps[0][k] for k in ("ratio_mean", "kl") if k in steps[0]}
     return (
         metrics
-        | shaping
-        | router
         | {f"sync/{k}": v for k, v in sync.items()}
         | {
             "batch/tokens": float(batch["lengths"].sum()),
             "batch/response_tokens": tokens,
             "batch/tokens_prompts_once": tokens
             + float(batch["prompt_lengths"][:: m.policy.num_inference_per_prompt].sum()),
-            "memory/trainer_bytes": memory,
-            "memory/trainer_offloaded_bytes": weights.offloaded + optimizer.offloaded,
         }
     )
+
+
+def critic_metrics(steps: list[dict], batch: dict) -> dict[str, float]:
+    """``critic/*``: the critic's steps (means over them) and how well its values (before them) explained GAE's
+    returns."""
+    mask = batch["mask"]
+    tokens = mask.sum().clamp(min=1)
+    keys = ("value_loss", "value_clip_fraction", "values_mean", "grad_norm", "lr")
+    return {f"critic/{k}": sum(s[k] for s in steps) / len(steps) for k in keys} | {
+        "critic/returns_mean": float((batch["returns"] * mask).sum() / tokens),
+        "critic/explained_variance": explained_variance(batch["values"], batch["returns"], mask),
+    }
 
 
 def sync_loop(run: Run, start: int) -> None:
@@ -502,15 +551,18 @@ def _last_line(err: BaseException) -> str:
 
 
 def _load_newest(system: System, root: Path):
-    """Load the newest complete checkpoint that loads: ``((episode, path, optimizer digest) or None, [(path,
-    error)] of the newer ones that failed)``. A checkpoint that fails to load is reported and the one before it
+    """Load the newest complete checkpoint that loads: ``((episode, path, {key: optimizer digest} of the trained
+    roles) or None, [(path, error)] of the newer ones that failed)``. A checkpoint that fails to load is reported and the one before it
     tried; when none loads, the run stops rather than train from scratch over them."""
     failed = []
     for episode, path in reversed(checkpoint.complete(root)):
         try:
-            with system.on_device(system.trainer, ["optimizer"]):
-                system.trainer.load(str(path))
-                return (episode, path, system.trainer.optimizer_digest()), failed
+            digests = {}
+            for key, role in system.trained_roles():
+                with system.on_device(role, ["optimizer"] if role is system.trainer else None):
+                    role.load(str(path))
+                    digests[key] = role.optimizer_digest()
+            return (episode, path, digests), failed
         except Exception as err:  # noqa: BLE001 - any failure of this checkpoint sends us to the previous one
             error = _last_line(err)
             log.warning("checkpoint %s failed to load (%s); trying the one before it", path, error)
@@ -543,7 +595,7 @@ def run(config: RunConfig) -> Path:
             if found:
                 start, path, digest = found
                 progress = DataProgress.from_meta(checkpoint.read_meta(path))
-                logger.event("resume", episode=start, checkpoint=str(path), **progress.meta(), optimizer=digest)
+                logger.event("resume", episode=start, checkpoint=str(path), **progress.meta(), **digest)
             system.trainer.push_weights(start)  # engines start from the HF weights; the probe checks both
         logger.event("initial_sync", **system.trainer.verify_sync())
         job = Run(config, data, system, logger, progress)

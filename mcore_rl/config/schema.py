@@ -11,7 +11,7 @@ from converters.torch_dist import Reader, find_megatron
 from mcore_rl.agent.envs import BUILTIN_ENVS
 from mcore_rl.agent.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError
 from mcore_rl.agent.tools import BUILTIN_TOOLS
-from mcore_rl.algorithms.advantages import ESTIMATORS
+from mcore_rl.algorithms.advantages import ESTIMATORS, TOKEN_ESTIMATORS
 from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
@@ -23,7 +23,8 @@ from models.registry import get_bridge
 from parallel.config import ParallelConfig
 
 BUILTIN_DATA = "builtin:arithmetic"
-MODEL_KEYS = ("models.policy_trainer.load", "models.ref_policy.load", "models.policy.load")
+# The Megatron roles besides the policy trainer, in their placement order (each used only when configured).
+SCORING_ROLES = ("ref_policy", "teacher", "critic")
 
 
 @dataclass
@@ -104,8 +105,17 @@ class TrainerConfig:
     micro_batch_size: int = 2
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
     algorithm: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    # grpo, dr_grpo, rloo or reinforce_pp_baseline (mcore_rl/algorithms/advantages.py)
+    # Per sample: grpo, dr_grpo, rloo, reinforce_pp_baseline; per token: reinforce_pp, gae (needs models.critic);
+    # none: no task advantage, distillation alone (mcore_rl/algorithms/advantages.py)
     advantage_estimator: str = "grpo"
+    # Per-token estimators: the k1 KL to the reference (log pi_old - log pi_ref) times this, subtracted from each
+    # token's reward (REINFORCE++ and PPO's KL penalty; algorithm.kl_coef is the GRPO-style KL loss term instead)
+    reward_kl_coef: float = 0.0
+    gamma: float = 1.0  # per-token estimators: the discount over response tokens
+    lam: float = 1.0  # gae: the GAE lambda
+    # On-policy distillation (needs models.teacher): each response token's advantage gains this times
+    # log pi_teacher - log pi_old (the negative reverse KL to the teacher on the student's own samples)
+    distill_coef: float = 0.0
     # DAPO's overlong shaping: over the last overlong_buffer tokens before the rollout's max_new_tokens the reward
     # falls linearly, by overlong_penalty at the limit (0: off); overlong_filter: truncated samples leave the loss.
     overlong_buffer: int = 0
@@ -134,6 +144,28 @@ class ReferenceConfig:
     micro_batch_size: int = 2
     max_token_in_packing: int = "${models.policy_trainer.max_token_in_packing}"  # as the trainer's; 0: padded
     share_prompts: bool = "${models.policy_trainer.share_prompts}"
+
+
+@dataclass
+class TeacherConfig(ReferenceConfig):
+    """On-policy distillation's teacher: scores the student's samples like the reference (its own layout)."""
+
+    load: str = ""  # HF directory of a model with the policy's tokenizer; empty: no teacher
+
+
+@dataclass
+class CriticConfig:
+    """PPO's value model: the policy's architecture with a value head, a Megatron role of its own."""
+
+    load: str = ""  # HF directory to start from (the policy's, or a larger model with its tokenizer); empty: none
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size: int = 2
+    optimizer: OptimizerSettings = field(default_factory=lambda: OptimizerSettings(lr=1e-5))
+    value_clip: float = 0.5  # PPO's value clip around the old values (0: plain squared error)
+    warmup_episodes: int = 0  # the first episodes train the critic only; the policy waits for useful values
+    max_token_in_packing: int = "${models.policy_trainer.max_token_in_packing}"
+    share_prompts: bool = "${models.policy_trainer.share_prompts}"
+    recompute: str = "none"  # as the policy trainer's; offload follows models.policy_trainer.offload
 
 
 @dataclass
@@ -182,8 +214,31 @@ class RewardConfig:
 class ModelsConfig:
     policy_trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ref_policy: ReferenceConfig = field(default_factory=ReferenceConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+
+    def uses(self, role: str) -> bool:
+        """Whether the run starts the Megatron role ``role`` (``policy_trainer`` or one of :data:`SCORING_ROLES`)."""
+        trainer = self.policy_trainer
+        return {
+            "policy_trainer": True,
+            "ref_policy": bool(trainer.algorithm.kl_coef or trainer.reward_kl_coef),
+            "teacher": bool(self.teacher.load),
+            "critic": bool(self.critic.load),
+        }[role]
+
+    @property
+    def megatron_roles(self) -> list[str]:
+        """The Megatron roles the run starts."""
+        return [role for role in ("policy_trainer", *SCORING_ROLES) if self.uses(role)]
+
+    @property
+    def checked_roles(self) -> list[str]:
+        """The Megatron roles whose sections are validated: those the run starts, and the reference always (its
+        settings follow the trainer's unless given, and a run that adds a KL term later should not fail then)."""
+        return [r for r in ("policy_trainer", *SCORING_ROLES) if self.uses(r) or r == "ref_policy"]
 
 
 @dataclass
@@ -250,7 +305,7 @@ class RunConfig:
             if m.reward.multi_turn
             else "max_prompt_tokens + max_new_tokens"
         )
-        for role in ("policy_trainer", "ref_policy"):
+        for role in m.checked_roles:
             packing = getattr(m, role).max_token_in_packing
             if packing and packing < self.longest_sample:
                 raise ConfigError(
@@ -271,11 +326,7 @@ class RunConfig:
                 "expected 'constant', 'cosine' or 'linear'"
             )
         m.policy_trainer.algorithm.validate("models.policy_trainer.algorithm")
-        if m.policy_trainer.advantage_estimator not in ESTIMATORS:
-            raise ConfigError(
-                f"models.policy_trainer.advantage_estimator={m.policy_trainer.advantage_estimator!r}: expected one of "
-                f"{sorted(ESTIMATORS)}"
-            )
+        self._validate_estimator()
         self._validate_overlong()
         if m.policy_trainer.advantage_estimator == "rloo" and m.policy.num_inference_per_prompt < 2:
             raise ConfigError(
@@ -284,21 +335,23 @@ class RunConfig:
             )
         m.policy.rollout.validate("models.policy.rollout")
         m.policy.sync.validate("models.policy.sync")
-        for key in MODEL_KEYS:
+        for key in self.model_keys:
             _check_model_dir(key, self._get(key))
         if find_megatron(m.policy.load):
             raise ConfigError(
                 f"models.policy.load={m.policy.load!r}: a Megatron checkpoint, but the rollout engine loads HF "
                 "weights; set it to the HF directory (the trainer and reference may load the Megatron checkpoint)"
             )
-        for key in ("models.policy_trainer", "models.ref_policy"):
+        roles = [f"models.{role}" for role in m.checked_roles]
+        for key in roles:
             role = self._get(key)
             try:
                 get_bridge(role.load).validate_layout(role.parallel)
             except ValueError as err:
                 raise ConfigError(f"{key}.parallel: {err}") from None
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
-        for key in ("models.policy_trainer", "models.ref_policy"):
+        self._validate_vocabularies()
+        for key in roles:
             role = self._get(key)
             mla = role.share_prompts and get_bridge(role.load).multi_latent_attention
             if role.share_prompts and (mla or role.parallel.cp > 1):
@@ -307,13 +360,14 @@ class RunConfig:
                     f"{role.parallel.cp}) and rotary embeddings outside attention ({role.load!r} uses MLA: "
                     f"{mla}); set it to false"
                 )
-        groups, dp = rt.train_global_batch_size // n, m.policy_trainer.parallel.dp(rt.trainer_devices)
-        if m.policy_trainer.share_prompts and groups < dp:
-            raise ConfigError(
-                f"models.policy_trainer.share_prompts: a step's {groups} prompt groups (train_global_batch_size / "
-                f"num_inference_per_prompt) cannot give each of the {dp} data-parallel ranks a whole group; raise "
-                "runtime_args.train_global_batch_size or set share_prompts to false"
-            )
+        for role in ("policy_trainer", "critic") if m.uses("critic") else ("policy_trainer",):
+            groups, dp = rt.train_global_batch_size // n, getattr(m, role).parallel.dp(rt.trainer_devices)
+            if getattr(m, role).share_prompts and groups < dp:
+                raise ConfigError(
+                    f"models.{role}.share_prompts: a step's {groups} prompt groups (train_global_batch_size / "
+                    f"num_inference_per_prompt) cannot give each of the {dp} data-parallel ranks a whole group; "
+                    "raise runtime_args.train_global_batch_size or set share_prompts to false"
+                )
         if m.policy_trainer.share_prompts and m.policy_trainer.moe.routing_replay:
             raise ConfigError(
                 "models.policy_trainer.share_prompts: routing replay takes per-sample rows; set share_prompts or "
@@ -336,7 +390,7 @@ class RunConfig:
         """The model directories' weight files are all there and whole (headers and sizes; no tensor is read). A
         run checks this before it writes anything; a dry run needs no weights, only config.json."""
         checked = set()
-        for key in MODEL_KEYS:
+        for key in self.model_keys:
             path = self._get(key)
             if path in checked:  # the same directory, checked under the first key that names it
                 continue
@@ -351,6 +405,11 @@ class RunConfig:
                 raise ConfigError(f"{key}={path!r}: {err}") from None
             if missing:
                 raise ConfigError(f"{key}={path!r}: incomplete Megatron checkpoint: " + "; ".join(missing))
+
+    @property
+    def model_keys(self) -> list[str]:
+        """The keys of the model directories the run loads: every Megatron role's, and the rollout engine's."""
+        return [f"models.{role}.load" for role in self.models.checked_roles] + ["models.policy.load"]
 
     def _get(self, dotted: str):
         node = self
@@ -384,6 +443,86 @@ class RunConfig:
                 "routing of its earlier tokens is not the routing that sampled them; set partial_rollout: false "
                 "or models.policy_trainer.moe.routing_replay: false"
             )
+
+    def _validate_estimator(self) -> None:
+        m, prefix = self.models, "models.policy_trainer"
+        trainer = m.policy_trainer
+        estimator = trainer.advantage_estimator
+        known = sorted(ESTIMATORS) + list(TOKEN_ESTIMATORS) + ["none"]
+        if estimator not in known:
+            raise ConfigError(f"{prefix}.advantage_estimator={estimator!r}: expected one of {known}")
+        if estimator == "rloo" and m.policy.num_inference_per_prompt < 2:
+            raise ConfigError(
+                f"{prefix}.advantage_estimator='rloo' needs models.policy.num_inference_per_prompt >= 2 (the "
+                "baseline is the other samples of the prompt)"
+            )
+        for key in ("reward_kl_coef", "distill_coef"):
+            if getattr(trainer, key) < 0:
+                raise ConfigError(f"{prefix}.{key}={getattr(trainer, key)}: expected >= 0 (0: off)")
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(trainer, key) <= 1:
+                raise ConfigError(f"{prefix}.{key}={getattr(trainer, key)}: expected a number in [0, 1]")
+        if trainer.reward_kl_coef and estimator not in TOKEN_ESTIMATORS:
+            raise ConfigError(
+                f"{prefix}.reward_kl_coef={trainer.reward_kl_coef}: a KL penalty in the per-token reward needs a "
+                f"per-token estimator ({list(TOKEN_ESTIMATORS)}); with {estimator!r} use "
+                f"{prefix}.algorithm.kl_coef (a KL term in the loss) instead"
+            )
+        if (estimator == "gae") != bool(m.critic.load):
+            raise ConfigError(
+                f"{prefix}.advantage_estimator='gae' needs PPO's critic: set models.critic.load to the policy's HF "
+                "directory (the value model starts from it)"
+                if estimator == "gae"
+                else f"models.critic.load={m.critic.load!r}: only {prefix}.advantage_estimator='gae' uses a critic; "
+                "set the estimator to gae or remove models.critic"
+            )
+        if bool(trainer.distill_coef) != bool(m.teacher.load):
+            raise ConfigError(
+                f"{prefix}.distill_coef={trainer.distill_coef} needs a teacher: set models.teacher.load to its HF "
+                "directory"
+                if trainer.distill_coef
+                else f"models.teacher.load={m.teacher.load!r}: the teacher is used by on-policy distillation only; "
+                f"set {prefix}.distill_coef > 0 or remove models.teacher"
+            )
+        if estimator == "none" and not trainer.distill_coef:
+            raise ConfigError(
+                f"{prefix}.advantage_estimator='none' trains on the teacher's signal alone: set "
+                f"{prefix}.distill_coef > 0 and models.teacher.load, or choose an estimator"
+            )
+        critic = m.critic
+        if critic.load:
+            if critic.value_clip < 0 or critic.micro_batch_size < 1:
+                raise ConfigError("models.critic.value_clip: expected >= 0; models.critic.micro_batch_size: >= 1")
+            if not 0 <= critic.warmup_episodes < self.runtime_args.num_episode:
+                raise ConfigError(
+                    f"models.critic.warmup_episodes={critic.warmup_episodes}: expected 0 up to runtime_args."
+                    f"num_episode - 1 = {self.runtime_args.num_episode - 1} (the policy trains after them)"
+                )
+            if critic.recompute not in ("none", "full"):
+                raise ConfigError(f"models.critic.recompute={critic.recompute!r}: expected 'none' or 'full'")
+
+    def _validate_vocabularies(self) -> None:
+        """The teacher and the critic read the policy's token ids: their tokenizers must be the policy's."""
+        from transformers import AutoTokenizer
+
+        m = self.models
+        policy = None
+        for role in ("teacher", "critic"):
+            path = getattr(m, role).load
+            if not m.uses(role) or path == m.policy.load:
+                continue
+            policy = policy or AutoTokenizer.from_pretrained(m.policy.load).get_vocab()
+            try:
+                theirs = AutoTokenizer.from_pretrained(path).get_vocab()
+            except (OSError, ValueError) as err:
+                raise ConfigError(f"models.{role}.load={path!r}: its tokenizer does not load ({err})") from None
+            if theirs != policy:
+                differ = sorted(set(theirs.items()) ^ set(policy.items()), key=str)[:3]
+                raise ConfigError(
+                    f"models.{role}.load={path!r}: its tokenizer is not the policy's ({len(theirs)} tokens against "
+                    f"{len(policy)}; differing entries such as {differ}); the {role} must score the policy's token "
+                    "ids, so it needs the same vocabulary"
+                )
 
     def _validate_overlong(self) -> None:
         trainer, rollout = self.models.policy_trainer, self.models.policy.rollout
@@ -447,21 +586,19 @@ class RunConfig:
             else f"the trainer's {devices} devices: runtime_args.num_devices={rt.num_devices} - rollout_devices="
             f"{rt.rollout_devices}"
         )
-        for key, parallel in (
-            ("models.policy_trainer.parallel", m.policy_trainer.parallel),
-            ("models.ref_policy.parallel", m.ref_policy.parallel),
-        ):
+        for key, parallel in ((f"models.{role}.parallel", getattr(m, role).parallel) for role in m.checked_roles):
             try:
                 parallel.validate_world(devices)
             except ValueError as err:
                 raise ConfigError(f"{key}: {err} ({where})") from None
-        trainer = m.policy_trainer
-        dp = trainer.parallel.dp(devices)
-        if rt.train_global_batch_size % (trainer.micro_batch_size * dp):
-            raise ConfigError(
-                f"runtime_args.train_global_batch_size={rt.train_global_batch_size} is not a multiple of "
-                f"models.policy_trainer.micro_batch_size={trainer.micro_batch_size} x data-parallel size {dp}"
-            )
+        for role in ("policy_trainer", "critic") if m.uses("critic") else ("policy_trainer",):
+            trainer = getattr(m, role)
+            dp = trainer.parallel.dp(devices)
+            if rt.train_global_batch_size % (trainer.micro_batch_size * dp):
+                raise ConfigError(
+                    f"runtime_args.train_global_batch_size={rt.train_global_batch_size} is not a multiple of "
+                    f"models.{role}.micro_batch_size={trainer.micro_batch_size} x data-parallel size {dp}"
+                )
         rollout_tp = m.policy.rollout.tensor_parallel_size
         if rt.engine_devices % rollout_tp:
             key = "num_devices" if rt.colocated else "rollout_devices"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from mcore_rl.config.schema import SCORING_ROLES
 from mcore_rl.planner.check import check_mappings, sync_plan
 from mcore_rl.planner.memory import (
     Architecture,
@@ -90,10 +91,12 @@ def dry_run(config, device_memory_gb: float | None, json_path: Path | None) -> i
     report = {"model": m.policy_trainer.load, "devices": world, "hf_tensors": len(hf), "roles": {}}
     bucket = m.policy.sync.bucket_bytes
     report["roles"]["policy_trainer"] = plan_role(bridge, m.policy_trainer.parallel, world, bucket, hf)
-    if m.policy_trainer.algorithm.kl_coef and m.ref_policy.parallel != m.policy_trainer.parallel:
-        report["roles"]["ref_policy"] = plan_role(
-            get_bridge(m.ref_policy.load), m.ref_policy.parallel, world, bucket, hf
-        )
+    for role in SCORING_ROLES:  # the other Megatron roles, where their model or layout differs from the trainer's
+        section, same_model = getattr(m, role), getattr(m, role).load == m.policy_trainer.load
+        if m.uses(role) and not (same_model and section.parallel == m.policy_trainer.parallel):
+            other = get_bridge(section.load)
+            tensors = hf if same_model else hf_tensors(other.hf)
+            report["roles"][role] = plan_role(other, section.parallel, world, bucket, tensors)
     for name, role in report["roles"].items():
         _print(name, role)
     if device_memory_gb:

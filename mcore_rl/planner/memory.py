@@ -379,55 +379,78 @@ def plan_memory(
     config, device_bytes: int, *, backend: str = "te", reserve_bytes: int = 5 * GiB, arch: Architecture | None = None
 ) -> MemoryPlan:
     """Every phase of a colocated episode on one device of ``config`` (a RunConfig), with the trainer's offload as
-    configured (:func:`mcore_rl.driver.episode_step` moves weights and optimizer state apart). ``reserve_bytes``
-    stands for the CUDA context, NCCL buffers and allocator fragmentation."""
+    configured (:func:`mcore_rl.driver.learn` moves weights and optimizer state apart; the scoring roles and the
+    critic leave whole). ``reserve_bytes`` stands for the CUDA context, NCCL buffers and allocator fragmentation.
+    The critic is counted as a trainer of its architecture: its LM head's weights and logits are an upper bound
+    of its value head's."""
     m, world = config.models, config.runtime_args.trainer_devices
     a = arch or Architecture.from_bridge(get_bridge(m.policy_trainer.load))
-    trainer = trainer_memory(a, m.policy_trainer.parallel, world, Workload.from_config(config), backend=backend)
-    use_ref = bool(m.policy_trainer.algorithm.kl_coef)
-    ref = max(p for p, _ in stage_params(a, m.ref_policy.parallel)) * 2 if use_ref else 0
+    work = Workload.from_config(config)
+    trainer = trainer_memory(a, m.policy_trainer.parallel, world, work, backend=backend)
+    scoring = {}  # bf16 weights of the roles that only score: name -> bytes
+    for role, name in (("ref_policy", "reference weights"), ("teacher", "teacher weights")):
+        if m.uses(role):
+            section = getattr(m, role)
+            arch_of = a if section.load == m.policy_trainer.load else Architecture.from_bridge(get_bridge(section.load))
+            scoring[name] = max(p for p, _ in stage_params(arch_of, section.parallel)) * 2
+    critic = None
+    if m.uses("critic"):
+        critic_arch = (
+            a if m.critic.load == m.policy_trainer.load else Architecture.from_bridge(get_bridge(m.critic.load))
+        )
+        critic = trainer_memory(critic_arch, m.critic.parallel, world, work, backend=backend)
+    ref = scoring.get("reference weights", 0)
     engine = engine_memory(a, m.policy.rollout, device_bytes)
     if not config.runtime_args.colocated:
-        return _disaggregated(m, trainer, ref, engine, device_bytes, reserve_bytes)
+        return _disaggregated(m, trainer, ref, scoring, critic, engine, device_bytes, reserve_bytes)
     offload = m.policy_trainer.offload
     resident = {"trainer (offloaded)": 0} if offload else {"trainer weights+grads+optimizer": trainer.static}
     # outside the step: with offload, the weights without the optimizer state and gradients
     weights_only = (
         {"trainer weights": trainer.weights} if offload else {"trainer weights+grads+optimizer": trainer.static}
     )
-    if use_ref:
-        resident["reference weights"] = 0 if offload else ref
+    others = {} if offload else scoring | ({"critic weights+grads+optimizer": critic.static} if critic else {})
     # Every trainer rank keeps two sync buffers for the whole run (the first sync's allocation is reused).
     fixed = {"sync buffers": 2 * m.policy.sync.bucket_bytes, "reserve": reserve_bytes}
     phases = [
         # also the sync's probe: the engines' KV caches wake once the trainer's weights have left
-        Phase("rollout", {"engine share": engine.share} | resident | fixed),
-        Phase(  # with offload, the optimizer state stays off the device until the step
+        Phase("rollout", {"engine share": engine.share} | resident | others | fixed),
+        Phase(  # with offload, the optimizer state stays off the device until the step; one scoring role at a time
             "log-probs",
-            weights_only | {"reference weights": ref, "scoring": trainer.scoring} | fixed,
-        ),
-        Phase(
-            "train",
-            {"trainer weights+grads+optimizer": trainer.static, "activations": trainer.activations}
-            | ({"reference weights": ref} if use_ref and not offload else {})
+            weights_only
+            | (others or {"largest scoring role": max(scoring.values(), default=0)})
+            | {"scoring": trainer.scoring}
             | fixed,
         ),
+    ]
+    if critic:
+        whole = {"critic weights+grads+optimizer": critic.static}
+        phases.append(Phase("critic", weights_only | others | whole | {"activations": critic.activations} | fixed))
+    phases += [
+        Phase(
+            "train",
+            {"trainer weights+grads+optimizer": trainer.static, "activations": trainer.activations} | others | fixed,
+        ),
         # with offload, the optimizer state and gradients leave before the engine's weights arrive
-        Phase("sync", weights_only | {"engine weights": engine.weights} | fixed),
+        Phase("sync", weights_only | {"engine weights": engine.weights} | others | fixed),
     ]
     return MemoryPlan(device_bytes, trainer, ref, engine, phases, _problems(m, phases, engine, device_bytes))
 
 
-def _disaggregated(m, trainer: TrainerMemory, ref: int, engine: EngineMemory, device_bytes: int, reserve: int):
-    """The phases of each pool when the engines have devices of their own: the trainer and reference stay
-    resident on theirs (nothing else comes), rank 0 keeps one broadcast buffer; an engine device holds the
-    engine's share alone."""
-    resident = {"trainer weights+grads+optimizer": trainer.static, "reference weights": ref}
+def _disaggregated(m, trainer, ref: int, scoring: dict, critic, engine: EngineMemory, device_bytes: int, reserve: int):
+    """The phases of each pool when the engines have devices of their own: the trainer, the scoring roles and the
+    critic stay resident on theirs (nothing else comes), rank 0 keeps one broadcast buffer; an engine device holds
+    the engine's share alone."""
+    resident = {"trainer weights+grads+optimizer": trainer.static} | scoring
+    if critic:
+        resident["critic weights+grads+optimizer"] = critic.static
     fixed = {"sync buffer": m.policy.sync.bucket_bytes, "reserve": reserve}
     phases = [
         Phase("rollout (rollout devices)", {"engine share": engine.share, "reserve": reserve}),
         Phase("log-probs", resident | {"scoring": trainer.scoring} | fixed),
-        Phase("train", resident | {"activations": trainer.activations} | fixed),
+        Phase(
+            "train", resident | {"activations": max(trainer.activations, critic.activations if critic else 0)} | fixed
+        ),
     ]
     return MemoryPlan(device_bytes, trainer, ref, engine, phases, _problems(m, phases, engine, device_bytes))
 
@@ -483,7 +506,10 @@ def _with_layout(config, parallel: ParallelConfig):
     models = config.models
     trainer = dataclasses.replace(models.policy_trainer, parallel=parallel)
     ref = dataclasses.replace(models.ref_policy, parallel=parallel)
-    return dataclasses.replace(config, models=dataclasses.replace(models, policy_trainer=trainer, ref_policy=ref))
+    critic = dataclasses.replace(models.critic, parallel=parallel)
+    return dataclasses.replace(
+        config, models=dataclasses.replace(models, policy_trainer=trainer, ref_policy=ref, critic=critic)
+    )
 
 
 def describe(plan: MemoryPlan, max_model_len: int) -> list[str]:

@@ -26,12 +26,35 @@ class ReferenceGroup(ActorGroup):
         return self.call("process_stats")
 
 
-class TrainerGroup(ReferenceGroup):
-    """The policy trainer's ranks (:class:`mcore_rl.roles.megatron.PolicyTrainer`)."""
+class TrainedGroup(ReferenceGroup):
+    """A trained role's ranks (:class:`mcore_rl.roles.megatron.TrainableRank`)."""
 
     def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
         """Optimizer steps over ``batch``; metrics per step."""
         return self.call("train", batch, global_batch_size, micro_batch_size)[0]
+
+    def memory_bytes(self) -> int:
+        return self.call("memory_bytes")[0]
+
+    def save(self, directory: str) -> None:
+        self.call("save", directory)
+
+    def load(self, directory: str) -> None:
+        self.call("load", directory)
+
+    def optimizer_digest(self) -> dict:
+        return self.call("optimizer_digest")[0]
+
+
+class CriticGroup(TrainedGroup):
+    """PPO's critic's ranks (:class:`mcore_rl.roles.megatron.ValueTrainer`)."""
+
+    def values(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
+        return self.call("values", batch, micro_batch_size)[0]
+
+
+class TrainerGroup(TrainedGroup):
+    """The policy trainer's ranks (:class:`mcore_rl.roles.megatron.PolicyTrainer`)."""
 
     def connect_engines(self, engines: list, colocated: bool, engine_tp: int, sync: SyncConfig, dtype: str) -> None:
         self.call("connect_engines", engines, colocated, engine_tp, sync, dtype)
@@ -46,15 +69,3 @@ class TrainerGroup(ReferenceGroup):
 
     def router_metrics(self) -> dict:
         return self.call("router_metrics")[0]
-
-    def memory_bytes(self) -> int:
-        return self.call("memory_bytes")[0]
-
-    def save(self, directory: str) -> None:
-        self.call("save", directory)
-
-    def load(self, directory: str) -> None:
-        self.call("load", directory)
-
-    def optimizer_digest(self) -> dict:
-        return self.call("optimizer_digest")[0]

@@ -19,7 +19,8 @@ from mcore_rl.agent.loop import AgentLoop
 from mcore_rl.agent.sandbox import SandboxConfig
 from mcore_rl.agent.tools import Calculator, schema
 from mcore_rl.algorithms.grpo import group_advantages
-from mcore_rl.batch import training_batch
+from mcore_rl.batch import add_advantages, training_batch
+from mcore_rl.config.schema import TrainerConfig
 from mcore_rl.data.arithmetic import arithmetic_splits
 from mcore_rl.data.prompts import Prompt, PromptRow, chat_token_ids
 from mcore_rl.rewards.math import math_reward
@@ -187,7 +188,8 @@ def test_environment_rewards_over_several_steps_reach_the_advantages(rollout, to
                 hidden = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if not m]
                 assert tokenizer.decode(hidden).endswith("<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
         assert rewards == expected and len(set(expected)) > 1
-        batch = training_batch(samples, rewards, group_size=3, estimator="grpo")
+        batch = training_batch(samples, rewards)
+        add_advantages(batch, TrainerConfig(advantage_estimator="grpo"), group_size=3)
         assert torch.equal(batch["advantages"], group_advantages(torch.tensor(expected), 3, True))
         assert torch.equal(batch["rewards"], torch.tensor(expected))
     assert any(s.completion.finish_reason == "max_turns" for s in samples)

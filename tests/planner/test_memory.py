@@ -193,3 +193,35 @@ def test_a_disaggregated_plan_counts_each_pool_apart():
     assert set(phases["rollout (rollout devices)"].parts) == {"engine share", "reserve"}
     assert phases["train"].parts["trainer weights+grads+optimizer"] == split.trainer.static
     assert "engine share" not in phases["train"].parts and split.fits
+
+
+def test_the_teacher_and_the_critic_are_counted():
+    """PPO with a critic started from the policy, and a teacher: colocated with offload, each comes onto the device
+    for its own phase only (the critic whole, for its step); kept, both stay through every phase; disaggregated,
+    both are resident beside the trainer."""
+    model = str(PUBLIC / "qwen3_8b")
+    ppo = [
+        "models.policy_trainer.advantage_estimator=gae",
+        f"models.critic.load={model}",
+        "models.critic.parallel.tp=2",
+        "models.critic.parallel.sequence_parallel=true",
+        "models.policy_trainer.distill_coef=0.1",
+        f"models.teacher.load={model}",
+        "models.teacher.parallel.tp=2",
+    ]
+    base = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b"), 80 * GiB)
+    plan = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b", *ppo), 80 * GiB)
+    phases = {p.name: p for p in plan.phases}
+    assert [p.name for p in plan.phases] == ["rollout", "log-probs", "critic", "train", "sync"]
+    critic = phases["critic"].parts["critic weights+grads+optimizer"]
+    assert critic == base.trainer.static  # the same architecture and layout as the trainer's
+    assert phases["critic"].total > critic + phases["critic"].parts["activations"]
+    teacher = phases["log-probs"].parts["largest scoring role"]
+    assert teacher == base.trainer.weights  # bf16 weights of the same model at the same layout
+    assert phases["rollout"].total == {p.name: p for p in base.phases}["rollout"].total  # all offloaded
+    kept = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b", *ppo, "models.policy_trainer.offload=false"), 80 * GiB)
+    for phase in kept.phases:
+        assert phase.parts["critic weights+grads+optimizer"] == critic and phase.parts["teacher weights"] == teacher
+    split = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b", *ppo, "runtime_args.rollout_devices=4"), 80 * GiB)
+    train = {p.name: p for p in split.phases}["train"].parts
+    assert train["teacher weights"] > 0 and train["critic weights+grads+optimizer"] > critic  # half the DP

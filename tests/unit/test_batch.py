@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mcore_rl.batch import (
+    add_advantages,
     filter_truncated,
     partition_groups,
     rollout_stats,
@@ -28,7 +29,7 @@ def _samples():
 def test_training_batch_marks_response_targets_and_engine_logprobs():
     samples = _samples()
     assert [s.id for s in samples] == ["p0/0", "p0/1", "p1/0", "p1/1"]
-    batch = training_batch(samples, [1.0, 0.0, 0.5, 0.5], group_size=2, estimator="dr_grpo")
+    batch = training_batch(samples, [1.0, 0.0, 0.5, 0.5])
     assert batch["tokens"].tolist()[0] == [7, 7, 1, 2, 0, 0]  # prompt, response, right padding
     assert batch["tokens"].tolist()[2] == [7, 7, 7, 4, 5, 6]
     # Position i predicts token i+1: sample 0's response tokens sit at 2..3, so its targets are positions 1..2.
@@ -36,6 +37,7 @@ def test_training_batch_marks_response_targets_and_engine_logprobs():
     assert batch["rollout_logp"][0].tolist() == [0, -0.5, -0.25, 0, 0]
     assert batch["mask"][2].tolist() == [0, 0, 1, 1, 1]
     assert torch.allclose(batch["rollout_logp"][2], torch.tensor([0, 0, -0.1, -0.2, -0.3]))
+    assert add_advantages(batch, TrainerConfig(advantage_estimator="dr_grpo"), group_size=2) == {}
     assert batch["advantages"].tolist() == [0.5, -0.5, 0.0, 0.0]  # Dr.GRPO: mean-centred per group
 
 
@@ -62,7 +64,7 @@ def test_routed_experts_are_kept_per_input_position_and_checked():
         dataclasses.replace(s, completion=dataclasses.replace(s.completion, routed_experts=r))
         for s, r in zip(samples, routed, strict=True)
     ]
-    batch = training_batch(with_routing, [1.0, 0.0, 0.5, 0.5], group_size=2, estimator="dr_grpo")
+    batch = training_batch(with_routing, [1.0, 0.0, 0.5, 0.5])
     assert batch["routed_experts"].shape == (4, 5, 3, 2)  # [samples, input positions, layers, top-k]
     assert torch.equal(batch["routed_experts"][0, :3], torch.from_numpy(routed[0][:3].astype("int16")))
     assert batch["routed_experts"][1, 2:].abs().sum() == 0  # padding past the sample's 2 input positions
@@ -71,7 +73,7 @@ def test_routed_experts_are_kept_per_input_position_and_checked():
         short[2], completion=dataclasses.replace(short[2].completion, routed_experts=routed[2][:3])
     )
     with pytest.raises(ValueError, match=r"sample p1/0: the engine's routed experts have shape \(3, 3, 2\); expected"):
-        training_batch(short, [1.0, 0.0, 0.5, 0.5], group_size=2, estimator="dr_grpo")
+        training_batch(short, [1.0, 0.0, 0.5, 0.5])
 
 
 def test_overlong_shaping_penalises_near_the_limit_and_filtering_drops_truncated_samples():
@@ -83,7 +85,7 @@ def test_overlong_shaping_penalises_near_the_limit_and_filtering_drops_truncated
     assert rewards == pytest.approx([0.8, 0.0, 0.1, 0.5])
     assert metrics == pytest.approx({"reward/overlong_penalty_mean": -0.15, "reward/overlong_fraction": 0.5})
     assert shape_overlong(samples, [1.0, 0.0, 0.5, 0.5], TrainerConfig(), 3) == ([1.0, 0.0, 0.5, 0.5], {})
-    batch = training_batch(samples, rewards, group_size=2, estimator="dr_grpo")
+    batch = training_batch(samples, rewards)
     kept = batch["mask"].sum(dim=1).tolist()
     assert filter_truncated(batch, samples) == {"batch/truncated_filtered_fraction": 0.25}
     assert batch["mask"].sum(dim=1).tolist() == [kept[0], 0, kept[2], kept[3]] and kept[1] == 1

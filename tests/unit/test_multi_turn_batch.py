@@ -9,7 +9,8 @@ import torch
 
 from mcore_rl.agent.trajectory import Trajectory, trajectory_stats
 from mcore_rl.algorithms.grpo import PolicyLossConfig, group_advantages, policy_loss
-from mcore_rl.batch import Sample, training_batch
+from mcore_rl.batch import Sample, add_advantages, training_batch
+from mcore_rl.config.schema import TrainerConfig
 from mcore_rl.data.prompts import Prompt, PromptRow
 
 ROW = PromptRow("q", [{"role": "user", "content": "?"}], "42")
@@ -30,7 +31,7 @@ def test_observation_tokens_are_masked_and_engine_logprobs_sit_where_the_policy_
     a = _trajectory([[10, 11], [12]], [[50, 51, 52]])
     b = _trajectory([[20, 21, 22, 23]], [])
     samples = [Sample(f"q/{k}", Prompt(ROW, t.prompt_ids), t, "") for k, t in enumerate((a, b))]
-    batch = training_batch(samples, [1.0, 0.0], group_size=2, estimator="dr_grpo")
+    batch = training_batch(samples, [1.0, 0.0])
     assert batch["tokens"].tolist() == [[1, 2, 3, 10, 11, 50, 51, 52, 12], [1, 2, 3, 20, 21, 22, 23, 0, 0]]
     # position i predicts token i + 1: the prompt's last position predicts the first response token
     assert batch["mask"].tolist() == [[0, 0, 1, 1, 0, 0, 0, 1], [0, 0, 1, 1, 1, 1, 0, 0]]
@@ -38,6 +39,7 @@ def test_observation_tokens_are_masked_and_engine_logprobs_sit_where_the_policy_
     assert torch.allclose(batch["rollout_logp"], torch.tensor(expected))
     assert batch["lengths"].tolist() == [9, 7] and batch["prompt_lengths"].tolist() == [3, 3]
     # the environment's rewards reach the advantages, group-normalised
+    add_advantages(batch, TrainerConfig(advantage_estimator="dr_grpo"), group_size=2)
     assert batch["advantages"].tolist() == group_advantages(torch.tensor([1.0, 0.0]), 2, False).tolist()
 
 
