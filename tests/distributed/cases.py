@@ -543,6 +543,7 @@ def policy_trainer_first_step(
     params_dtype: str,
     micro_batch_size: int = 2,
     share_prompts: bool = False,
+    max_token_in_packing: int = 0,
 ) -> dict:
     """The policy-trainer role's old log-probs of ``batch`` ([N, L-1], every rank) and the metrics of one
     optimizer step over the whole batch (computed at the weights the log-probs were scored with)."""
@@ -554,6 +555,7 @@ def policy_trainer_first_step(
     trainer = PolicyTrainer(
         rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(**loss), 1,
         share_prompts=share_prompts, overrides={"params_dtype": getattr(torch, params_dtype)},
+        max_token_in_packing=max_token_in_packing,
     )  # fmt: skip
     logprobs = trainer.logprobs(batch, micro_batch_size)
     (step,) = trainer.train(batch, global_batch_size=batch["tokens"].shape[0], micro_batch_size=micro_batch_size)

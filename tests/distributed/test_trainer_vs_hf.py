@@ -94,7 +94,8 @@ def _hf_step(hf_dir: str, batch: dict, dtype: torch.dtype) -> tuple[torch.Tensor
     logp, entropy = _hf_tokens(model, batch["tokens"])
     mask = batch["mask"].double()
     old, rollout, ref = (batch[k].double() for k in ("old_logp", "rollout_logp", "ref_logp"))
-    adv = batch["advantages"].double()[:, None]
+    adv = batch["advantages"].double()
+    adv = adv[:, None] if adv.dim() == 1 else adv  # per sample, or per token (REINFORCE++, GAE, distillation)
 
     def mean(x):
         return (x * mask).sum() / mask.sum()
@@ -122,7 +123,9 @@ def _hf_step(hf_dir: str, batch: dict, dtype: torch.dtype) -> tuple[torch.Tensor
     return logp.detach(), {k: v.item() for k, v in metrics.items()}
 
 
-def _check(pool, hf_dir: str, layout: dict, batch: dict, params_dtype: str, share_prompts: bool = False) -> dict:
+def _check(
+    pool, hf_dir: str, layout: dict, batch: dict, params_dtype: str, share_prompts: bool = False, packing: int = 0
+) -> dict:
     token_tol, metric_tol, grad_tol = TOLERANCE[params_dtype]
     logp, expected = _hf_step(hf_dir, batch, getattr(torch, params_dtype))
     real = torch.arange(batch["tokens"].shape[1] - 1)[None] < batch["lengths"][:, None] - 1
@@ -137,6 +140,7 @@ def _check(pool, hf_dir: str, layout: dict, batch: dict, params_dtype: str, shar
         loss=LOSS,
         params_dtype=params_dtype,
         share_prompts=share_prompts,
+        max_token_in_packing=packing,
     ):
         diff = (result["logprobs"].double() - logp).abs()[real]
         assert diff.max().item() <= token_tol, (layout, params_dtype, diff.max().item())
@@ -180,3 +184,13 @@ def test_smollm2_trainer_quantities_match_hf(ranks, models):
     for share_prompts in (False, True):
         expected = _check(ranks, models["smollm2"], dict(tp=1), batch, "float32", share_prompts)
     assert 0.5 < expected["entropy"] < 5  # about 2 nats per response token; ln(49152) = 10.8
+
+
+def test_per_token_advantages_match_hf_in_padded_packed_and_shared_prompt_rows(ranks, models):
+    """Per-token advantages (REINFORCE++, GAE, distillation) reach every response token of the loss: padded rows,
+    THD packs and shared-prompt rows (each prompt sampled twice) all give HF's loss, metrics and gradient norm."""
+    batch = _batch(models["padded"], [p for p in PROMPTS for _ in "ab"], new_tokens=12, seed=1)
+    generator = torch.Generator().manual_seed(1)
+    batch["advantages"] = torch.randn(batch["mask"].shape, generator=generator) * batch["mask"]
+    for share_prompts, packing in ((False, 0), (False, 64), (True, 0)):
+        _check(ranks, models["padded"], dict(tp=2), batch, "float32", share_prompts, packing)

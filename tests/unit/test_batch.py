@@ -89,3 +89,37 @@ def test_overlong_shaping_penalises_near_the_limit_and_filtering_drops_truncated
     kept = batch["mask"].sum(dim=1).tolist()
     assert filter_truncated(batch, samples) == {"batch/truncated_filtered_fraction": 0.25}
     assert batch["mask"].sum(dim=1).tolist() == [kept[0], 0, kept[2], kept[3]] and kept[1] == 1
+
+
+def test_advantages_per_token_with_a_kl_penalty_a_critic_and_a_teacher():
+    """add_advantages reads what each estimator needs: the reward's KL penalty from old and reference log-probs,
+    GAE's values (and gives the critic its returns), distillation's teacher log-probs; each per response token."""
+    from mcore_rl.algorithms.advantages import gae, outcome_rewards, reinforce_pp
+
+    batch = training_batch(_samples(), [1.0, 0.0, 0.5, 0.5])
+    mask = batch["mask"]
+    generator = torch.Generator().manual_seed(0)
+    for key in ("old_logp", "ref_logp", "teacher_logp", "values"):
+        batch[key] = -torch.rand(mask.shape, generator=generator) * mask
+    outcome = outcome_rewards(batch["rewards"], mask)
+    kl = (batch["old_logp"] - batch["ref_logp"]) * mask
+
+    trainer = TrainerConfig(advantage_estimator="reinforce_pp", reward_kl_coef=0.1, gamma=0.9)
+    metrics = add_advantages(batch, trainer, group_size=2)
+    assert torch.allclose(batch["advantages"], reinforce_pp(outcome - 0.1 * kl, mask, 0.9))
+    assert metrics == pytest.approx({"batch/reward_kl": (kl.sum() / mask.sum()).item()})
+
+    trainer = TrainerConfig(advantage_estimator="gae", lam=0.95)
+    add_advantages(batch, trainer, group_size=2)
+    want, returns = gae(outcome, batch["values"], mask, 1.0, 0.95)
+    assert torch.equal(batch["advantages"], want) and torch.equal(batch["returns"], returns)
+
+    reverse_kl = (batch["old_logp"] - batch["teacher_logp"]) * mask
+    trainer = TrainerConfig(advantage_estimator="none", distill_coef=0.5)
+    metrics = add_advantages(batch, trainer, group_size=2)
+    assert torch.allclose(batch["advantages"], -0.5 * reverse_kl)  # the teacher alone
+    assert metrics == pytest.approx({"distill/reverse_kl": (reverse_kl.sum() / mask.sum()).item()})
+    trainer = TrainerConfig(advantage_estimator="dr_grpo", distill_coef=0.5)
+    add_advantages(batch, trainer, group_size=2)
+    task = torch.tensor([0.5, -0.5, 0.0, 0.0])[:, None] * mask  # Dr.GRPO's, on every response token
+    assert torch.allclose(batch["advantages"], task - 0.5 * reverse_kl)

@@ -252,3 +252,44 @@ def test_multi_turn_settings_from_user_files(run_yaml, tmp_path):
     assert config.models.reward.multi_turn and config.models.reward.tools == ["calculator", "python"]
     assert config.models.policy.rollout.multi_turn.total_tokens(config.models.policy.rollout.max_model_len) == 2048
     assert not load_run_config(run_yaml).models.reward.multi_turn  # single-turn unless an env or tools are given
+
+
+GAE = ["models.policy_trainer.advantage_estimator=gae", "models.critic.load=${models.policy_trainer.load}"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["models.policy_trainer.advantage_estimator=gae"], r"advantage_estimator='gae' needs PPO's critic: set "),
+        ([GAE[1]], r"models.critic.load='.*': only models.policy_trainer.advantage_estimator='gae' uses a critic"),
+        ([*GAE, "models.critic.parallel.tp=2"], r"models.critic.parallel: world size 3 is not divisible"),
+        ([*GAE, "models.critic.micro_batch_size=5"], r"models.critic.micro_batch_size=5 x data-parallel size 3"),
+        ([*GAE, "models.critic.warmup_episodes=10"], r"models.critic.warmup_episodes=10: expected 0 up to .* = 9"),
+        ([*GAE, "models.critic.value_clip=-1"], r"models.critic.value_clip: expected >= 0"),
+        ([*GAE, "models.policy_trainer.lam=1.5"], r"models.policy_trainer.lam=1.5: expected a number in \[0, 1\]"),
+        (
+            ["models.policy_trainer.reward_kl_coef=0.1"],
+            r"reward_kl_coef=0.1: a KL penalty in the per-token reward needs a per-token estimator .* "
+            r"use models.policy_trainer.algorithm.kl_coef",
+        ),
+        (["models.policy_trainer.distill_coef=0.5"], r"distill_coef=0.5 needs a teacher: set models.teacher.load"),
+        (["models.teacher.load=${models.policy_trainer.load}"], r"models.teacher.load=.*: the teacher is used by on-"),
+        (["models.policy_trainer.advantage_estimator=none"], r"advantage_estimator='none' trains on the teacher's"),
+    ],
+)
+def test_estimator_critic_and_teacher_keys_are_refused_with_the_fix(run_yaml, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(run_yaml, overrides)
+
+
+def test_a_teacher_or_critic_with_another_vocabulary_is_refused(run_yaml, tiny_models):
+    """The teacher and the critic score the policy's token ids: a model with another tokenizer is refused by key
+    before anything starts; one with the policy's is taken."""
+    other = tiny_models["LlamaForCausalLM"]  # tests/tiny.py's character tokenizer
+    with pytest.raises(ConfigError, match=r"models.teacher.load='.*': its tokenizer is not the policy's \("):
+        load_run_config(run_yaml, ["models.policy_trainer.distill_coef=0.5", f"models.teacher.load={other}"])
+    with pytest.raises(ConfigError, match=r"models.critic.load='.*': its tokenizer is not the policy's"):
+        load_run_config(run_yaml, [GAE[0], f"models.critic.load={other}"])
+    config = load_run_config(run_yaml, [*GAE, "models.critic.parallel.tp=3", "models.policy_trainer.gamma=0.99"])
+    assert config.models.megatron_roles == ["policy_trainer", "critic"]
+    assert config.models.critic.optimizer.lr == 1e-5 and config.models.critic.load == str(default_model_dir())

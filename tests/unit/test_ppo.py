@@ -1,0 +1,48 @@
+"""PPO's critic objective against a reference written token by token from its definition."""
+
+import pytest
+import torch
+
+from mcore_rl.algorithms.grpo import Share
+from mcore_rl.algorithms.ppo import explained_variance, value_loss
+
+MASK = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.float32)
+OLD = torch.tensor([[0.0, 0.5, 1.0, 7], [7, -0.2, 0.3, 0.4]])
+RETURNS = torch.tensor([[1.0, 1.0, 1.0, 7], [7, -1.0, -1.0, -1.0]])
+VALUES = torch.tensor([[0.5, 0.55, 0.2, 7], [7, -0.2, 0.0, 1.0]])
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.2])
+def test_value_loss_is_the_clipped_squared_error(clip):
+    """0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), token-mean over the mask (verl's
+    compute_value_loss, OpenRLHF's ValueLoss); its gradient flows through the term the max picks."""
+    terms, clipped = [], []
+    for v, old, r, m in zip(VALUES.flatten(), OLD.flatten(), RETURNS.flatten(), MASK.flatten(), strict=True):
+        if not m:
+            continue
+        plain = (v - r) ** 2
+        vc = old + min(max(v - old, -clip), clip) if clip else v
+        terms.append(0.5 * max(plain, (vc - r) ** 2))
+        clipped.append(float(clip > 0 and (vc - r) ** 2 > plain))
+    values = VALUES.clone().requires_grad_()
+    loss, metrics = value_loss(values, OLD, RETURNS, MASK, clip)
+    assert loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-6)
+    assert metrics["value_clip_fraction"].item() == pytest.approx(sum(clipped) / len(clipped))
+    loss.backward()
+    assert values.grad[MASK == 0].abs().sum() == 0
+    if clip:  # tokens whose clipped term is the larger get no gradient when the clip binds
+        assert sum(clipped) > 0 and (values.grad[MASK == 1] == 0).sum() >= 1
+    # a micro-batch's share of the batch mean: two halves add up to the whole
+    share = Share.of(MASK, micro_batches=2, ranks=1)
+    halves = [
+        value_loss(VALUES[i : i + 1], OLD[i : i + 1], RETURNS[i : i + 1], MASK[i : i + 1], clip, share) for i in (0, 1)
+    ]
+    assert (halves[0][0] + halves[1][0]).item() / 2 == pytest.approx(loss.item(), rel=1e-6)
+
+
+def test_explained_variance():
+    mask = MASK.bool()
+    assert explained_variance(RETURNS, RETURNS, MASK) == 1.0
+    mean = RETURNS[mask].mean()
+    assert explained_variance(torch.full_like(RETURNS, mean.item()), RETURNS, MASK) == pytest.approx(0.0, abs=1e-6)
+    assert explained_variance(VALUES, RETURNS, torch.zeros_like(MASK)) == 0.0
