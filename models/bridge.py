@@ -71,9 +71,18 @@ class Bridge:
     qkv_bias: ClassVar[bool | None] = None
     # config.json keys that another transformers version writes under another name -> this family's name.
     config_aliases: ClassVar[dict[str, str]] = {}
+    # The family's reward-model architecture (a scalar ``score`` head instead of the LM head): a checkpoint a
+    # critic can start from. None: the family has none.
+    value_architecture: ClassVar[str | None] = None
 
     def __init__(self, hf_config: dict):
         self.hf = dict(hf_config)
+        # A reward model's checkpoint: its score head becomes the critic's value head.
+        architecture = (self.hf.get("architectures") or [None])[0]
+        self.value_model = self.value_architecture is not None and architecture == self.value_architecture
+        labels = len(self.hf.get("id2label") or {0: None})
+        if self.value_model and labels != 1:
+            raise ValueError(f"{self.value_architecture} with {labels} labels: a value head has one (num_labels: 1)")
         for alias, key in self.config_aliases.items():
             if key not in self.hf and alias in self.hf:
                 self.hf[key] = self.hf.pop(alias)
@@ -250,6 +259,8 @@ class Bridge:
         ]
         # A tied output layer (last pipeline stage's copy of the embedding) is loaded from the embedding and
         # never exported: HF checkpoints of tied models have no lm_head.
+        if self.value_model:  # the critic's value head (models/value_head.py), replicated over TP
+            return [*out, Direct("output_layer.weight", "score.weight")]
         tied = self.tie_word_embeddings
         head = "model.embed_tokens.weight" if tied else "lm_head.weight"
         out.append(Vocab("output_layer.weight", (head,), vocab_size=self.vocab_size, export=not tied))

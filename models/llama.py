@@ -6,3 +6,4 @@ from models.bridge import Bridge
 class LlamaBridge(Bridge):
     architecture = "LlamaForCausalLM"
     model_type = "llama"
+    value_architecture = "LlamaForSequenceClassification"

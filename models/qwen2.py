@@ -6,6 +6,7 @@ from models.bridge import Bridge
 class Qwen2Bridge(Bridge):
     architecture = "Qwen2ForCausalLM"
     model_type = "qwen2"
+    value_architecture = "Qwen2ForSequenceClassification"
     qkv_bias = True
 
     def check_supported(self) -> None:

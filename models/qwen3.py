@@ -6,4 +6,5 @@ from models.bridge import Bridge
 class Qwen3Bridge(Bridge):
     architecture = "Qwen3ForCausalLM"
     model_type = "qwen3"
+    value_architecture = "Qwen3ForSequenceClassification"
     qk_norm = True

@@ -19,6 +19,7 @@ MOE_CONFIG = (
 class Qwen3MoeBridge(Bridge):
     architecture = "Qwen3MoeForCausalLM"
     model_type = "qwen3_moe"
+    value_architecture = "Qwen3MoeForSequenceClassification"
     qk_norm = True
     config_table = DENSE_CONFIG + MOE_CONFIG
     config_aliases = {"num_local_experts": "num_experts"}  # transformers 5's name; released checkpoints differ

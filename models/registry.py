@@ -12,8 +12,10 @@ from models.qwen2 import Qwen2Bridge
 from models.qwen3 import Qwen3Bridge
 from models.qwen3_moe import Qwen3MoeBridge
 
-BRIDGES: dict[str, type[Bridge]] = {
-    b.architecture: b for b in (DeepseekV3Bridge, LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge)
+FAMILIES = (DeepseekV3Bridge, LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge)
+# Causal LMs, and the reward models (score head) of the families that have them: a critic starts from either.
+BRIDGES: dict[str, type[Bridge]] = {b.architecture: b for b in FAMILIES} | {
+    b.value_architecture: b for b in FAMILIES if b.value_architecture
 }
 
 

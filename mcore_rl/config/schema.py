@@ -157,7 +157,9 @@ class TeacherConfig(ReferenceConfig):
 class CriticConfig:
     """PPO's value model: the policy's architecture with a value head, a Megatron role of its own."""
 
-    load: str = ""  # HF directory to start from (the policy's, or a larger model with its tokenizer); empty: none
+    # HF directory to start from, with the policy's tokenizer: a causal LM of its family (the policy's own) or a
+    # reward model (*ForSequenceClassification, one label: its score head becomes the value head); empty: none
+    load: str = ""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     micro_batch_size: int = 2
     optimizer: OptimizerSettings = field(default_factory=lambda: OptimizerSettings(lr=1e-5))
@@ -350,6 +352,12 @@ class RunConfig:
             except ValueError as err:
                 raise ConfigError(f"{key}.parallel: {err}") from None
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
+        for key in [*roles, "models.policy"]:
+            if key != "models.critic" and get_bridge(self._get(key).load).value_model:
+                raise ConfigError(
+                    f"{key}.load={self._get(key).load!r}: a reward model (a score head, no LM head); it can start "
+                    "models.critic only, this role needs a causal LM"
+                )
         self._validate_vocabularies()
         for key in roles:
             role = self._get(key)

@@ -451,9 +451,9 @@ class PolicyTrainer(TrainableRank):
 
 
 class ValueTrainer(TrainableRank):
-    """One rank of PPO's critic: the policy's architecture (loaded from ``hf_dir``, the policy's or another
-    checkpoint of that family) with a :class:`models.value_head.ValueHead` for its LM head, scoring values and
-    trained with the clipped value loss."""
+    """One rank of PPO's critic: the policy's architecture with a :class:`models.value_head.ValueHead` for its LM
+    head, loaded from ``hf_dir`` (a causal LM of the family, the policy's own to start from it, or a reward model
+    whose score head becomes the value head), scoring values and trained with the clipped value loss."""
 
     checkpoint_dir = "critic"
 
@@ -462,8 +462,15 @@ class ValueTrainer(TrainableRank):
         self.value_clip = value_clip
 
     def _build(self, hf_dir: str) -> list[torch.nn.Module]:
-        chunks = super()._build(hf_dir)
+        """The policy's architecture with a value head: a reward model's score head loads into it; from a causal LM
+        the head starts fresh (its LM head is dropped)."""
+        if not self.bridge.value_model:
+            chunks = super()._build(hf_dir)
+            attach_value_heads(chunks, self.groups.tp)
+            return chunks
+        chunks = self.bridge.build_model(self.config, **({"backend": "local"} if self.share_prompts else {}))
         attach_value_heads(chunks, self.groups.tp)
+        load_weights(chunks, self.bridge, hf_dir, self.groups)
         return chunks
 
     def values(self, batch: dict, micro_batch_size: int) -> torch.Tensor:

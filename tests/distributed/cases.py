@@ -700,3 +700,14 @@ def critic_episodes(
         if checkpoint_dir and not resume and episode == 0:
             critic.save(checkpoint_dir)
     return dict(values=values, steps=steps, digest=critic.optimizer_digest())
+
+
+def critic_values(hf_dir: str, layout: dict, tokens: torch.Tensor) -> torch.Tensor:
+    """The critic role's values [N, L-1] of ``tokens`` (every rank)."""
+    from mcore_rl.roles.megatron import ValueTrainer
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
+    critic = ValueTrainer(rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 1)
+    lengths = torch.full((tokens.shape[0],), tokens.shape[1])
+    return critic.values({"tokens": tokens, "lengths": lengths}, micro_batch_size=2)

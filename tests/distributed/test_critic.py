@@ -1,10 +1,14 @@
-"""PPO's critic role (:class:`mcore_rl.roles.megatron.ValueTrainer`): its values and value-loss steps under every
-parallel layout equal the data-parallel run's (the loss is a batch mean, so the layout cannot change it), in
-padded, packed and shared-prompt micro-batches; a run resumed from its checkpoint continues exactly."""
+"""PPO's critic role (:class:`mcore_rl.roles.megatron.ValueTrainer`): its values equal HF's (from a causal LM with
+a fresh head, and from a reward model's score head); its values and value-loss steps under every parallel layout
+equal the data-parallel run's (the loss is a batch mean, so the layout cannot change it), in padded, packed and
+shared-prompt micro-batches; a run resumed from its checkpoint continues exactly."""
 
 import pytest
+import torch
+import transformers
 
 from tests.distributed import cases
+from tests.tiny import save_char_tokenizer
 
 KEYS = ("loss", "grad_norm", "value_loss", "value_clip_fraction", "values_mean", "lr")
 
@@ -59,3 +63,44 @@ def test_critic_resumes_exactly_from_its_checkpoint(ranks, tiny_models, tmp_path
     for result in resumed:
         for key, value in digest.items():
             assert result["digest"][key] == pytest.approx(value, rel=1e-6), key
+
+
+def _reward_model(causal_dir: str, out) -> str:
+    """A one-label ``LlamaForSequenceClassification`` with the causal model's decoder and a random score head."""
+    causal = transformers.AutoModelForCausalLM.from_pretrained(causal_dir)
+    config = causal.config.to_dict() | {"architectures": ["LlamaForSequenceClassification"], "num_labels": 1}
+    torch.manual_seed(3)
+    model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**config))
+    model.model.load_state_dict(causal.model.state_dict())
+    model.save_pretrained(out)
+    save_char_tokenizer(out)
+    return str(out)
+
+
+def _hf_values(hf_dir: str, tokens: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-position values from HF: its reward model's score head at every position, or ``head`` on a causal
+    LM's last hidden states."""
+    with torch.no_grad():
+        if head is None:
+            model = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir)
+            return model.score(model.model(tokens[:, :-1]).last_hidden_state).squeeze(-1)
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir)
+        return (model.model(tokens[:, :-1]).last_hidden_state @ head.T).squeeze(-1)
+
+
+def test_critic_values_match_hf_from_a_causal_lm_and_from_a_reward_model(ranks, tiny_models, tmp_path):
+    """Started from the policy, the value head is the seeded OpenRLHF initialisation (std 1 / (hidden + 1)) on the
+    policy's last hidden states; from a reward model, its score head. Both under TP with sequence parallelism and
+    under PP, against HF's forward."""
+    causal = tiny_models["LlamaForCausalLM"]
+    hidden = transformers.AutoConfig.from_pretrained(causal).hidden_size
+    head = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0)) / (hidden + 1)
+    tokens = torch.randint(4, 100, (4, 10), generator=torch.Generator().manual_seed(1))
+    for hf_dir, want in (
+        (causal, _hf_values(causal, tokens, head)),
+        (rm := _reward_model(causal, tmp_path / "rm"), _hf_values(rm, tokens)),
+    ):
+        assert want.abs().mean() > 1e-3
+        for layout in (dict(tp=2, sequence_parallel=True), dict(pp=2)):
+            for values in ranks.run(cases.critic_values, hf_dir=hf_dir, layout=layout, tokens=tokens):
+                assert (values - want).abs().max().item() < 1e-5, (hf_dir, layout)

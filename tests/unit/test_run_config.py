@@ -293,3 +293,24 @@ def test_a_teacher_or_critic_with_another_vocabulary_is_refused(run_yaml, tiny_m
     config = load_run_config(run_yaml, [*GAE, "models.critic.parallel.tp=3", "models.policy_trainer.gamma=0.99"])
     assert config.models.megatron_roles == ["policy_trainer", "critic"]
     assert config.models.critic.optimizer.lr == 1e-5 and config.models.critic.load == str(default_model_dir())
+
+
+def test_a_reward_model_starts_a_critic_only(run_yaml, tmp_path):
+    """A one-label *ForSequenceClassification checkpoint has a score head and no LM head: the critic may start from
+    it; a role that generates or scores tokens may not, and says so by key."""
+    import transformers
+
+    from models.registry import get_bridge
+    from tests.tiny import COMMON, save_char_tokenizer
+
+    config = transformers.LlamaConfig(**COMMON, architectures=["LlamaForSequenceClassification"], num_labels=1)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    save_char_tokenizer(tmp_path / "rm")
+    assert get_bridge(tmp_path / "rm").value_model and not get_bridge(default_model_dir()).value_model
+    with pytest.raises(ConfigError, match=r"models.policy_trainer.load='.*rm': a reward model .* needs a causal LM"):
+        load_run_config(run_yaml, [f"models.policy_trainer.load={tmp_path}/rm", "models.policy_trainer.parallel.tp=1"])
+    with pytest.raises(ConfigError, match=r"models.critic.load='.*rm': its tokenizer is not the policy's"):
+        load_run_config(run_yaml, [GAE[0], f"models.critic.load={tmp_path}/rm"])  # the critic may; the vocab differs
+    two = config.to_dict() | {"id2label": {"0": "LABEL_0", "1": "LABEL_1"}}  # how config.json stores num_labels
+    with pytest.raises(ValueError, match=r"LlamaForSequenceClassification with 2 labels: a value head has one"):
+        get_bridge(two)
