@@ -33,7 +33,10 @@ def test_missing_config_names_the_file(tmp_path):
 
 
 def test_every_family_is_registered():
-    assert set(FAMILIES) == set(BRIDGES)
+    """Every family by its causal LM's architecture, and by its reward model's where it has one (a critic's start)."""
+    assert set(FAMILIES) == {name for name, bridge in BRIDGES.items() if name == bridge.architecture}
+    values = {name for name, bridge in BRIDGES.items() if name == bridge.value_architecture}
+    assert values == {b.value_architecture for b in BRIDGES.values() if b.value_architecture} and len(values) == 4
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
