@@ -264,6 +264,49 @@ def train_and_checkpoint() -> tuple[str, dict]:
     return detail, numbers
 
 
+def _hf_values(hf_dir: str, tokens: torch.Tensor, head: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A value head ``head`` [1, hidden] on HF's last hidden states of ``tokens`` (all but the last position)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(tokens.device)
+    with torch.no_grad():
+        hidden = hf.model(tokens[:, :-1]).last_hidden_state.float()
+    return (hidden @ head.to(hidden).T).squeeze(-1)
+
+
+def critic() -> tuple[str, dict]:
+    """PPO's critic role in bf16 on the device: its values against the same head on HF's hidden states (within 3 x
+    what bf16 alone changes in HF's), value-loss steps that lower the loss towards fixed returns, and the role's
+    offload freeing and restoring its memory."""
+    from mcore_rl.roles.megatron import ValueTrainer
+    from parallel.config import ParallelConfig
+
+    tmp = tempfile.TemporaryDirectory()
+    hf_dir, which = _model(Path(tmp.name))
+    _world()
+    optimizer = dict(lr=1e-4, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
+    role = ValueTrainer(0, 1, ("127.0.0.1", 0), hf_dir, ParallelConfig(), 1, optimizer, 4)
+    tokens = _tokens(role.bridge.vocab_size, rows=8, length=33)
+    batch = {"tokens": tokens.cpu(), "lengths": torch.full((8,), 33), "mask": torch.ones(8, 32)}
+    values = role.values(batch, micro_batch_size=4)
+    hidden = role.config.hidden_size
+    head = torch.randn(1, hidden, generator=torch.Generator().manual_seed(0)) / (hidden + 1)  # ValueHead's init
+    bf16, fp32 = (_hf_values(hf_dir, tokens, head, dtype) for dtype in (torch.bfloat16, torch.float32))
+    numbers = {"model": which, "values": _within_noise(values, fp32, _differences(bf16, fp32), "critic values")}
+    batch |= {"values": values, "returns": torch.ones(8, 32)}
+    losses = [role.train(batch, global_batch_size=8, micro_batch_size=4)[0]["value_loss"] for _ in range(3)]
+    assert losses[-1] < losses[0], losses
+    freed = role.offload()  # on a CPU nothing leaves (the step's logic is checked there: test_gpu_check.py)
+    role.onload()
+    assert (freed > 0) == torch.cuda.is_available(), freed
+    assert (role.values(batch, micro_batch_size=4) - values).abs().max() > 0  # it trained, and came back
+    tmp.cleanup()
+    numbers |= {"value_losses": losses, "offloaded_bytes": freed}
+    detail = f"{which}: values {_said(numbers['values'])} against HF; value loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+    detail += f"in 3 steps; offload freed {freed / 2**20:.0f} MiB"
+    return detail, numbers
+
+
 # Grouped against sequential experts, per dtype: |loss difference| and the largest gradient difference relative to
 # the largest gradient. bf16 is what real runs use, and the only dtype in which torch's CUDA grouped GEMM takes its
 # fast kernel (sm90 and newer).
@@ -733,6 +776,7 @@ STEPS = [
     Step("megatron_vs_hf", megatron_vs_hf, (*MEGATRON, "transformers"), 300, 1),
     Step("tiny_moe", tiny_moe, (*MEGATRON, "transformers", "safetensors"), 300, 1),  # runs on CPU too
     Step("train_and_checkpoint", train_and_checkpoint, (*MEGATRON, "transformers", "yaml"), 420, 2),
+    Step("critic", critic, (*MEGATRON, "transformers", "yaml"), 300, 2),
     Step("hf_sync", hf_sync, (*MEGATRON, "transformers", "safetensors"), 420, 2),
     Step("mfu", mfu, (*MEGATRON, "transformers", "yaml"), 420, 2),
     Step("weight_transfer", weight_transfer, (), 180, 2),

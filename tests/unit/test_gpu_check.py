@@ -225,3 +225,14 @@ def test_the_tiny_moe_step_runs_its_checks_on_cpu():
             assert numbers[f"{arch}_{dtype}"]["loss_abs_diff"] <= loss_tolerance
             assert numbers[f"{arch}_{dtype}"]["grad_rel_diff"] <= grad_tolerance
         assert numbers[f"{arch}_replay_max_abs_logit_diff"] <= checks.REPLAY_TOLERANCE
+
+
+def test_the_critic_step_runs_its_checks_on_cpu():
+    """The critic step's logic, run before a GPU is lent: on SmolLM2 in fp32 the role's values equal the same head
+    on HF's hidden states (to fp32 rounding), and three value-loss steps lower the loss."""
+    step = next(s for s in STEPS if s.name == "critic")
+    result = checks._in_own_process(Step(step.name, step.run, step.needs, step.timeout_s, step.command, cuda=False))
+    assert result["status"] == "PASS", result.get("traceback", result["detail"])
+    assert result["numbers"]["values"]["max_abs_diff"] < 1e-4
+    losses = result["numbers"]["value_losses"]
+    assert losses == sorted(losses, reverse=True) and result["numbers"]["offloaded_bytes"] == 0
