@@ -44,6 +44,10 @@ def test_critic_layouts_match_data_parallel(ranks, tiny_models, arch, layouts):
     for layout in layouts:
         for result in ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout=layout):
             _same(result, padded, layout)
+    if arch == "LlamaForCausalLM":  # shared-prompt rows gather the sequence-parallel hidden states before the head
+        layout = dict(tp=2, sequence_parallel=True)
+        for result in ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout=layout, share_prompts=True):
+            _same(result, padded, "shared prompts, TP 2 + SP")
 
 
 def test_critic_resumes_exactly_from_its_checkpoint(ranks, tiny_models, tmp_path):
