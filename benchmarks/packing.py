@@ -51,8 +51,8 @@ def _step_seconds(hf_dir: Path, batch: dict, layout: dict, repeats: int = 2) -> 
     from parallel.config import ParallelConfig
 
     optimizer = dataclasses.asdict(OptimizerSettings(lr=1e-6))
-    trainer = PolicyTrainer(0, 1, ("127.0.0.1", 29535), str(hf_dir), ParallelConfig(), 0, optimizer,
-                            PolicyLossConfig(), repeats + 1, **layout)  # fmt: skip
+    trainer = PolicyTrainer(0, 1, ("127.0.0.1", 29535), str(hf_dir), ParallelConfig(), 0, optimizer, repeats + 1,
+                            loss=PolicyLossConfig(), **layout)  # fmt: skip
     n = batch["tokens"].shape[0]
     best, metrics = float("inf"), {}
     for _ in range(repeats + 1):  # the first is a warm-up

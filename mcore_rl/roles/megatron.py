@@ -63,13 +63,17 @@ class MegatronRank:
         self.max_token_in_packing = max_token_in_packing  # > 0: THD packs instead of padded micro-batches
         self.groups = init_parallel(parallel, seed=seed, device=self.machine)
         self.bridge = get_bridge(hf_dir)
-        self.config = self.bridge.transformer_config(parallel, **(overrides or {}))
+        self.config = self.bridge.transformer_config(parallel, **(self._model_overrides() | (overrides or {})))
         self.share_prompts = share_prompts
         # Shared-prompt rows carry a block attention mask, which TransformerEngine's fused attention does not take.
         self.chunks = self._build(hf_dir)
         self.device = next(self.chunks[0].parameters()).device
         self.model = MegatronModel(self.chunks, self.groups)
         self.offloaders: dict[str, StorageOffloader] = {}
+
+    def _model_overrides(self) -> dict:
+        """TransformerConfig fields the role sets beyond the layout's."""
+        return {}
 
     def _build(self, hf_dir: str) -> list[torch.nn.Module]:
         """This rank's model chunks, loaded from ``hf_dir``."""
@@ -169,9 +173,13 @@ class TrainableRank(MegatronRank):
         total_steps: int,
         max_token_in_packing: int = 0,
         share_prompts: bool = False,
+        recompute: str = "none",
         overrides: dict | None = None,
         cores: list[int] | None = None,
     ):
+        """``recompute``: ``"full"`` recomputes each layer's activations in the backward (``recompute_overrides``);
+        ``overrides``: TransformerConfig fields beyond what the run config sets (a test's ``params_dtype``)."""
+        self.recompute = recompute
         super().__init__(
             rank, world, master, hf_dir, parallel, seed, max_token_in_packing, share_prompts, overrides, cores
         )
@@ -197,6 +205,9 @@ class TrainableRank(MegatronRank):
             wd_incr_steps=max(total_steps, 1),
             wd_incr_style="constant",
         )
+
+    def _model_overrides(self) -> dict:
+        return recompute_overrides(self.recompute)
 
     def _optimize(self, steps: list[dict], names: list[str], micro_batch_size: int, loss_fn) -> list[dict]:
         """One optimizer step per global batch in ``steps`` (whole on every rank; each DP rank takes its share),
@@ -319,38 +330,20 @@ class TrainableRank(MegatronRank):
 class PolicyTrainer(TrainableRank):
     """One rank of the policy: GRPO/GSPO steps, the weight sync into its rollout engine, checkpoints."""
 
-    def __init__(
-        self,
-        rank: int,
-        world: int,
-        master: tuple[str, int],
-        hf_dir: str,
-        parallel: ParallelConfig,
-        seed: int,
-        optimizer: dict,
-        loss: PolicyLossConfig,
-        total_steps: int,
-        max_token_in_packing: int = 0,
-        share_prompts: bool = False,
-        moe: MoEConfig | None = None,
-        recompute: str = "none",
-        overrides: dict | None = None,
-        cores: list[int] | None = None,
-    ):
-        """``overrides``: TransformerConfig fields beyond what the run config sets (a test's ``params_dtype``)."""
-        moe = moe or MoEConfig()
-        overrides = moe.overrides(get_bridge(hf_dir)) | recompute_overrides(recompute) | (overrides or {})
-        super().__init__(
-            rank, world, master, hf_dir, parallel, seed, optimizer, total_steps, max_token_in_packing, share_prompts,
-            overrides, cores,
-        )  # fmt: skip
+    def __init__(self, *args, loss: PolicyLossConfig, moe: MoEConfig | None = None, **kwargs):
+        """:class:`TrainableRank`'s arguments, the policy's ``loss`` and its ``moe`` settings."""
+        self.moe = moe or MoEConfig()
+        super().__init__(*args, **kwargs)
         self.loss = loss
         self.router_load = (
-            RouterLoad(self.chunks, self.groups, parallel.sequence_parallel)
-            if moe.router_metrics and self.bridge.num_experts
+            RouterLoad(self.chunks, self.groups, self.parallel.sequence_parallel)
+            if self.moe.router_metrics and self.bridge.num_experts
             else None
         )
         self.sync: WeightSync | None = None
+
+    def _model_overrides(self) -> dict:
+        return super()._model_overrides() | self.moe.overrides(self.bridge)
 
     # ---- training -----------------------------------------------------------------------------------------
     def _loss_fn(self, batch: dict, output: torch.Tensor):
@@ -457,8 +450,9 @@ class ValueTrainer(TrainableRank):
 
     checkpoint_dir = "critic"
 
-    def __init__(self, *args, value_clip: float = 0.5, recompute: str = "none", overrides: dict | None = None, **kw):
-        super().__init__(*args, overrides=recompute_overrides(recompute) | (overrides or {}), **kw)
+    def __init__(self, *args, value_clip: float = 0.5, **kwargs):
+        """:class:`TrainableRank`'s arguments and PPO's ``value_clip``."""
+        super().__init__(*args, **kwargs)
         self.value_clip = value_clip
 
     def _build(self, hf_dir: str) -> list[torch.nn.Module]:

@@ -428,7 +428,7 @@ def policy_trainer_episodes(
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
     trainer = PolicyTrainer(
-        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 4,
+        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 4, loss=PolicyLossConfig(),
         max_token_in_packing=max_token_in_packing, moe=MoEConfig(**(moe or {})), recompute=recompute,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(0)
@@ -474,8 +474,8 @@ def moe_balancing_step(hf_dir: str, layout: dict, moe: dict, checkpoint_dir: str
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
 
     def trainer():
-        args = (rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 4)
-        return PolicyTrainer(*args, moe=MoEConfig(**moe))
+        args = (rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 4)
+        return PolicyTrainer(*args, loss=PolicyLossConfig(), moe=MoEConfig(**moe))
 
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(4, 100, (8, 13), generator=generator)
@@ -508,8 +508,8 @@ def trained_checkpoint(hf_dir: str, layout: dict, checkpoint_dir: str, reference
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-2, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
-    args = (rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 4)
-    trainer = PolicyTrainer(*args)
+    args = (rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 4)
+    trainer = PolicyTrainer(*args, loss=PolicyLossConfig())
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(4, 100, (8, 13), generator=generator)
     mask = torch.ones(8, 12)
@@ -553,7 +553,7 @@ def policy_trainer_first_step(
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
     trainer = PolicyTrainer(
-        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(**loss), 1,
+        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 1, loss=PolicyLossConfig(**loss),
         share_prompts=share_prompts, overrides={"params_dtype": getattr(torch, params_dtype)},
         max_token_in_packing=max_token_in_packing,
     )  # fmt: skip
@@ -573,7 +573,7 @@ def policy_trainer_steps(
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
     trainer = PolicyTrainer(
-        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, PolicyLossConfig(), 2,
+        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 2, loss=PolicyLossConfig(),
         share_prompts=share_prompts,
     )  # fmt: skip
     logprobs = trainer.logprobs(batch, micro_batch_size)

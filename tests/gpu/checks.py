@@ -235,8 +235,8 @@ def train_and_checkpoint() -> tuple[str, dict]:
     hf_dir, which = _model(Path(tmp.name))
     _world()
     optimizer = dict(lr=1e-5, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
-    args = (0, 1, ("127.0.0.1", 0), hf_dir, ParallelConfig(), 1, optimizer, PolicyLossConfig(), 4)
-    trainer = PolicyTrainer(*args)
+    args = (0, 1, ("127.0.0.1", 0), hf_dir, ParallelConfig(), 1, optimizer, 4)
+    trainer = PolicyTrainer(*args, loss=PolicyLossConfig())
     tokens = _tokens(trainer.bridge.vocab_size, rows=8, length=33).cpu()
     mask = torch.ones(8, 32)
     batch = {"tokens": tokens, "mask": mask, "advantages": torch.randn(8, generator=torch.Generator().manual_seed(1))}
@@ -249,7 +249,7 @@ def train_and_checkpoint() -> tuple[str, dict]:
         trainer.save(directory)
         save_seconds = time.perf_counter() - start
         checkpoint_bytes = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
-        resumed = PolicyTrainer(*args)
+        resumed = PolicyTrainer(*args, loss=PolicyLossConfig())
         start = time.perf_counter()
         resumed.load(directory)
         load_seconds = time.perf_counter() - start
