@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ class Sample:
     prompt: Prompt
     completion: Completion
     text: str  # the completion, decoded
+    reward_parts: dict[str, float] = field(default_factory=dict)  # each weighted reward's value (and components)
 
 
 def samples_of(prompts: list[Prompt], completions: list[list[Completion]], texts: list[str]) -> list[Sample]:
@@ -149,7 +150,7 @@ def rollout_stats(samples: list[Sample], rewards: list[float], group_size: int) 
     lengths = torch.tensor([len(s.completion.token_ids) for s in samples], dtype=torch.float32)
     groups = r.view(-1, group_size)
     truncated = sum(s.completion.finish_reason == "length" for s in samples)
-    return {
+    return reward_part_stats(samples) | {
         "reward/mean": r.mean().item(),
         "reward/max": r.max().item(),
         "reward/group_std_mean": groups.std(dim=1).mean().item() if group_size > 1 else 0.0,
@@ -157,6 +158,18 @@ def rollout_stats(samples: list[Sample], rewards: list[float], group_size: int) 
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
         "response/truncated_fraction": truncated / len(samples),
+    }
+
+
+def reward_part_stats(samples: list[Sample]) -> dict[str, float]:
+    """Each weighted reward's mean over the samples that have it (``reward/<name>/mean``) and each component's
+    (``reward/<name>/<component>_mean``)."""
+    values: dict[str, list[float]] = {}
+    for sample in samples:
+        for name, value in sample.reward_parts.items():
+            values.setdefault(name, []).append(value)
+    return {
+        f"reward/{name}_mean" if "/" in name else f"reward/{name}/mean": sum(v) / len(v) for name, v in values.items()
     }
 
 

@@ -45,7 +45,7 @@ from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.data.progress import DataProgress
 from mcore_rl.data.prompts import PromptDataset, read_rows
 from mcore_rl.metrics import MetricsLogger, plot_curves
-from mcore_rl.rewards.user import Reward
+from mcore_rl.rewards.user import Rewards
 from parallel.device import Device
 
 log = logging.getLogger("mcore_rl")
@@ -114,7 +114,9 @@ class SingleTurn:
 
     def _score(self, prompts, completions) -> tuple[list, list[float]]:
         samples = samples_of(prompts, completions, self.data.decode(completions))
-        return samples, self.rewards.score([_reward_input(s) for s in samples])
+        scored = self.rewards.score([_reward_input(s) for s in samples])
+        samples = [dataclasses.replace(s, reward_parts=parts) for s, (_, parts) in zip(samples, scored, strict=True)]
+        return samples, [total for total, _ in scored]
 
 
 class System:
@@ -227,7 +229,7 @@ class System:
                 )  # fmt: skip
                 self._stops.append(self.tools.stop)
         else:
-            self.rewards = RewardPool(reward.fn, reward.num_actors, reward.num_cpus, reward.timeout_s)
+            self.rewards = RewardPool(reward.weighted_terms, reward.num_actors, reward.num_cpus, reward.timeout_s)
             self._stops.append(self.rewards.stop)
         # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
         dtype = Device("cuda" if gpu else "cpu").engine_dtype(m.policy.rollout.dtype)
@@ -617,7 +619,7 @@ def check_user_code(config: RunConfig, row) -> None:
     reward = config.models.reward
     answered = [*row.messages, {"role": "assistant", "content": row.answer}]
     if not reward.multi_turn:
-        return Reward(reward.fn).check(answered, row.answer)
+        return Rewards(reward.weighted_terms).check(answered, row.answer)
     from mcore_rl.agent.envs import EnvError, check_messages, check_step, environment_factory
     from mcore_rl.agent.tools import load_tools
 

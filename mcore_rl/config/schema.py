@@ -3,6 +3,7 @@ before any actor starts. Errors name the key and say how to fix it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.moe import MoEConfig
+from mcore_rl.rewards.user import RewardTerm, default_name
 from mcore_rl.rollout.engine import RolloutConfig
 from mcore_rl.sync import SyncConfig
 from mcore_rl.userfile import is_user_file
@@ -181,7 +183,12 @@ class PolicyConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = "math"  # "math", "path/to/file.py" or "path/to/file.py:function"
+    # "math", "path/to/file.py" or "path/to/file.py:function" (returning a number, or {"score": x, <component>: y});
+    # with terms, "" leaves it out
+    fn: str = "math"
+    weight: float = 1.0  # fn's weight in the sum with terms
+    # Further weighted rewards, summed with fn's (single-turn): [{name, fn, weight}]; each logged as reward/<name>/mean
+    terms: list[RewardTerm] = field(default_factory=list)
     num_actors: int = 1  # single-turn: the reward actors, each reserving num_cpus
     num_cpus: float = 1.0
     timeout_s: float = 30.0  # a sample's reward call past it is stopped (its actor replaced): reward 0, reward/errors
@@ -201,6 +208,12 @@ class RewardConfig:
     @property
     def multi_turn(self) -> bool:
         return bool(self.env or self.tools)
+
+    @property
+    def weighted_terms(self) -> list[tuple[str, RewardTerm]]:
+        """(config key, term) of every reward function a single-turn sample's reward sums: fn's, then the terms'."""
+        first = [("models.reward.fn", RewardTerm(default_name(self.fn), self.fn, self.weight))] if self.fn else []
+        return first + [(f"models.reward.terms[{i}].fn", term) for i, term in enumerate(self.terms)]
 
     @property
     def environment(self) -> str:
@@ -300,6 +313,7 @@ class RunConfig:
             )
         if m.reward.timeout_s <= 0:
             raise ConfigError(f"models.reward.timeout_s={m.reward.timeout_s}: expected a positive number of seconds")
+        self._validate_reward_terms()
         if m.reward.multi_turn:
             self._validate_multi_turn()
         what = (
@@ -531,6 +545,36 @@ class RunConfig:
                     f"{len(policy)}; differing entries such as {differ}); the {role} must score the policy's token "
                     "ids, so it needs the same vocabulary"
                 )
+
+    def _validate_reward_terms(self) -> None:
+        reward = self.models.reward
+        if reward.terms and reward.multi_turn:
+            raise ConfigError(
+                "models.reward.terms: weighted rewards score single-turn samples; a multi-turn run's reward is its "
+                "environment's (models.reward.env, with models.reward.fn); remove the terms"
+            )
+        if not reward.fn and not reward.terms:
+            raise ConfigError("models.reward.fn is empty and models.reward.terms none: give a reward function")
+        if not reward.terms and reward.weight != 1.0:
+            raise ConfigError(
+                f"models.reward.weight={reward.weight}: weighs models.reward.fn in a sum with models.reward.terms; "
+                "with fn alone it changes nothing but the scale (set it in the function), so remove it"
+            )
+        seen = {}
+        for key, term in reward.weighted_terms:
+            where = key.rsplit(".", 1)[0]
+            if not term.fn:
+                raise ConfigError(f"{key}: no reward function; expected 'math' or path/to/file.py[:function]")
+            if not term.name:
+                raise ConfigError(f"{where}.name: empty; name the reward (its metrics are reward/<name>/mean)")
+            if not math.isfinite(term.weight):
+                raise ConfigError(f"{where}.weight={term.weight}: expected a finite number")
+            if term.name in seen:
+                raise ConfigError(
+                    f"{where}.name={term.name!r} is also {seen[term.name]}'s name; give each reward its own "
+                    "(reward/<name>/mean would mix them)"
+                )
+            seen[term.name] = where
 
     def _validate_overlong(self) -> None:
         trainer, rollout = self.models.policy_trainer, self.models.policy.rollout

@@ -8,7 +8,7 @@ import time
 
 import ray
 
-from mcore_rl.rewards.user import Reward, RewardError
+from mcore_rl.rewards.user import RewardError, Rewards, RewardTerm
 from mcore_rl.roles.cluster import Placement
 from mcore_rl.rollout.engine import Completion, RolloutConfig, SamplingConfig, thread_binding
 from mcore_rl.rollout.remote import launch_engines, stop_engine
@@ -85,19 +85,20 @@ class RolloutGroup:
 
 
 class RewardPool:
-    """Reward actors, each scoring its share of a batch in its own CPU process. A call past its deadline
-    (``timeout_s`` a sample) is stopped by replacing its actor; its samples are scored again one at a time, and
-    the one that hangs again scores 0 and is counted (``timeouts``)."""
+    """Reward actors, each scoring its share of a batch with every weighted reward function
+    (:class:`~mcore_rl.rewards.user.Rewards`) in its own CPU process. A call past its deadline (``timeout_s`` a
+    sample) is stopped by replacing its actor; its samples are scored again one at a time, and the one that hangs
+    again scores 0 and is counted (``timeouts``)."""
 
-    def __init__(self, spec: str, num_actors: int, num_cpus: float, timeout_s: float):
-        self._new = lambda: ray.remote(Reward).options(num_cpus=num_cpus).remote(spec)
+    def __init__(self, terms: list[tuple[str, RewardTerm]], num_actors: int, num_cpus: float, timeout_s: float):
+        self._new = lambda: ray.remote(Rewards).options(num_cpus=num_cpus).remote(terms)
         self.actors = [self._new() for _ in range(num_actors)]
         self.timeout_s = timeout_s
         self.timeouts = 0  # samples scored 0 for a reward call past its deadline, since the last take_timeouts
 
-    def score(self, samples: list[tuple[str, list[dict], str]]) -> list[float]:
-        """Rewards in sample order; a :class:`~mcore_rl.rewards.user.RewardError` in an actor is raised here as
-        itself (its message names the key, file and sample), not inside Ray's traceback."""
+    def score(self, samples: list[tuple[str, list[dict], str]]) -> list[tuple[float, dict[str, float]]]:
+        """(reward, its parts by name) in sample order; a :class:`~mcore_rl.rewards.user.RewardError` in an actor
+        is raised here as itself (its message names the key, file and sample), not inside Ray's traceback."""
         parts = [p for p in _split(samples, len(self.actors)) if p]
         refs = [a.score.remote(p) for a, p in zip(self.actors, parts, strict=False)]
         deadline = time.monotonic() + self.timeout_s * max(map(len, parts), default=0)
@@ -110,21 +111,21 @@ class RewardPool:
                 results += [self._one(i, sample) for sample in part]
         return results
 
-    def _one(self, i: int, sample) -> float:
+    def _one(self, i: int, sample) -> tuple[float, dict[str, float]]:
         try:
             return self._get(self.actors[i].score.remote([sample]), self.timeout_s)[0]
         except ray.exceptions.GetTimeoutError:
             log.warning("reward of sample %s: no result after %g s; scored 0", sample[0], self.timeout_s)
             self._replace(i)
             self.timeouts += 1
-            return 0.0
+            return 0.0, {}
 
     def _replace(self, i: int) -> None:
         ray.kill(self.actors[i])  # the only way to stop a call that hangs
         self.actors[i] = self._new()
 
     @staticmethod
-    def _get(ref, timeout: float) -> list[float]:
+    def _get(ref, timeout: float) -> list:
         try:
             return ray.get(ref, timeout=max(timeout, 0.0))
         except ray.exceptions.RayTaskError as err:

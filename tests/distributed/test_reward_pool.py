@@ -1,9 +1,11 @@
-"""Reward actors under a deadline: a reward call that hangs costs its sample a zero (counted), never the run."""
+"""Reward actors under a deadline: a reward call that hangs costs its sample a zero (counted), never the run; several
+weighted reward functions are summed, each kept by name with its components."""
 
 from __future__ import annotations
 
 import time
 
+from mcore_rl.rewards.user import RewardTerm
 from mcore_rl.roles.rollout import RewardPool
 
 HANGS_ON_ONE = """
@@ -13,6 +15,11 @@ def reward_fn(messages, answer):
     if messages[-1]["content"] == "hang":
         time.sleep(3600)
     return float(messages[-1]["content"] == answer)
+
+
+def length(messages, answer):
+    text = messages[-1]["content"]
+    return {"score": len(text), "vowels": sum(c in "aeiou" for c in text)}
 """
 
 
@@ -22,14 +29,33 @@ def _sample(i: int, text: str, answer: str = "4"):
 
 def test_a_hung_reward_scores_zero_and_the_pool_goes_on(ray_address, tmp_path):
     (tmp_path / "r.py").write_text(HANGS_ON_ONE)
-    pool = RewardPool(str(tmp_path / "r.py"), num_actors=2, num_cpus=0, timeout_s=2.0)
+    terms = [("models.reward.fn", RewardTerm("exact", str(tmp_path / "r.py"), 1.0))]
+    pool = RewardPool(terms, num_actors=2, num_cpus=0, timeout_s=2.0)
     try:
         texts = ["4", "5", "hang", "4", "4", "no"]
         start = time.monotonic()
-        assert pool.score([_sample(i, t) for i, t in enumerate(texts)]) == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+        scored = pool.score([_sample(i, t) for i, t in enumerate(texts)])
+        assert [total for total, _ in scored] == [1.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+        assert scored[0][1] == {"exact": 1.0} and scored[2][1] == {}  # the hung sample has no parts
         assert pool.take_timeouts() == 1 and pool.take_timeouts() == 0
         assert time.monotonic() - start < 120
-        assert pool.score([_sample(0, "4"), _sample(1, "3")]) == [1.0, 0.0]  # the replaced actor serves
-        assert pool.score([_sample(0, "hang")]) == [0.0] and pool.take_timeouts() == 1
+        assert [t for t, _ in pool.score([_sample(0, "4"), _sample(1, "3")])] == [1.0, 0.0]  # the replacement serves
+        assert pool.score([_sample(0, "hang")]) == [(0.0, {})] and pool.take_timeouts() == 1
+    finally:
+        pool.stop()
+
+
+def test_weighted_rewards_are_summed_and_kept_by_name(ray_address, tmp_path):
+    (tmp_path / "r.py").write_text(HANGS_ON_ONE)
+    terms = [
+        ("models.reward.fn", RewardTerm("exact", str(tmp_path / "r.py"), 2.0)),
+        ("models.reward.terms[0].fn", RewardTerm("length", f"{tmp_path}/r.py:length", -0.5)),
+    ]
+    pool = RewardPool(terms, num_actors=1, num_cpus=0, timeout_s=30.0)
+    try:
+        assert pool.score([_sample(0, "4"), _sample(1, "aloe")]) == [
+            (2.0 * 1 - 0.5 * 1, {"exact": 1.0, "length": 1.0, "length/vowels": 0.0}),
+            (2.0 * 0 - 0.5 * 4, {"exact": 0.0, "length": 4.0, "length/vowels": 3.0}),
+        ]
     finally:
         pool.stop()

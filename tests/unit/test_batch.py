@@ -123,3 +123,13 @@ def test_advantages_per_token_with_a_kl_penalty_a_critic_and_a_teacher():
     add_advantages(batch, trainer, group_size=2)
     task = torch.tensor([0.5, -0.5, 0.0, 0.0])[:, None] * mask  # Dr.GRPO's, on every response token
     assert torch.allclose(batch["advantages"], task - 0.5 * reverse_kl)
+
+
+def test_each_weighted_reward_is_logged_by_name():
+    import dataclasses
+
+    parts = [{"math": 1.0, "brief": 0.5, "brief/words": 3.0}, {"math": 0.0, "brief": 0.25, "brief/words": 5.0}, {}, {}]
+    samples = [dataclasses.replace(s, reward_parts=p) for s, p in zip(_samples(), parts, strict=True)]
+    stats = rollout_stats(samples, [1.0, 0.25, 0.0, 0.0], 2)
+    assert stats["reward/math/mean"] == 0.5 and stats["reward/brief/mean"] == 0.375
+    assert stats["reward/brief/words_mean"] == 4.0 and stats["reward/mean"] == 0.3125

@@ -314,3 +314,31 @@ def test_a_reward_model_starts_a_critic_only(run_yaml, tmp_path):
     two = config.to_dict() | {"id2label": {"0": "LABEL_0", "1": "LABEL_1"}}  # how config.json stores num_labels
     with pytest.raises(ValueError, match=r"LlamaForSequenceClassification with 2 labels: a value head has one"):
         get_bridge(two)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["models.reward.terms=[{name: math, fn: math}]"],
+            r"models.reward.terms\[0\].name='math' is also models.reward's",
+        ),
+        (["models.reward.fn=", "models.reward.terms=[]"], r"models.reward.fn is empty and models.reward.terms none"),
+        (["models.reward.weight=2"], r"models.reward.weight=2.0: weighs models.reward.fn in a sum with"),
+        (["models.reward.terms=[{name: x}]"], r"models.reward.terms\[0\].fn: no reward function"),
+        (["models.reward.terms=[{fn: math}]"], r"models.reward.terms\[0\].name: empty"),
+        (["models.reward.terms=[{name: x, fn: math, weight: .nan}]"], r"models.reward.terms\[0\].weight=nan: expected"),
+        (["models.reward.terms=[{name: x, fn: math}]", "models.reward.tools=[calculator]"], r"models.reward.terms: "),
+    ],
+)
+def test_reward_terms_are_refused_with_the_fix(run_yaml, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(run_yaml, overrides)
+
+
+def test_reward_terms_are_the_functions_with_their_names_and_weights(run_yaml):
+    config = load_run_config(run_yaml, ["models.reward.weight=0.5", "models.reward.terms=[{name: brief, fn: math}]"])
+    assert [(key, t.name, t.fn, t.weight) for key, t in config.models.reward.weighted_terms] == [
+        ("models.reward.fn", "math", "math", 0.5),
+        ("models.reward.terms[0].fn", "brief", "math", 1.0),
+    ]

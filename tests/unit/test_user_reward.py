@@ -58,3 +58,27 @@ def test_a_result_that_is_not_a_finite_number_names_key_file_and_sample(tmp_path
         RewardError, match=expected + (r"" if "failed" in problem else r" on sample s7; expected a finite")
     ):
         reward.score([("s7", ANSWERED, "bad")])
+
+
+def test_a_reward_may_return_named_components_and_several_are_weighted(tmp_path):
+    from mcore_rl.rewards.user import Rewards, RewardTerm, default_name
+
+    path = tmp_path / "parts.py"
+    path.write_text(
+        "def graded(messages, answer):\n"
+        "    text = messages[-1]['content']\n"
+        "    return {'score': 0.5 + ('4' in text), 'boxed': float('boxed' in text)}\n\n"
+        "def no_score(m, a):\n    return {'boxed': 1.0}\n\n"
+        "def bad_part(m, a):\n    return {'score': 1.0, 'boxed': 'yes'}\n"
+    )
+    assert Reward(f"{path}:graded").score_parts([("s0", ANSWERED, "4")]) == [(1.5, {"boxed": 1.0})]
+    rewards = Rewards(
+        [("models.reward.fn", RewardTerm("math", "math", 1.0)), ("t", RewardTerm("graded", f"{path}:graded", 0.1))]
+    )
+    ((total, parts),) = rewards.score([("s0", ANSWERED, "4")])
+    assert total == pytest.approx(1.0 + 0.1 * 1.5) and parts == {"math": 1.0, "graded": 1.5, "graded/boxed": 1.0}
+    with pytest.raises(RewardError, match=r"returned a dictionary without 'score' on sample s0 \(keys \['boxed'\]\)"):
+        Reward(f"{path}:no_score", "models.reward.terms[0].fn").score([("s0", ANSWERED, "4")])
+    with pytest.raises(RewardError, match=r"returned\['boxed'\] 'yes' \(str\) on sample s0; expected a finite real"):
+        Reward(f"{path}:bad_part").score([("s0", ANSWERED, "4")])
+    assert [default_name(s) for s in ("math", f"{path}", f"{path}:graded")] == ["math", "parts", "graded"]
