@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 
 from converters.mapping import QKV, Direct, GatedMLP, Mapping, Vocab
 from models.spec import block_spec
+from models.value_head import attach_value_heads
 from parallel.config import ParallelConfig
 from parallel.device import Device
 
@@ -202,7 +203,8 @@ class Bridge:
         """config.json for a model with Megatron ``config``: this bridge's HF config with the mapped fields."""
         out = dict(self.hf)
         out.update({key: getattr(config, mcore) for key, mcore in self.config_table})
-        out.update(architectures=[self.architecture], model_type=self.model_type)
+        architecture = self.value_architecture if self.value_model else self.architecture
+        out.update(architectures=[architecture], model_type=self.model_type)
         return out
 
     # ---- model --------------------------------------------------------------------------------------------
@@ -215,7 +217,8 @@ class Bridge:
         meta: bool = False,
         padded_vocab_size: int | None = None,
     ) -> list[GPTModel]:
-        """This rank's model chunks (one per virtual pipeline stage), on the current device, weights initialised;
+        """This rank's model chunks (one per virtual pipeline stage), on the current device, weights initialised (a
+        reward model's with a value head for its LM head);
         ``meta``: on the meta device instead (shapes without memory, for full-size dry runs);
         ``padded_vocab_size``: instead of this layout's padding (a checkpoint converted for another TP size)."""
         machine = Device.current()
@@ -229,6 +232,8 @@ class Bridge:
             with device if meta else contextlib.nullcontext():
                 model = self._gpt_model(config, backend, vp_stage, vocab, max_sequence_length)
             chunks.append(model.to(device=device, dtype=config.params_dtype))
+        if self.value_model:  # a reward model's score head in place of the LM head
+            attach_value_heads(chunks, parallel_state.get_tensor_model_parallel_group())
         return chunks
 
     def _gpt_model(self, config, backend, vp_stage, vocab_size, max_sequence_length) -> GPTModel:

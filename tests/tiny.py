@@ -114,6 +114,20 @@ def make_tiny(architecture: str, out_dir: Path, seed: int = 0, **overrides) -> P
     return Path(out_dir)
 
 
+def make_tiny_reward_model(causal_dir: str | Path, out_dir: Path, seed: int = 3) -> str:
+    """A one-label ``LlamaForSequenceClassification`` (a reward model) with a tiny Llama's decoder and a random score
+    head, saved with the character tokenizer."""
+    causal = transformers.AutoModelForCausalLM.from_pretrained(causal_dir)
+    config = {k: v for k, v in causal.config.to_dict().items() if k not in ("id2label", "label2id")}
+    config |= {"architectures": ["LlamaForSequenceClassification"], "num_labels": 1}
+    torch.manual_seed(seed)
+    model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**config))
+    model.model.load_state_dict(causal.model.state_dict())
+    model.save_pretrained(out_dir)
+    save_char_tokenizer(out_dir)
+    return str(out_dir)
+
+
 def save_char_tokenizer(out_dir: Path) -> None:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 

@@ -443,10 +443,34 @@ class PolicyTrainer(TrainableRank):
             torch.cuda.set_rng_state(rng["cuda"])
 
 
-class ValueTrainer(TrainableRank):
-    """One rank of PPO's critic: the policy's architecture with a :class:`models.value_head.ValueHead` for its LM
-    head, loaded from ``hf_dir`` (a causal LM of the family, the policy's own to start from it, or a reward model
-    whose score head becomes the value head), scoring values and trained with the clipped value loss."""
+class ValueModel(MegatronRank):
+    """One rank of a model with a :class:`models.value_head.ValueHead` for its LM head, loaded from ``hf_dir``: a
+    reward model of a supported family (its score head is the value head), or a causal LM (the policy's own, for a
+    critic that starts from it: its LM head is dropped and the value head starts fresh). Scores values per position
+    (PPO's critic) or one per sequence (a reward model)."""
+
+    def _build(self, hf_dir: str) -> list[torch.nn.Module]:
+        chunks = super()._build(hf_dir)
+        if not self.bridge.value_model:
+            attach_value_heads(chunks, self.groups.tp)
+        return chunks
+
+    def values(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
+        """The value [N, L-1] of every input position of ``batch["tokens"]`` (the state before the token at the
+        next position, aligned with log-probs); every rank gets all rows."""
+        return self._score(batch, micro_batch_size, lambda mb, output: output.squeeze(-1))
+
+    def sequence_scores(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
+        """The value [N] at each sequence's last token (``batch["lengths"]`` tokens each), as HF's sequence
+        classifiers pool it: a reward model's score of the whole conversation."""
+        lengths = batch["lengths"]
+        tokens = torch.nn.functional.pad(batch["tokens"], (0, 1))  # every real token becomes an input position
+        values = self.values(batch | {"tokens": tokens, "lengths": lengths + 1}, micro_batch_size)
+        return values[torch.arange(len(lengths)), lengths - 1]
+
+
+class ValueTrainer(TrainableRank, ValueModel):
+    """One rank of PPO's critic: a :class:`ValueModel` trained with the clipped value loss."""
 
     checkpoint_dir = "critic"
 
@@ -454,23 +478,6 @@ class ValueTrainer(TrainableRank):
         """:class:`TrainableRank`'s arguments and PPO's ``value_clip``."""
         super().__init__(*args, **kwargs)
         self.value_clip = value_clip
-
-    def _build(self, hf_dir: str) -> list[torch.nn.Module]:
-        """The policy's architecture with a value head: a reward model's score head loads into it; from a causal LM
-        the head starts fresh (its LM head is dropped)."""
-        if not self.bridge.value_model:
-            chunks = super()._build(hf_dir)
-            attach_value_heads(chunks, self.groups.tp)
-            return chunks
-        chunks = self.bridge.build_model(self.config, **({"backend": "local"} if self.share_prompts else {}))
-        attach_value_heads(chunks, self.groups.tp)
-        load_weights(chunks, self.bridge, hf_dir, self.groups)
-        return chunks
-
-    def values(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
-        """The critic's value [N, L-1] of every input position of ``batch["tokens"]`` (the state before the token at
-        the next position, aligned with log-probs), every rank gets all rows."""
-        return self._score(batch, micro_batch_size, lambda mb, output: output.squeeze(-1))
 
     def _loss_fn(self, batch: dict, output: torch.Tensor):
         values = rows_of(batch, output.squeeze(-1).float())

@@ -711,3 +711,12 @@ def critic_values(hf_dir: str, layout: dict, tokens: torch.Tensor) -> torch.Tens
     critic = ValueTrainer(rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 1)
     lengths = torch.full((tokens.shape[0],), tokens.shape[1])
     return critic.values({"tokens": tokens, "lengths": lengths}, micro_batch_size=2)
+
+
+def reward_model_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, lengths: torch.Tensor, packing: int = 0):
+    """A reward model's score of each row (its first ``lengths`` tokens), scored by the reward-model role."""
+    from mcore_rl.roles.megatron import ValueModel
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    role = ValueModel(rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, max_token_in_packing=packing)
+    return role.sequence_scores({"tokens": tokens, "lengths": lengths}, micro_batch_size=2)

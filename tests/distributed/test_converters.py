@@ -311,3 +311,23 @@ def test_a_converted_checkpoint_loads_into_modules_with_extra_state(ranks, conve
         layout=dict(tp=2),
     )
     assert absent[0] > 0  # the model did request state the checkpoint does not hold
+
+
+def test_a_reward_models_score_head_converts_both_ways_bit_exact(ranks, tiny_models, tmp_path):
+    """A one-label sequence classifier: its score head is the Megatron value head (``output_layer``, [1, hidden],
+    replicated over TP) and comes back as ``score.weight``, with the classifier's architecture in config.json;
+    the converted checkpoint loads under TP 2 (with PP 2) and exports every tensor bit-exact."""
+    from tests.tiny import make_tiny_reward_model
+
+    rm = make_tiny_reward_model(tiny_models["LlamaForCausalLM"], tmp_path / "rm")
+    ok(cli("hf2mcore", rm, tmp_path / "mcore", "--tp", "2"))
+    ok(cli("mcore2hf", tmp_path / "mcore", tmp_path / "hf"))
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(rm))
+    assert "score.weight" in hf_tensors(rm) and not any(n.startswith("lm_head") for n in hf_tensors(rm))
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert exported["architectures"] == ["LlamaForSequenceClassification"]
+    for layout in (dict(tp=2), dict(tp=2, pp=2)):
+        counts = ranks.run(
+            cases.roundtrip, hf_dir=str(tmp_path / "mcore"), layout=layout, bucket_bytes=1 << 20, reference=rm
+        )
+        assert len(set(counts)) == 1 and counts[0] > 0, (layout, counts)

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from tests.distributed import cases
-from tests.tiny import save_char_tokenizer
+from tests.tiny import make_tiny_reward_model
 
 KEYS = ("loss", "grad_norm", "value_loss", "value_clip_fraction", "values_mean", "lr")
 
@@ -69,18 +69,6 @@ def test_critic_resumes_exactly_from_its_checkpoint(ranks, tiny_models, tmp_path
             assert result["digest"][key] == pytest.approx(value, rel=1e-6), key
 
 
-def _reward_model(causal_dir: str, out) -> str:
-    """A one-label ``LlamaForSequenceClassification`` with the causal model's decoder and a random score head."""
-    causal = transformers.AutoModelForCausalLM.from_pretrained(causal_dir)
-    config = causal.config.to_dict() | {"architectures": ["LlamaForSequenceClassification"], "num_labels": 1}
-    torch.manual_seed(3)
-    model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**config))
-    model.model.load_state_dict(causal.model.state_dict())
-    model.save_pretrained(out)
-    save_char_tokenizer(out)
-    return str(out)
-
-
 def _hf_values(hf_dir: str, tokens: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:
     """Per-position values from HF: its reward model's score head at every position, or ``head`` on a causal
     LM's last hidden states."""
@@ -102,7 +90,7 @@ def test_critic_values_match_hf_from_a_causal_lm_and_from_a_reward_model(ranks, 
     tokens = torch.randint(4, 100, (4, 10), generator=torch.Generator().manual_seed(1))
     for hf_dir, want in (
         (causal, _hf_values(causal, tokens, head)),
-        (rm := _reward_model(causal, tmp_path / "rm"), _hf_values(rm, tokens)),
+        (rm := make_tiny_reward_model(causal, tmp_path / "rm"), _hf_values(rm, tokens)),
     ):
         assert want.abs().mean() > 1e-3
         for layout in (dict(tp=2, sequence_parallel=True), dict(pp=2)):
