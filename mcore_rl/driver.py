@@ -33,6 +33,7 @@ from mcore_rl.batch import (
     add_advantages,
     filter_truncated,
     partition_groups,
+    reward_part_stats,
     rollout_stats,
     samples_of,
     shape_overlong,
@@ -45,6 +46,7 @@ from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.data.progress import DataProgress
 from mcore_rl.data.prompts import PromptDataset, read_rows
 from mcore_rl.metrics import MetricsLogger, plot_curves
+from mcore_rl.rewards.model import ModelReward
 from mcore_rl.rewards.user import Rewards
 from parallel.device import Device
 
@@ -100,6 +102,9 @@ class SingleTurn:
 
     def __init__(self, system: System, data: Data):
         self.rollout, self.rewards, self.data = system.rollout, system.rewards, data
+        self.model = None  # the reward model's term, when there is one
+        if system.reward_model is not None:
+            self.model = ModelReward(system.config.models.reward_model, system.reward_model, system.on_device)
         self._prompts: dict = {}  # submitted keys -> prompts
 
     def generate(self, prompts, sampling) -> tuple[list, list[float]]:
@@ -114,14 +119,19 @@ class SingleTurn:
 
     def _score(self, prompts, completions) -> tuple[list, list[float]]:
         samples = samples_of(prompts, completions, self.data.decode(completions))
-        scored = self.rewards.score([_reward_input(s) for s in samples])
+        inputs = [_reward_input(s) for s in samples]
+        scored = self.rewards.score(inputs) if self.rewards.terms else [(0.0, {})] * len(inputs)
+        if self.model is not None:
+            scores = self.model.score([messages for _, messages, _ in inputs])
+            weight, name = self.model.weight, self.model.name
+            scored = [(total + weight * x, parts | {name: x}) for (total, parts), x in zip(scored, scores, strict=True)]
         samples = [dataclasses.replace(s, reward_parts=parts) for s, (_, parts) in zip(samples, scored, strict=True)]
         return samples, [total for total, _ in scored]
 
 
 class System:
-    """The roles on a Ray placement group: policy trainer ranks, reference, teacher and critic ranks where the run
-    uses them (else ``None``), rollout engines, rewards."""
+    """The roles on a Ray placement group: policy trainer ranks, reference, teacher, critic and reward-model ranks
+    where the run uses them (else ``None``), rollout engines, rewards."""
 
     def __init__(self, config: RunConfig):
         import ray
@@ -151,9 +161,9 @@ class System:
 
     def _start(self, config: RunConfig) -> None:
         from mcore_rl.roles.cluster import Placement, rendezvous, wait_ready
-        from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer, ValueTrainer
+        from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer, ValueModel, ValueTrainer
         from mcore_rl.roles.rollout import RewardPool, RolloutGroup
-        from mcore_rl.roles.trainer import CriticGroup, ReferenceGroup, TrainerGroup
+        from mcore_rl.roles.trainer import CriticGroup, ReferenceGroup, RewardModelGroup, TrainerGroup
 
         rt, m = config.runtime_args, config.models
         roles = m.megatron_roles
@@ -181,7 +191,7 @@ class System:
         )  # fmt: skip
         self._stops.append(self.trainer.kill)
         megatron_roles = [self.trainer]
-        self.ref = self.teacher = self.critic = None
+        self.ref = self.teacher = self.critic = self.reward_model = None
         for role in ("ref_policy", "teacher"):  # scoring only, like the reference
             if m.uses(role):
                 section = getattr(m, role)
@@ -193,6 +203,15 @@ class System:
                 setattr(self, "ref" if role == "ref_policy" else role, group)
                 self._stops.append(group.kill)
                 megatron_roles.append(group)
+        if m.uses("reward_model"):
+            model = m.reward_model
+            self.reward_model = RewardModelGroup(
+                ValueModel, self.placement, n, f"{name}/reward_model", masters["reward_model"], cores,
+                hf_dir=model.load, parallel=model.parallel, seed=rt.seed,
+                max_token_in_packing=model.max_token_in_packing,
+            )  # fmt: skip
+            self._stops.append(self.reward_model.kill)
+            megatron_roles.append(self.reward_model)
         if m.uses("critic"):
             critic = m.critic
             self.critic = CriticGroup(
@@ -325,9 +344,14 @@ class Run:
             self.progress.consume(positions)
 
     def evaluate(self) -> dict[str, float]:
-        """Accuracy (fraction of positive rewards) of eval-sampling completions over the whole eval set."""
-        _, rewards = self.sampler.generate(self.data.eval.prompts, self.config.models.policy.rollout.eval)
-        return {
+        """Accuracy of eval-sampling completions over the whole eval set: the fraction whose ``models.reward.fn``
+        reward is positive (of the weighted sum without one), and each weighted reward's mean."""
+        samples, rewards = self.sampler.generate(self.data.eval.prompts, self.config.models.policy.rollout.eval)
+        reward = self.config.models.reward
+        if reward.fn and not reward.multi_turn:  # the task's own check, not the weighted sum
+            rewards = [s.reward_parts.get(reward.weighted_terms[0][1].name, 0.0) for s in samples]
+        parts = {f"eval/{k}": v for k, v in reward_part_stats(samples).items()}
+        return parts | {
             "eval/accuracy": sum(r > 0 for r in rewards) / len(rewards),
             "eval/reward_mean": sum(rewards) / len(rewards),
         }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from converters.hf_io import HFCheckpoint
 from converters.torch_dist import Reader, find_megatron
@@ -21,12 +22,12 @@ from mcore_rl.rewards.user import RewardTerm, default_name
 from mcore_rl.rollout.engine import RolloutConfig
 from mcore_rl.sync import SyncConfig
 from mcore_rl.userfile import is_user_file
-from models.registry import get_bridge
+from models.registry import BRIDGES, get_bridge
 from parallel.config import ParallelConfig
 
 BUILTIN_DATA = "builtin:arithmetic"
 # The Megatron roles besides the policy trainer, in their placement order (each used only when configured).
-SCORING_ROLES = ("ref_policy", "teacher", "critic")
+SCORING_ROLES = ("ref_policy", "teacher", "critic", "reward_model")
 
 
 @dataclass
@@ -173,6 +174,22 @@ class CriticConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A reward model served as a model: a Megatron role scoring each whole conversation (re-rendered with its own
+    tokenizer's chat template), one of the weighted rewards."""
+
+    # HF directory of a one-label *ForSequenceClassification of a supported family (or its converted Megatron
+    # checkpoint); empty: none
+    load: str = ""
+    name: str = "rm"  # its metrics: reward/<name>/mean
+    weight: float = 1.0  # its weight in the sum with models.reward.fn and models.reward.terms
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size: int = 2
+    max_token_in_packing: int = 0  # > 0: score in THD packs of at most this many tokens; 0: padded micro-batches
+    share_prompts: ClassVar[bool] = False  # its rows are its own renderings, one per sample
+
+
+@dataclass
 class PolicyConfig:
     load: str = "${models.policy_trainer.load}"
     num_inference_per_prompt: int = 8
@@ -231,6 +248,7 @@ class ModelsConfig:
     ref_policy: ReferenceConfig = field(default_factory=ReferenceConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
 
@@ -242,6 +260,7 @@ class ModelsConfig:
             "ref_policy": bool(trainer.algorithm.kl_coef or trainer.reward_kl_coef),
             "teacher": bool(self.teacher.load),
             "critic": bool(self.critic.load),
+            "reward_model": bool(self.reward_model.load),
         }[role]
 
     @property
@@ -366,8 +385,10 @@ class RunConfig:
             except ValueError as err:
                 raise ConfigError(f"{key}.parallel: {err}") from None
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
+        if m.uses("reward_model"):
+            self._validate_reward_model()
         for key in [*roles, "models.policy"]:
-            if key != "models.critic" and get_bridge(self._get(key).load).value_model:
+            if key not in ("models.critic", "models.reward_model") and get_bridge(self._get(key).load).value_model:
                 raise ConfigError(
                     f"{key}.load={self._get(key).load!r}: a reward model (a score head, no LM head); it can start "
                     "models.critic only, this role needs a causal LM"
@@ -553,9 +574,18 @@ class RunConfig:
                 "models.reward.terms: weighted rewards score single-turn samples; a multi-turn run's reward is its "
                 "environment's (models.reward.env, with models.reward.fn); remove the terms"
             )
-        if not reward.fn and not reward.terms:
-            raise ConfigError("models.reward.fn is empty and models.reward.terms none: give a reward function")
-        if not reward.terms and reward.weight != 1.0:
+        model = self.models.reward_model
+        if model.load and reward.multi_turn:
+            raise ConfigError(
+                "models.reward_model: a reward model scores single-turn samples; a multi-turn run's reward is its "
+                "environment's (models.reward.env, with models.reward.fn); remove it"
+            )
+        if not reward.fn and not reward.terms and not model.load:
+            raise ConfigError(
+                "models.reward.fn is empty, and neither models.reward.terms nor models.reward_model is given: give a "
+                "reward"
+            )
+        if not reward.terms and not model.load and reward.weight != 1.0:
             raise ConfigError(
                 f"models.reward.weight={reward.weight}: weighs models.reward.fn in a sum with models.reward.terms; "
                 "with fn alone it changes nothing but the scale (set it in the function), so remove it"
@@ -575,6 +605,38 @@ class RunConfig:
                     "(reward/<name>/mean would mix them)"
                 )
             seen[term.name] = where
+        if model.load:
+            if model.name in seen:
+                raise ConfigError(
+                    f"models.reward_model.name={model.name!r} is also {seen[model.name]}'s name; give each reward "
+                    "its own"
+                )
+            if not math.isfinite(model.weight):
+                raise ConfigError(f"models.reward_model.weight={model.weight}: expected a finite number")
+            if model.micro_batch_size < 1:
+                raise ConfigError(f"models.reward_model.micro_batch_size={model.micro_batch_size}: expected >= 1")
+
+    def _validate_reward_model(self) -> None:
+        """A reward model's checkpoint is a one-label sequence classifier with a chat template to render with."""
+        from transformers import AutoTokenizer
+
+        path = self.models.reward_model.load
+        bridge = get_bridge(path)
+        if not bridge.value_model:
+            names = sorted(b.value_architecture for b in BRIDGES.values() if b.value_architecture)
+            raise ConfigError(
+                f"models.reward_model.load={path!r}: {bridge.architecture} is no reward model; expected a one-label "
+                f"sequence classifier, one of {names}"
+            )
+        try:
+            template = AutoTokenizer.from_pretrained(path).chat_template
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"models.reward_model.load={path!r}: its tokenizer does not load ({err})") from None
+        if not template:
+            raise ConfigError(
+                f"models.reward_model.load={path!r}: its tokenizer has no chat template, which the conversations "
+                "are rendered with for it; add one (tokenizer_config.json or chat_template.jinja)"
+            )
 
     def _validate_overlong(self) -> None:
         trainer, rollout = self.models.policy_trainer, self.models.policy.rollout

@@ -380,7 +380,7 @@ def plan_memory(
 ) -> MemoryPlan:
     """Every phase of a colocated episode on one device of ``config`` (a RunConfig), with the trainer's offload as
     configured (:func:`mcore_rl.driver.learn` moves weights and optimizer state apart; the scoring roles and the
-    critic leave whole). ``reserve_bytes`` stands for the CUDA context, NCCL buffers and allocator fragmentation.
+    critic leave whole; a reward model comes on during the rollout, beside the engines' share). ``reserve_bytes`` stands for the CUDA context, NCCL buffers and allocator fragmentation.
     The critic is counted as a trainer of its architecture: its LM head's weights and logits are an upper bound
     of its value head's."""
     m, world = config.models, config.runtime_args.trainer_devices
@@ -393,6 +393,10 @@ def plan_memory(
             section = getattr(m, role)
             arch_of = a if section.load == m.policy_trainer.load else Architecture.from_bridge(get_bridge(section.load))
             scoring[name] = max(p for p, _ in stage_params(arch_of, section.parallel)) * 2
+    reward_model = {}  # scores conversations during the rollout, beside the engines
+    if m.uses("reward_model"):
+        rm = Architecture.from_bridge(get_bridge(m.reward_model.load))
+        reward_model["reward model weights"] = max(p for p, _ in stage_params(rm, m.reward_model.parallel)) * 2
     critic = None
     if m.uses("critic"):
         critic_arch = (
@@ -402,19 +406,20 @@ def plan_memory(
     ref = scoring.get("reference weights", 0)
     engine = engine_memory(a, m.policy.rollout, device_bytes)
     if not config.runtime_args.colocated:
-        return _disaggregated(m, trainer, ref, scoring, critic, engine, device_bytes, reserve_bytes)
+        return _disaggregated(m, trainer, ref, scoring | reward_model, critic, engine, device_bytes, reserve_bytes)
     offload = m.policy_trainer.offload
     resident = {"trainer (offloaded)": 0} if offload else {"trainer weights+grads+optimizer": trainer.static}
     # outside the step: with offload, the weights without the optimizer state and gradients
     weights_only = (
         {"trainer weights": trainer.weights} if offload else {"trainer weights+grads+optimizer": trainer.static}
     )
-    others = {} if offload else scoring | ({"critic weights+grads+optimizer": critic.static} if critic else {})
+    critic_state = {"critic weights+grads+optimizer": critic.static} if critic else {}
+    others = {} if offload else scoring | reward_model | critic_state
     # Every trainer rank keeps two sync buffers for the whole run (the first sync's allocation is reused).
     fixed = {"sync buffers": 2 * m.policy.sync.bucket_bytes, "reserve": reserve_bytes}
     phases = [
         # also the sync's probe: the engines' KV caches wake once the trainer's weights have left
-        Phase("rollout", {"engine share": engine.share} | resident | others | fixed),
+        Phase("rollout", {"engine share": engine.share} | resident | (others or reward_model) | fixed),
         Phase(  # with offload, the optimizer state stays off the device until the step; one scoring role at a time
             "log-probs",
             weights_only

@@ -91,8 +91,9 @@ class RewardPool:
     again scores 0 and is counted (``timeouts``)."""
 
     def __init__(self, terms: list[tuple[str, RewardTerm]], num_actors: int, num_cpus: float, timeout_s: float):
+        self.terms = terms
         self._new = lambda: ray.remote(Rewards).options(num_cpus=num_cpus).remote(terms)
-        self.actors = [self._new() for _ in range(num_actors)]
+        self.actors = [self._new() for _ in range(num_actors if terms else 0)]  # none without a function to run
         self.timeout_s = timeout_s
         self.timeouts = 0  # samples scored 0 for a reward call past its deadline, since the last take_timeouts
 

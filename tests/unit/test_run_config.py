@@ -323,7 +323,10 @@ def test_a_reward_model_starts_a_critic_only(run_yaml, tmp_path):
             ["models.reward.terms=[{name: math, fn: math}]"],
             r"models.reward.terms\[0\].name='math' is also models.reward's",
         ),
-        (["models.reward.fn=", "models.reward.terms=[]"], r"models.reward.fn is empty and models.reward.terms none"),
+        (
+            ["models.reward.fn=", "models.reward.terms=[]"],
+            r"models.reward.fn is empty, and neither models.reward.terms nor models.reward_model",
+        ),
         (["models.reward.weight=2"], r"models.reward.weight=2.0: weighs models.reward.fn in a sum with"),
         (["models.reward.terms=[{name: x}]"], r"models.reward.terms\[0\].fn: no reward function"),
         (["models.reward.terms=[{fn: math}]"], r"models.reward.terms\[0\].name: empty"),
