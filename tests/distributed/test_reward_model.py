@@ -31,3 +31,32 @@ def test_reward_model_scores_match_hf(ranks, reward_model):
                 packing=packing,
             ):  # fmt: skip
                 assert (got - want).abs().max().item() < 1e-5, (layout, packing, got, want)
+
+
+def test_smollm2_reward_model_scores_its_conversations_as_hf(ranks3, tmp_path):
+    """The real model's shape (tied embeddings, unpadded 49152-row vocabulary, 9 / 3 heads under TP 3): a SmolLM2
+    reward model built by ``mcore_rl.rewards.preference`` scores conversations rendered with its chat template as
+    HF's classifier does, padded and packed; and it prefers the format it was fitted to."""
+    from converters.gguf2hf import default_model_dir
+    from mcore_rl.rewards.model import conversation_tokens
+    from mcore_rl.rewards.preference import arithmetic_pairs, build_reward_model
+
+    pairs = arithmetic_pairs(24, seed=1)
+    accuracy = build_reward_model(str(default_model_dir()), tmp_path / "rm", pairs, held_out=8)
+    assert accuracy["held_out_accuracy"] >= 0.75, accuracy
+    conversations = [c for pair in pairs[-4:] for c in pair]  # held out: chosen, rejected, ...
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "rm")
+    batch = conversation_tokens(tokenizer, conversations)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm")
+    with torch.no_grad():
+        want = torch.cat(
+            [hf(batch["tokens"][i : i + 1, : int(n)]).logits[:, 0] for i, n in enumerate(batch["lengths"])]
+        )
+    assert (want[0::2] > want[1::2]).float().mean() >= 0.75  # the number alone beats the sentence
+    for packing in (0, 128):
+        for got in ranks3.run(
+            cases.reward_model_scores, hf_dir=str(tmp_path / "rm"), layout=dict(tp=3), tokens=batch["tokens"],
+            lengths=batch["lengths"], packing=packing,
+        ):  # fmt: skip
+            # fp32 within 1e-5 of the scores' scale (the fitted head scores about +-25; TP sums in another order)
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), (packing, got, want)
