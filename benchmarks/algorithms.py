@@ -70,9 +70,12 @@ def teacher_from(run_dir: Path, out: Path) -> Path:
     return out
 
 
-def run(variant: Variant, out: Path, episodes: int, extra: tuple[str, ...] = ()) -> dict:
-    """The variant's episodes (metrics.jsonl records) and eval accuracies, from the user's command."""
-    directory = out / "runs" / f"algorithms-{variant.name}"
+def run(
+    variant: Variant, out: Path, episodes: int, extra: tuple[str, ...] = (), suite_name: str = "algorithms"
+) -> dict:
+    """The variant's episodes (metrics.jsonl records) and eval accuracies, from the user's command (a run already
+    complete under ``out`` is read again, not repeated)."""
+    directory = out / "runs" / f"{suite_name}-{variant.name}"
     args = [
         f"runtime_args.output_dir={directory}",
         f"runtime_args.num_episode={episodes}",
@@ -82,7 +85,7 @@ def run(variant: Variant, out: Path, episodes: int, extra: tuple[str, ...] = ())
         *variant.overrides,
         *extra,
     ]
-    log = out / "runs" / f"algorithms-{variant.name}.log"
+    log = out / "runs" / f"{suite_name}-{variant.name}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     if not (directory / "metrics.jsonl").exists() or "eval/accuracy" not in (directory / "metrics.jsonl").read_text():
         with log.open("w") as f:
