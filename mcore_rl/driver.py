@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -96,26 +97,63 @@ class Data:
 
 
 class SingleTurn:
-    """Samples of one completion each, scored by the reward actors (the multi-turn counterpart is
-    :class:`~mcore_rl.agent.loop.AgentLoop`): ``generate`` a batch of prompt groups, or ``submit`` groups and
-    ``collect`` those that finished."""
+    """Samples of one completion each, scored by the reward actors and the reward model (the multi-turn counterpart
+    is :class:`~mcore_rl.agent.loop.AgentLoop`): ``generate`` a batch of prompt groups, or ``submit`` groups and
+    ``collect`` those that finished and were scored. With ``models.reward.overlap_rollout`` each group is scored in
+    a thread of its own as soon as its completions are done, while the engines generate the rest; else after the
+    whole batch. ``take_reward_wait`` gives the seconds spent waiting for rewards once the rollout had finished."""
 
     def __init__(self, system: System, data: Data):
         self.rollout, self.rewards, self.data = system.rollout, system.rewards, data
         self.model = None  # the reward model's term, when there is one
         if system.reward_model is not None:
             self.model = ModelReward(system.config.models.reward_model, system.reward_model, system.on_device)
+        self.overlap = system.config.models.reward.overlap_rollout
+        self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
         self._prompts: dict = {}  # submitted keys -> prompts
+        self._scoring: dict = {}  # collected keys -> their scoring (a future)
+        self._keys = itertools.count()
+        self._reward_wait = 0.0
 
     def generate(self, prompts, sampling) -> tuple[list, list[float]]:
-        return self._score(prompts, self.rollout.generate([p.token_ids for p in prompts], sampling))
+        if not self.overlap:
+            completions = self.rollout.generate([p.token_ids for p in prompts], sampling)
+            start = time.perf_counter()
+            scored = self._score(prompts, completions)
+            self._reward_wait += time.perf_counter() - start
+            return scored
+        keys = [f"batch-{next(self._keys)}" for _ in prompts]
+        self.rollout.submit([(key, p.token_ids) for key, p in zip(keys, prompts, strict=True)], sampling)
+        by_key, scoring = dict(zip(keys, prompts, strict=True)), {}
+        while len(scoring) < len(keys):
+            for key, completions in self.rollout.collect(0.5):
+                scoring[key] = self._scorer.submit(self._score, [by_key[key]], [completions])
+        start = time.perf_counter()
+        results = [scoring[key].result() for key in keys]
+        self._reward_wait += time.perf_counter() - start
+        return [s for samples, _ in results for s in samples], [r for _, rewards in results for r in rewards]
 
     def submit(self, requests, sampling) -> None:
         self._prompts.update(requests)
         self.rollout.submit([(key, prompt.token_ids) for key, prompt in requests], sampling)
 
     def collect(self, seconds: float = 0.5) -> list[tuple[str, list, list[float]]]:
-        return [(k, *self._score([self._prompts.pop(k)], [c])) for k, c in self.rollout.collect(seconds)]
+        """The submitted groups that finished and were scored (their scoring overlaps the next collect's rollout)."""
+        finished = self.rollout.collect(seconds)
+        if not self.overlap:
+            return [(key, *self._score([self._prompts.pop(key)], [c])) for key, c in finished]
+        for key, completions in finished:
+            self._scoring[key] = self._scorer.submit(self._score, [self._prompts.pop(key)], [completions])
+        done = [key for key, future in self._scoring.items() if future.done()]
+        return [(key, *self._scoring.pop(key).result()) for key in done]
+
+    def take_reward_wait(self) -> float:
+        """Seconds spent waiting for rewards after the rollout of ``generate`` batches, since the last call."""
+        seconds, self._reward_wait = self._reward_wait, 0.0
+        return seconds
+
+    def close(self) -> None:
+        self._scorer.shutdown(wait=True, cancel_futures=True)
 
     def _score(self, prompts, completions) -> tuple[list, list[float]]:
         samples = samples_of(prompts, completions, self.data.decode(completions))
@@ -329,7 +367,11 @@ class Run:
     def __init__(self, config: RunConfig, data: Data, system: System, logger: MetricsLogger, progress: DataProgress):
         self.config, self.data, self.system, self.logger, self.progress = config, data, system, logger, progress
         multi_turn = config.models.reward.multi_turn
-        self.sampler = system.agent_loop(data.tokenizer) if multi_turn else SingleTurn(system, data)
+        if multi_turn:
+            self.sampler = system.agent_loop(data.tokenizer)
+        else:
+            self.sampler = SingleTurn(system, data)
+            system._stops.append(self.sampler.close)
         self.out = Path(config.runtime_args.output_dir)
         self._lock = threading.Lock()  # the async producer issues prompts while the trainer consumes them
 
@@ -348,6 +390,8 @@ class Run:
         reward is positive (of the weighted sum without one), and each weighted reward's mean."""
         samples, rewards = self.sampler.generate(self.data.eval.prompts, self.config.models.policy.rollout.eval)
         reward = self.config.models.reward
+        if not reward.multi_turn:
+            self.sampler.take_reward_wait()  # the eval's, not an episode's
         if reward.fn and not reward.multi_turn:  # the task's own check, not the weighted sum
             rewards = [s.reward_parts.get(reward.weighted_terms[0][1].name, 0.0) for s in samples]
         parts = {f"eval/{k}": v for k, v in reward_part_stats(samples).items()}
@@ -363,6 +407,7 @@ class Run:
             metrics |= trajectory_stats([s.completion for s in samples])
         else:  # a multi-turn reward past its deadline is its environment step's: agent/env_errors
             metrics["reward/errors"] = float(self.system.rewards.take_timeouts())
+            metrics["time/reward_wait"] = self.sampler.take_reward_wait()
         metrics |= process_metrics(self.system) | {"data/position": self.progress.position}
         self.logger.log(episode, metrics)
         write_samples(self.out / "rollouts" / f"episode_{episode}.jsonl", samples, rewards)

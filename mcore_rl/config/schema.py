@@ -209,6 +209,9 @@ class RewardConfig:
     num_actors: int = 1  # single-turn: the reward actors, each reserving num_cpus
     num_cpus: float = 1.0
     timeout_s: float = 30.0  # a sample's reward call past it is stopped (its actor replaced): reward 0, reward/errors
+    # Single-turn: score each prompt group as soon as its completions are done, beside the rollout of the others
+    # (false: after the whole batch); time/reward_wait is what is left to wait for once the rollout has finished
+    overlap_rollout: bool = True
     # Multi-turn rollouts (limits: models.policy.rollout.multi_turn), when an environment or tools are given.
     # "answer": fn scores the final answer (the default with tools); "python": a code interpreter (sandboxed
     # ```python blocks); or "path/to/file.py:Class" with reset(row) -> messages, step(message) -> (messages,

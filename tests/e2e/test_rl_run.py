@@ -315,8 +315,9 @@ def test_a_reward_function_failing_mid_run_stops_it_with_the_sample_named(
 
 def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models, ray_address, tmp_path, monkeypatch):
     """scripts/configs/tiny_deepseek_v3_grpo.yaml as shipped (EP=2, packing, grouped experts, vLLM's CPU MLA
-    kernel, expert-bias updates), shortened to two episodes: the rollout matches the trainer (the moved expert
-    bias included), the packs are nearly full, and the router load is logged."""
+    kernel, expert-bias updates), shortened to two episodes, its rewards scored after each whole batch: the rollout
+    matches the trainer (the moved expert bias included), the packs are nearly full, and the router load is
+    logged."""
     monkeypatch.setenv("MCORE_RL_MODEL", tiny_models["DeepseekV3ForCausalLM"])
     overrides = [
         f"runtime_args.output_dir={tmp_path}/run",
@@ -324,6 +325,7 @@ def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models,
         "runtime_args.eval_episode_interval=0",
         "runtime_args.save_episode_interval=2",
         f"models.reward.fn={REPO}/scripts/rewards/vowel_fraction.py",
+        "models.reward.overlap_rollout=false",  # scored after the whole batch (the other runs overlap)
     ]
     out = run(load_run_config(REPO / "scripts/configs/tiny_deepseek_v3_grpo.yaml", overrides))
     records = read_metrics(out / "metrics.jsonl")
@@ -333,6 +335,8 @@ def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models,
     for record in records:
         assert record["train/rollout_logp_abs_diff"] < 1e-4 and record["sync/probe_max_abs_diff"] < 1e-4
         assert record["train/packing/utilization"] >= 0.9 and record["train/update_successful"] == 1.0
+        assert record["time/reward_wait"] > 0
+        assert record["reward/vowel_fraction/mean"] == pytest.approx(record["reward/mean"], rel=1e-6)
         # Router load of the three MoE layers (layer 1 is dense): all 8 experts, top-4 of every packed token.
         loads = [record[f"moe/layer{n:03d}/tokens_per_expert"] for n in (2, 3, 4)]
         assert all(len(load) == 8 and sum(load) % 4 == 0 for load in loads) and record["moe/max_over_mean"] >= 1
