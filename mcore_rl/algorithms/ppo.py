@@ -41,10 +41,12 @@ def value_loss(
     return loss, {name: value.detach() for name, value in metrics.items()}
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """1 - Var(R - V) / Var(R) over the action tokens: 1 for a perfect critic, 0 for one that predicts the mean."""
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, eps: float = 1e-5) -> float:
+    """1 - Var(R - V) / (Var(R) + eps) over the action tokens: 1 for a perfect critic, 0 for one that predicts the
+    mean. ``eps`` as verl's: a batch whose returns are all equal (every reward 0, GAE's returns then equal within
+    rounding) would otherwise divide by a variance of 1e-16."""
     mask = mask.bool()
     target = returns[mask].double()
-    if target.numel() < 2 or target.var() == 0:
+    if target.numel() < 2:
         return 0.0
-    return float(1 - (target - values[mask].double()).var() / target.var())
+    return float(1 - (target - values[mask].double()).var() / (target.var() + eps))

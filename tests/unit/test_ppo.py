@@ -44,5 +44,9 @@ def test_explained_variance():
     mask = MASK.bool()
     assert explained_variance(RETURNS, RETURNS, MASK) == 1.0
     mean = RETURNS[mask].mean()
-    assert explained_variance(torch.full_like(RETURNS, mean.item()), RETURNS, MASK) == pytest.approx(0.0, abs=1e-6)
+    assert explained_variance(torch.full_like(RETURNS, mean.item()), RETURNS, MASK) == pytest.approx(0.0, abs=1e-4)
     assert explained_variance(VALUES, RETURNS, torch.zeros_like(MASK)) == 0.0
+    # returns equal but for rounding (a batch without reward): the critic's spread, not a division by 1e-16
+    flat = torch.zeros_like(RETURNS) + 1e-9 * torch.randn(RETURNS.shape, generator=torch.Generator().manual_seed(0))
+    assert explained_variance(torch.zeros_like(RETURNS), flat, MASK) == pytest.approx(1.0, abs=1e-6)
+    assert -1e3 < explained_variance(VALUES, flat, MASK) < 0
