@@ -49,4 +49,4 @@ def test_explained_variance():
     # returns equal but for rounding (a batch without reward): the critic's spread, not a division by 1e-16
     flat = torch.zeros_like(RETURNS) + 1e-9 * torch.randn(RETURNS.shape, generator=torch.Generator().manual_seed(0))
     assert explained_variance(torch.zeros_like(RETURNS), flat, MASK) == pytest.approx(1.0, abs=1e-6)
-    assert -1e3 < explained_variance(VALUES, flat, MASK) < 0
+    assert -1e5 < explained_variance(VALUES, flat, MASK) < 0  # Var(V) / eps: about -2e4, not -1e13
