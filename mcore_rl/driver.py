@@ -645,8 +645,9 @@ def _load_newest(system: System, root: Path):
 
 def run(config: RunConfig) -> Path:
     rt = config.runtime_args
-    # Missing or truncated weights, bad data, or a reward function that returns no number: stopped before any write.
-    config.check_weights()
+    # Missing or truncated weights, tokenizers the roles cannot share, bad data, or a reward function that returns no
+    # number: stopped before any write.
+    config.check_files()
     data = Data(config)
     check_user_code(config, data.train.batch(0, 1)[0].row)
     out = Path(rt.output_dir)

@@ -389,14 +389,19 @@ class RunConfig:
                 raise ConfigError(f"{key}.parallel: {err}") from None
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
         if m.uses("reward_model"):
-            self._validate_reward_model()
+            path = m.reward_model.load
+            if not get_bridge(path).value_model:
+                names = sorted(b.value_architecture for b in BRIDGES.values() if b.value_architecture)
+                raise ConfigError(
+                    f"models.reward_model.load={path!r}: {get_bridge(path).architecture} is no reward model; expected "
+                    f"a one-label sequence classifier, one of {names}"
+                )
         for key in [*roles, "models.policy"]:
             if key not in ("models.critic", "models.reward_model") and get_bridge(self._get(key).load).value_model:
                 raise ConfigError(
                     f"{key}.load={self._get(key).load!r}: a reward model (a score head, no LM head); it can start "
                     "models.critic only, this role needs a causal LM"
                 )
-        self._validate_vocabularies()
         for key in roles:
             role = self._get(key)
             mla = role.share_prompts and get_bridge(role.load).multi_latent_attention
@@ -432,9 +437,16 @@ class RunConfig:
             return policy.rollout.multi_turn.total_tokens(policy.rollout.max_model_len)
         return policy.max_prompt_tokens + policy.rollout.train.max_new_tokens
 
-    def check_weights(self) -> None:
-        """The model directories' weight files are all there and whole (headers and sizes; no tensor is read). A
-        run checks this before it writes anything; a dry run needs no weights, only config.json."""
+    def check_files(self) -> None:
+        """The model directories' files: weights all there and whole (headers and sizes; no tensor is read), and the
+        tokenizers the teacher, critic and reward model need. A run checks this before it writes anything; a dry run
+        needs no weights or tokenizers, only config.json."""
+        self._check_weights()
+        self._validate_vocabularies()
+        if self.models.uses("reward_model"):
+            self._check_chat_template()
+
+    def _check_weights(self) -> None:
         checked = set()
         for key in self.model_keys:
             path = self._get(key)
@@ -619,18 +631,11 @@ class RunConfig:
             if model.micro_batch_size < 1:
                 raise ConfigError(f"models.reward_model.micro_batch_size={model.micro_batch_size}: expected >= 1")
 
-    def _validate_reward_model(self) -> None:
-        """A reward model's checkpoint is a one-label sequence classifier with a chat template to render with."""
+    def _check_chat_template(self) -> None:
+        """The reward model renders conversations with its own tokenizer's chat template."""
         from transformers import AutoTokenizer
 
         path = self.models.reward_model.load
-        bridge = get_bridge(path)
-        if not bridge.value_model:
-            names = sorted(b.value_architecture for b in BRIDGES.values() if b.value_architecture)
-            raise ConfigError(
-                f"models.reward_model.load={path!r}: {bridge.architecture} is no reward model; expected a one-label "
-                f"sequence classifier, one of {names}"
-            )
         try:
             template = AutoTokenizer.from_pretrained(path).chat_template
         except (OSError, ValueError) as err:

@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device-memory-gb", type=float, help="GiB per device to plan memory for (default: runtime_args')"
     )
-    args = parser.parse_args(argv)  # before the imports below: --help answers at once
+    # options and overrides in any order (the train scripts put theirs first); before the imports: --help answers
+    args = parser.parse_intermixed_args(argv)
     import compat
 
     if errors := compat.start():

@@ -62,6 +62,7 @@ class Architecture:
     qk_dim: int = 0  # MLA: the non-rotary part of a query/key head
     rope_dim: int = 0
     v_dim: int = 0
+    value_head: bool = False  # a value head ([1, hidden]) for the LM head: a reward model or a critic
 
     @classmethod
     def from_bridge(cls, bridge) -> Architecture:
@@ -91,6 +92,7 @@ class Architecture:
             qk_dim=c.qk_head_dim if mla else 0,
             rope_dim=c.qk_pos_emb_head_dim if mla else 0,
             v_dim=c.v_head_dim if mla else 0,
+            value_head=bridge.value_model,
         )
 
     def padded_vocab(self, tp: int) -> int:
@@ -147,8 +149,9 @@ def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, i
         total, experts = sum(p for p, _ in per_layer), sum(e for _, e in per_layer)
         if rank == 0:
             total += vocab
-        if rank == parallel.pp - 1:
-            total += a.hidden + (vocab if not a.tied or parallel.pp > 1 else 0)
+        if rank == parallel.pp - 1:  # the final norm and the LM head (its tied copy under PP), or a value head
+            head = a.hidden if a.value_head else (vocab if not a.tied or parallel.pp > 1 else 0)
+            total += a.hidden + head
         out.append((total, experts))
     return out
 
@@ -224,9 +227,12 @@ def layer_activation_bytes(
 
 
 def head_activation_bytes(a: Architecture, parallel: ParallelConfig, tokens: int, backend: str, act_bytes: int):
-    """Bytes the last stage keeps for the final norm, the output layer and the loss (fp32 softmax over V/TP)."""
+    """Bytes the last stage keeps for the final norm, the output layer and the loss (fp32 softmax over V/TP); with a
+    value head, the whole sequence's hidden states it gathers and a value per token."""
     t, st = device_tokens(parallel, tokens)
     norm = 2 if backend == "local" else 1
+    if a.value_head:
+        return st * (norm + 1) * a.hidden * act_bytes + t * a.hidden * act_bytes + t * 8
     return st * (norm + 1) * a.hidden * act_bytes + st * 4 + t * (4 * a.padded_vocab(parallel.tp) / parallel.tp + 9)
 
 
@@ -306,7 +312,7 @@ def trainer_memory(
         acts = in_flight(parallel, rank, work.micro_batches) * kept
         head = 0.0
         if rank == parallel.pp - 1:
-            vocab_t = t * a.padded_vocab(parallel.tp) / parallel.tp
+            vocab_t = 0 if a.value_head else t * a.padded_vocab(parallel.tp) / parallel.tp
             head = head_activation_bytes(a, parallel, tokens, backend, param_bytes)
             acts += head + vocab_t * (param_bytes + 4)  # logits and their fp32 gradient during the loss backward
         memory = TrainerMemory(
@@ -380,9 +386,8 @@ def plan_memory(
 ) -> MemoryPlan:
     """Every phase of a colocated episode on one device of ``config`` (a RunConfig), with the trainer's offload as
     configured (:func:`mcore_rl.driver.learn` moves weights and optimizer state apart; the scoring roles and the
-    critic leave whole; a reward model comes on during the rollout, beside the engines' share). ``reserve_bytes`` stands for the CUDA context, NCCL buffers and allocator fragmentation.
-    The critic is counted as a trainer of its architecture: its LM head's weights and logits are an upper bound
-    of its value head's."""
+    critic leave whole; a reward model comes on during the rollout, beside the engines' share). ``reserve_bytes``
+    stands for the CUDA context, NCCL buffers and allocator fragmentation."""
     m, world = config.models, config.runtime_args.trainer_devices
     a = arch or Architecture.from_bridge(get_bridge(m.policy_trainer.load))
     work = Workload.from_config(config)
@@ -402,6 +407,7 @@ def plan_memory(
         critic_arch = (
             a if m.critic.load == m.policy_trainer.load else Architecture.from_bridge(get_bridge(m.critic.load))
         )
+        critic_arch = dataclasses.replace(critic_arch, value_head=True)  # its LM head is dropped
         critic = trainer_memory(critic_arch, m.critic.parallel, world, work, backend=backend)
     ref = scoring.get("reference weights", 0)
     engine = engine_memory(a, m.policy.rollout, device_bytes)

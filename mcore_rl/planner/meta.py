@@ -43,9 +43,13 @@ def hf_tensors(hf_config: dict) -> dict[str, torch.Size]:
     """Name and shape of every tensor a checkpoint of ``hf_config`` (a config.json's dict) holds, as
     transformers saves its model: in the checkpoint layout (per-expert tensors, not transformers 5's fused
     in-memory experts)."""
+    from models.registry import get_bridge
+
     fields = {k: v for k, v in hf_config.items() if k not in _NOT_ARCHITECTURE}
     config = transformers.AutoConfig.for_model(**fields)
+    # a reward model: the family's sequence classifier (a score head where the causal LM has its LM head)
+    auto = "AutoModelForSequenceClassification" if get_bridge(hf_config).value_model else "AutoModelForCausalLM"
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = getattr(transformers, auto).from_config(config)
     saved = revert_weight_conversion(model, model.state_dict())
     return {name: tensor.shape for name, tensor in saved.items()}

@@ -118,3 +118,24 @@ def test_a_run_that_does_not_fit_stops_before_starting_with_layouts_that_would()
         assert "does not fit: train: 54.6 GiB needed > 40.0 GiB" in out, out
         assert "trainer layouts that fit these devices (models.policy_trainer.parallel), best first:" in out
         assert "    {tp: 4, sequence_parallel: true}: peak" in out
+
+
+def test_a_reward_model_and_a_critic_are_dry_run_at_full_size(tmp_path):
+    """Qwen3-8B's script with a full-size Qwen3 reward model (its config.json alone) and PPO's critic: the reward
+    model's role maps every tensor (its score head included) at its own layout, and the memory plan counts both."""
+    model = REPO / "models" / "configs" / "qwen3_8b"
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    config = json.loads((model / "config.json").read_text())
+    config |= {"architectures": ["Qwen3ForSequenceClassification"], "id2label": {"0": "LABEL_0"}}
+    (rm / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "plan.json"
+    overrides = [f"models.reward_model.load={rm}", "models.reward_model.parallel.tp=4"]
+    overrides += ["models.policy_trainer.advantage_estimator=gae", "models.critic.load=${models.policy_trainer.load}"]
+    run = _run(["bash", "scripts/train_qwen3_8b_grpo.sh", "--dry-run", "--json", str(out), *overrides])
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    role = report["roles"]["reward_model"]
+    assert role["errors"] == [] and role["exported_params"] == role["hf_params"] and role["layout"]["tp"] == 4
+    phases = {p["name"]: p["parts"] for p in report["memory"]["phases"]}
+    assert phases["rollout"]["reward model weights"] > 0 and phases["critic"]["critic weights+grads+optimizer"] > 0

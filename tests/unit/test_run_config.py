@@ -284,12 +284,13 @@ def test_estimator_critic_and_teacher_keys_are_refused_with_the_fix(run_yaml, ov
 
 def test_a_teacher_or_critic_with_another_vocabulary_is_refused(run_yaml, tiny_models):
     """The teacher and the critic score the policy's token ids: a model with another tokenizer is refused by key
-    before anything starts; one with the policy's is taken."""
+    before anything starts (with the weights' check); one with the policy's is taken."""
     other = tiny_models["LlamaForCausalLM"]  # tests/tiny.py's character tokenizer
+    teacher = load_run_config(run_yaml, ["models.policy_trainer.distill_coef=0.5", f"models.teacher.load={other}"])
     with pytest.raises(ConfigError, match=r"models.teacher.load='.*': its tokenizer is not the policy's \("):
-        load_run_config(run_yaml, ["models.policy_trainer.distill_coef=0.5", f"models.teacher.load={other}"])
+        teacher.check_files()  # a run's check of the directories' files (a dry run needs config.json only)
     with pytest.raises(ConfigError, match=r"models.critic.load='.*': its tokenizer is not the policy's"):
-        load_run_config(run_yaml, [GAE[0], f"models.critic.load={other}"])
+        load_run_config(run_yaml, [GAE[0], f"models.critic.load={other}"]).check_files()
     config = load_run_config(run_yaml, [*GAE, "models.critic.parallel.tp=3", "models.policy_trainer.gamma=0.99"])
     assert config.models.megatron_roles == ["policy_trainer", "critic"]
     assert config.models.critic.optimizer.lr == 1e-5 and config.models.critic.load == str(default_model_dir())
@@ -310,7 +311,7 @@ def test_a_reward_model_starts_a_critic_only(run_yaml, tmp_path):
     with pytest.raises(ConfigError, match=r"models.policy_trainer.load='.*rm': a reward model .* needs a causal LM"):
         load_run_config(run_yaml, [f"models.policy_trainer.load={tmp_path}/rm", "models.policy_trainer.parallel.tp=1"])
     with pytest.raises(ConfigError, match=r"models.critic.load='.*rm': its tokenizer is not the policy's"):
-        load_run_config(run_yaml, [GAE[0], f"models.critic.load={tmp_path}/rm"])  # the critic may; the vocab differs
+        load_run_config(run_yaml, [GAE[0], f"models.critic.load={tmp_path}/rm"]).check_files()  # the vocab differs
     two = config.to_dict() | {"id2label": {"0": "LABEL_0", "1": "LABEL_1"}}  # how config.json stores num_labels
     with pytest.raises(ValueError, match=r"LlamaForSequenceClassification with 2 labels: a value head has one"):
         get_bridge(two)
@@ -345,3 +346,24 @@ def test_reward_terms_are_the_functions_with_their_names_and_weights(run_yaml):
         ("models.reward.fn", "math", "math", 0.5),
         ("models.reward.terms[0].fn", "brief", "math", 1.0),
     ]
+
+
+def test_a_reward_model_is_refused_by_key_when_it_is_none(run_yaml, tmp_path):
+    """models.reward_model.load must be a one-label sequence classifier with a chat template, named apart from the
+    other rewards."""
+    import transformers
+
+    from tests.tiny import COMMON, save_char_tokenizer
+
+    with pytest.raises(ConfigError, match=r"models.reward_model.load='.*': LlamaForCausalLM is no reward model; ex"):
+        load_run_config(run_yaml, [f"models.reward_model.load={default_model_dir()}"])
+    config = transformers.LlamaConfig(**COMMON, architectures=["LlamaForSequenceClassification"], num_labels=1)
+    transformers.LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    with pytest.raises(ConfigError, match=r"models.reward_model.name='math' is also models.reward's name"):
+        load_run_config(run_yaml, [f"models.reward_model.load={tmp_path}/rm", "models.reward_model.name=math"])
+    run = load_run_config(run_yaml, [f"models.reward_model.load={tmp_path}/rm", "models.reward_model.weight=0.5"])
+    assert run.models.megatron_roles == ["policy_trainer", "reward_model"]
+    with pytest.raises(ConfigError, match=r"models.reward_model.load='.*rm': its tokenizer does not load"):
+        run.check_files()
+    save_char_tokenizer(tmp_path / "rm")
+    run.check_files()  # its own tokenizer and chat template: another vocabulary than the policy's is fine
