@@ -47,6 +47,7 @@ from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.data.progress import DataProgress
 from mcore_rl.data.prompts import PromptDataset, read_rows
 from mcore_rl.metrics import MetricsLogger, plot_curves
+from mcore_rl.rewards.judge import Judge
 from mcore_rl.rewards.model import ModelReward
 from mcore_rl.rewards.user import Rewards
 from parallel.device import Device
@@ -105,9 +106,11 @@ class SingleTurn:
 
     def __init__(self, system: System, data: Data):
         self.rollout, self.rewards, self.data = system.rollout, system.rewards, data
-        self.model = None  # the reward model's term, when there is one
+        self.model = self.judge = None  # the reward model's and the judge's terms, when there are
         if system.reward_model is not None:
             self.model = ModelReward(system.config.models.reward_model, system.reward_model, system.on_device)
+        if system.config.models.judge.load:  # on the policy's engines, with the policy's tokenizer
+            self.judge = Judge(system.config.models.judge, system.rollout, data.tokenizer)
         self.overlap = system.config.models.reward.overlap_rollout
         self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
         self._prompts: dict = {}  # submitted keys -> prompts
@@ -159,10 +162,11 @@ class SingleTurn:
         samples = samples_of(prompts, completions, self.data.decode(completions))
         inputs = [_reward_input(s) for s in samples]
         scored = self.rewards.score(inputs) if self.rewards.terms else [(0.0, {})] * len(inputs)
-        if self.model is not None:
-            scores = self.model.score([messages for _, messages, _ in inputs])
-            weight, name = self.model.weight, self.model.name
-            scored = [(total + weight * x, parts | {name: x}) for (total, parts), x in zip(scored, scores, strict=True)]
+        for term in (self.model, self.judge):
+            if term is not None:
+                scores = term.score(inputs)
+                weight, name = term.weight, term.name
+                scored = [(t + weight * x, parts | {name: x}) for (t, parts), x in zip(scored, scores, strict=True)]
         samples = [dataclasses.replace(s, reward_parts=parts) for s, (_, parts) in zip(samples, scored, strict=True)]
         return samples, [total for total, _ in scored]
 
@@ -395,6 +399,8 @@ class Run:
         if reward.fn and not reward.multi_turn:  # the task's own check, not the weighted sum
             rewards = [s.reward_parts.get(reward.weighted_terms[0][1].name, 0.0) for s in samples]
         parts = {f"eval/{k}": v for k, v in reward_part_stats(samples).items()}
+        if not reward.multi_turn and self.sampler.judge is not None:
+            parts[f"eval/reward/{self.sampler.judge.name}_failures"] = float(self.sampler.judge.take_failures())
         return parts | {
             "eval/accuracy": sum(r > 0 for r in rewards) / len(rewards),
             "eval/reward_mean": sum(rewards) / len(rewards),
@@ -408,6 +414,8 @@ class Run:
         else:  # a multi-turn reward past its deadline is its environment step's: agent/env_errors
             metrics["reward/errors"] = float(self.system.rewards.take_timeouts())
             metrics["time/reward_wait"] = self.sampler.take_reward_wait()
+            if self.sampler.judge is not None:
+                metrics[f"reward/{self.sampler.judge.name}_failures"] = float(self.sampler.judge.take_failures())
         metrics |= process_metrics(self.system) | {"data/position": self.progress.position}
         self.logger.log(episode, metrics)
         write_samples(self.out / "rollouts" / f"episode_{episode}.jsonl", samples, rewards)

