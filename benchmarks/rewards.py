@@ -1,11 +1,12 @@
-"""The ``rewards`` suite: a reward model served as a model, weighted into the reward. The main job (SmolLM2-135M-
-Instruct on the built-in arithmetic set, one device) with its reward the math checker plus 0.2 x a SmolLM2 reward
-model that ``mcore_rl.rewards.preference`` fits first (a score head on SmolLM2's hidden states preferring the
-instruction's format, the number alone, to the same number in a sentence), against the same run with the math
-checker alone.
+"""The ``rewards`` suite: rewards beyond one function. The main job (SmolLM2-135M-Instruct on the built-in
+arithmetic set, one device) with its reward the math checker alone; plus 0.2 x a SmolLM2 reward model that
+``mcore_rl.rewards.preference`` fits first (a score head on SmolLM2's hidden states preferring the instruction's
+format, the number alone, to the same number in a sentence), with the rewards scored beside the rollout and after
+it; and plus 0.5 x SmolLM2 judging its own answers on its own engines (yes/no).
 
-Reported per run: each reward's mean per episode (curves), greedy eval accuracy (the math checker's) before and
-after, and the reward model's score of the eval answers.
+Reported per run: each reward's mean over the first and last quarter of the episodes (curves), greedy eval accuracy
+(the math checker's) before and after, the judge's unreadable verdicts, and the reward phase's time: what is left
+to wait for once the rollout has finished (``time/reward_wait``) and the rollout with its rewards.
 """
 
 from __future__ import annotations
@@ -18,9 +19,23 @@ from benchmarks.report import Report, pyplot, table
 from benchmarks.rl import Variant
 
 RM_WEIGHT = 0.2
+JUDGE = (
+    "models.judge.load=policy",
+    "models.judge.template='Question: {question}\nProposed answer: {response}\nIs the proposed answer correct? "
+    "Answer yes or no.'",
+    "models.judge.parser=yes_no",
+    "models.judge.weight=0.5",
+    "models.judge.max_new_tokens=8",
+)
 RUNS = (
     Variant("math", "the math checker alone", overrides=COMMON),
     Variant("math+rm", f"the math checker + {RM_WEIGHT} x the reward model", overrides=COMMON),
+    Variant(
+        "math+rm-after",
+        "the same, each batch scored after its rollout",
+        overrides=(*COMMON, "models.reward.overlap_rollout=false"),
+    ),
+    Variant("math+judge", "the math checker + 0.5 x SmolLM2 judging itself (yes/no)", overrides=(*COMMON, *JUDGE)),
 )
 
 
@@ -46,19 +61,20 @@ def suite(out: Path, hardware: Hardware, report: Report, episodes: int) -> None:
         f"models.reward_model.weight={RM_WEIGHT}",
         "models.reward_model.micro_batch_size=8",
     )
-    results = [run(v, out, episodes, extra if "rm" in v.name else (), "rewards") for v in RUNS]
+    results = [run(v, out, episodes, extra if "+rm" in v.name else (), "rewards") for v in RUNS]
     quarter = max(1, episodes // 4)
     rows = []
     for r in results:
         eps = r["episodes"]
-        for key in ("reward/mean", "reward/math/mean", "reward/rm/mean", "response/length_mean"):
+        keys = ("reward/mean", "reward/math/mean", "reward/rm/mean", "reward/judge/mean", "reward/judge_failures")
+        for key in (*keys, "response/length_mean", "time/reward_wait", "time/rollout_and_reward"):
             if _mean(eps, key) is not None:
                 rows.append([r["name"], key, _fmt(_mean(eps[:quarter], key)), _fmt(_mean(eps[-quarter:], key))])
         rows.append([r["name"], "eval/accuracy (math), before -> after", _fmt(r["evals"][0]), _fmt(r["evals"][-1])])
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3))
     for r in results:
-        for ax, key in zip(axes, ("reward/math/mean", "reward/rm/mean"), strict=True):
+        for ax, key in zip(axes, ("reward/math/mean", "reward/rm/mean", "reward/judge/mean"), strict=True):
             points = [(e["episode"], e[key]) for e in r["episodes"] if key in e]
             if points:
                 ax.plot(*zip(*points, strict=True), label=r["name"])
@@ -72,7 +88,8 @@ def suite(out: Path, hardware: Hardware, report: Report, episodes: int) -> None:
         f"SmolLM2-135M-Instruct, the main job's settings on one device, {episodes} episodes of 32 samples on "
         f"`builtin:arithmetic`. The reward model: SmolLM2 with a Bradley-Terry score head fitted on 192 format "
         f"preference pairs (held-out preference accuracy {accuracy['held_out_accuracy']:.2f} on 64), served by "
-        "`models.reward_model` (its own Megatron role, conversations rendered with its chat template).",
+        "`models.reward_model` (its own Megatron role, conversations rendered with its chat template). The judge: "
+        "SmolLM2 on the policy's own engines, greedy, 8 tokens, parsed yes/no.",
         table(["run", "metric", "first quarter", "last quarter"], rows),
         report.figure(fig, "rewards", "each reward's mean per episode"),
     )
