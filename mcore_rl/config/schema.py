@@ -401,7 +401,11 @@ class RunConfig:
         for key in roles:
             role = self._get(key)
             try:
-                get_bridge(role.load).validate_layout(role.parallel)
+                bridge = get_bridge(role.load)
+            except ValueError as err:  # an architecture no family declares
+                raise ConfigError(f"{key}.load={role.load!r}: {err}") from None
+            try:
+                bridge.validate_layout(role.parallel)
             except ValueError as err:
                 raise ConfigError(f"{key}.parallel: {err}") from None
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))

@@ -395,3 +395,10 @@ JUDGE = ["models.judge.load=policy", "models.judge.template='Grade {response}'"]
 def test_judge_keys_are_refused_with_the_fix(run_yaml, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_run_config(run_yaml, overrides)
+
+
+def test_a_model_of_an_unknown_family_is_named_by_key(run_yaml, tmp_path):
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"architectures": ["GPT2ForSequenceClassification"]}')
+    with pytest.raises(ConfigError, match=r"models.reward_model.load='.*gpt2': architecture 'GPT2ForSequenceClass"):
+        load_run_config(run_yaml, [f"models.reward_model.load={tmp_path}/gpt2"])
