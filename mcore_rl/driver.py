@@ -156,7 +156,9 @@ class SingleTurn:
         return seconds
 
     def close(self) -> None:
-        self._scorer.shutdown(wait=True, cancel_futures=True)
+        """Scoring not started is cancelled; one in progress ends when the actors it waits on are stopped (teardown
+        goes on to stop them rather than wait here)."""
+        self._scorer.shutdown(wait=False, cancel_futures=True)
 
     def _score(self, prompts, completions) -> tuple[list, list[float]]:
         samples = samples_of(prompts, completions, self.data.decode(completions))
