@@ -107,7 +107,14 @@ class ActorGroup:
         ]
 
     def call(self, method: str, *args, **kwargs) -> list:
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        """``method`` on every rank; the ranks' results in rank order. A rank's error is raised as soon as it
+        happens: its peers may be waiting for it in a collective, which would never return."""
+        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        pending = refs
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)  # raises a failed rank's error
+        return ray.get(refs)
 
     def kill(self) -> None:
         for actor in self.actors:

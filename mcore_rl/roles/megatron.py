@@ -462,11 +462,14 @@ class ValueModel(MegatronRank):
 
     def sequence_scores(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         """The value [N] at each sequence's last token (``batch["lengths"]`` tokens each), as HF's sequence
-        classifiers pool it: a reward model's score of the whole conversation."""
-        lengths = batch["lengths"]
-        tokens = torch.nn.functional.pad(batch["tokens"], (0, 1))  # every real token becomes an input position
-        values = self.values(batch | {"tokens": tokens, "lengths": lengths + 1}, micro_batch_size)
-        return values[torch.arange(len(lengths)), lengths - 1]
+        classifiers pool it: a reward model's score of the whole conversation. Any number of rows: the data-parallel
+        ranks share them after copies of the last fill the batch to a multiple of their number."""
+        n, extra = len(batch["lengths"]), -len(batch["lengths"]) % self.dp[0]
+        lengths = torch.cat([batch["lengths"], batch["lengths"][-1:].expand(extra)])
+        tokens = torch.cat([batch["tokens"], batch["tokens"][-1:].expand(extra, -1)])
+        tokens = torch.nn.functional.pad(tokens, (0, 1))  # every real token becomes an input position
+        values = self.values({"tokens": tokens, "lengths": lengths + 1}, micro_batch_size)
+        return values[torch.arange(n), lengths[:n] - 1]
 
 
 class ValueTrainer(TrainableRank, ValueModel):

@@ -24,6 +24,11 @@ def test_reward_model_scores_match_hf(ranks, reward_model):
     with torch.no_grad():  # one row at a time: the tiny config has no pad token for HF's pooling
         want = torch.cat([hf(tokens[i : i + 1, : int(n)]).logits[:, 0] for i, n in enumerate(lengths)])
     assert want.std() > 1e-3
+    for rows in (1, 3):  # fewer rows than the 4 data-parallel ranks, or not a multiple: one group's samples
+        for got in ranks.run(
+            cases.reward_model_scores, hf_dir=reward_model, layout={}, tokens=tokens[:rows], lengths=lengths[:rows]
+        ):
+            assert got.shape == (rows,) and (got - want[:rows]).abs().max().item() < 1e-5, rows
     for layout in (dict(tp=2), dict(pp=2), dict(tp=2, sequence_parallel=True)):
         for packing in (0, 32):
             for got in ranks.run(

@@ -1,0 +1,38 @@
+"""A role's ranks called together (:meth:`mcore_rl.roles.cluster.ActorGroup.call`): one rank's error is raised at
+once, although its peers never return (they would wait for it in a collective)."""
+
+import time
+
+import pytest
+
+from mcore_rl.roles.cluster import ActorGroup, Placement
+
+
+class _Rank:
+    """Rank 1 fails; the others wait as a rank waits for a peer in a collective."""
+
+    def __init__(self, rank: int, world: int, master, cores=None):
+        self.rank = rank
+
+    def step(self) -> int:
+        if self.rank == 1:
+            raise ValueError("rank 1 cannot")
+        time.sleep(3600)
+        return self.rank
+
+    def ok(self) -> int:
+        return self.rank
+
+
+def test_a_failing_rank_is_raised_while_its_peers_wait(ray_address):
+    placement = Placement([1, 1])
+    group = ActorGroup(_Rank, placement, 2, "test/actor_group", ("127.0.0.1", 0))
+    try:
+        assert group.call("ok") == [0, 1]
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="rank 1 cannot"):
+            group.call("step")
+        assert time.monotonic() - start < 600  # rank 0 sleeps for an hour
+    finally:
+        group.kill()
+        placement.remove()
