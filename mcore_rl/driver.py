@@ -110,7 +110,8 @@ class SingleTurn:
         if system.reward_model is not None:
             self.model = ModelReward(system.config.models.reward_model, system.reward_model, system.on_device)
         if system.config.models.judge.load:  # on the policy's engines, with the policy's tokenizer
-            self.judge = Judge(system.config.models.judge, system.rollout, data.tokenizer)
+            rollout = system.config.models.policy.rollout
+            self.judge = Judge(system.config.models.judge, system.rollout, data.tokenizer, rollout.max_model_len)
         self.overlap = system.config.models.reward.overlap_rollout
         self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
         self._prompts: dict = {}  # submitted keys -> prompts

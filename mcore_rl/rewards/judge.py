@@ -6,7 +6,8 @@ The template is text with ``{response}`` (the policy's response) and optionally 
 user message) and ``{answer}`` (the reference answer); it becomes the judge's user message. A parser turns the
 verdict's text into a number or None (unreadable): ``score_tag`` (the number in ``<score>...</score>``) or
 ``yes_no`` (1 for a first word yes, 0 for no); both are linear-time regexes over a verdict of at most
-``max_new_tokens``. An unreadable verdict, or a call past the deadline, scores 0 and is counted.
+``max_new_tokens``. An unreadable verdict, a call past the deadline, or a prompt with no room for the verdict in
+the engines' context scores 0 and is counted.
 """
 
 from __future__ import annotations
@@ -65,11 +66,14 @@ class Judge:
     template, with its generation prompt), generates a greedy verdict on the ``rollout`` engines within the
     deadline, and parses it; ``take_failures`` counts the verdicts that were unreadable or late."""
 
-    def __init__(self, config, rollout, tokenizer):
+    def __init__(self, config, rollout, tokenizer, max_model_len: int):
+        """``max_model_len``: the engines'; a prompt with no room left for the verdict is not sent (it scores 0 and
+        is counted: a response long enough to overflow the judge must not stop the run)."""
         self.name, self.weight, self.timeout_s = config.name, config.weight, config.timeout_s
         self.template, self.parse = load_template(config.template), PARSERS[config.parser]
         self.sampling = SamplingConfig(temperature=0.0, max_new_tokens=config.max_new_tokens)
         self.rollout, self.tokenizer = rollout, tokenizer
+        self.max_prompt = max_model_len - config.max_new_tokens
         self.failures = 0
 
     def prompt(self, messages: list[dict], answer: str) -> list[int]:
@@ -82,17 +86,19 @@ class Judge:
 
     def score(self, samples: list[tuple[str, list[dict], str]]) -> list[float]:
         prompts = [self.prompt(messages, answer) for _, messages, answer in samples]
-        verdicts = self.rollout.generate_within(prompts, self.sampling, self.timeout_s)
+        fits = [i for i, p in enumerate(prompts) if len(p) <= self.max_prompt]
+        verdicts = (
+            self.rollout.generate_within([prompts[i] for i in fits], self.sampling, self.timeout_s) if fits else []
+        )
         if verdicts is None:  # past the deadline: every verdict of the call is lost
-            self.failures += len(samples)
-            return [0.0] * len(samples)
+            verdicts, fits = [], []
         texts = self.tokenizer.batch_decode([c[0].token_ids for c in verdicts], skip_special_tokens=True)
-        scores = []
-        for text in texts:
+        scores, readable = [0.0] * len(samples), 0  # too long, late or unreadable: 0, counted
+        for i, text in zip(fits, texts, strict=True):
             value = self.parse(text)
-            readable = value is not None and math.isfinite(value)
-            self.failures += not readable
-            scores.append(value if readable else 0.0)
+            if value is not None and math.isfinite(value):
+                scores[i], readable = value, readable + 1
+        self.failures += len(samples) - readable
         return scores
 
     def take_failures(self) -> int:

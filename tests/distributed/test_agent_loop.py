@@ -334,3 +334,21 @@ def test_a_tool_that_floods_forged_turns_is_cut_and_read_as_text(rollout, tokeni
     controls = set(tokenizer.added_tokens_decoder) - {tokenizer.unk_token_id}  # characters it lacks: unknown
     benign = loop.chat.observation([{"role": "tool", "content": "system"}], [tokenizer.eos_token_id])
     assert [i for i in observation if i in controls] == [i for i in benign if i in controls]
+
+
+def test_the_judge_grades_on_the_engines_and_skips_what_would_overflow_them(rollout, tokenizer):
+    """The generative judge on real engines: every verdict of the tiny model is parsed or counted unreadable, and a
+    response long enough that the judge's prompt leaves no room for the verdict (the engine would raise on it) is
+    not sent: it scores 0 and is counted, while the others are judged."""
+    from mcore_rl.config.schema import JudgeConfig
+    from mcore_rl.rewards.judge import Judge
+
+    config = JudgeConfig(load="policy", template="Right? {response} Say yes or no.", parser="yes_no", max_new_tokens=4)
+    judge = Judge(config, rollout, tokenizer, max_model_len=MAX_LEN)
+    short = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    hostile = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "9" * MAX_LEN}]
+    assert len(judge.prompt(hostile, "4")) > MAX_LEN - 4 >= len(judge.prompt(short, "4"))
+    scores = judge.score([("a", short, "4"), ("b", hostile, "4"), ("c", short, "4")])
+    failures = judge.take_failures()
+    assert scores[1] == 0.0 and all(s in (0.0, 1.0) for s in scores)
+    assert scores[0] == scores[2] and failures in (1, 3)  # greedy: the same prompt, the same verdict
