@@ -10,8 +10,10 @@ use it. (:func:`free_addresses` also gives the roles' own worlds their rendezvou
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,16 +23,41 @@ from parallel.device import Device
 SOURCE = 0  # the trainer's rank in the group
 
 
+# Rendezvous ports come from below the kernel's ephemeral range: between the choice and the master's bind (after
+# its actor has started) no process is handed one by accident, as gloo's and vLLM's own connections are handed
+# ephemeral ports (a run with five roles lost its teacher's port to one).
+RENDEZVOUS_PORTS = (20000, 32768)
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return RENDEZVOUS_PORTS[1]
+
+
 def free_addresses(count: int, loopback: bool) -> list[tuple[str, int]]:
-    """This node's IP (``loopback``: 127.0.0.1, for a single-node cluster) with ``count`` distinct free TCP ports:
-    the rendezvous of roles' torch.distributed worlds (on their rank 0's node). Chosen while all are held, so roles
-    that start side by side cannot share one."""
+    """This node's IP (``loopback``: 127.0.0.1, for a single-node cluster) with ``count`` distinct free TCP ports
+    below the ephemeral range (:data:`RENDEZVOUS_PORTS`): the rendezvous of roles' torch.distributed worlds (on
+    their rank 0's node). Chosen while all are held, so roles that start side by side cannot share one."""
     host = "127.0.0.1" if loopback else socket.gethostbyname(socket.gethostname())
+    low, high = RENDEZVOUS_PORTS[0], min(RENDEZVOUS_PORTS[1], _ephemeral_start())
+    candidates = random.Random().sample(range(low, high), high - low) if high > low else []
     with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
+        ports = []
+        for port in candidates:
+            if len(ports) == count:
+                break
+            s = held.enter_context(socket.socket())
+            try:
+                s.bind((host, port))
+            except OSError:  # in use
+                continue
+            ports.append(port)
+        for _ in range(count - len(ports)):  # no range below the ephemeral one: the kernel's choice
+            s = held.enter_context(socket.socket())
             s.bind((host, 0))
-        ports = [s.getsockname()[1] for s in sockets]
+            ports.append(s.getsockname()[1])
     return [(host, port) for port in ports]
 
 

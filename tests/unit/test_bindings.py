@@ -28,3 +28,19 @@ def test_a_loopback_store_listens_on_loopback_alone():
     worker.set("key", "value")
     assert master.get("key") == b"value"
     assert _listeners(port) == ["0100007F"]  # 127.0.0.1, and nothing on 0.0.0.0 or ::
+
+
+def test_rendezvous_ports_lie_below_the_ephemeral_range():
+    """Between the choice of a rendezvous port and its master's bind, other processes' connections (gloo's, vLLM's)
+    are handed ephemeral ports: a port from below that range cannot be taken by one of them. Distinct, and free."""
+    import socket
+
+    from parallel.transfer import RENDEZVOUS_PORTS, _ephemeral_start
+
+    addresses = free_addresses(8, loopback=True)
+    ports = [port for _, port in addresses]
+    assert len(set(ports)) == 8
+    assert all(RENDEZVOUS_PORTS[0] <= port < min(RENDEZVOUS_PORTS[1], _ephemeral_start()) for port in ports)
+    for host, port in addresses:
+        with socket.socket() as s:
+            s.bind((host, port))
