@@ -289,6 +289,11 @@ class ModelsConfig:
         return [role for role in ("policy_trainer", *SCORING_ROLES) if self.uses(role)]
 
     @property
+    def trained_roles(self) -> list[str]:
+        """The Megatron roles that train: the policy, and PPO's critic where there is one."""
+        return [role for role in ("policy_trainer", "critic") if self.uses(role)]
+
+    @property
     def checked_roles(self) -> list[str]:
         """The Megatron roles whose sections are validated: those the run starts, and the reference always (its
         settings follow the trainer's unless given, and a run that adds a KL term later should not fail then)."""
@@ -410,11 +415,11 @@ class RunConfig:
                 raise ConfigError(f"{key}.parallel: {err}") from None
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
         if m.uses("reward_model"):
-            path = m.reward_model.load
-            if not get_bridge(path).value_model:
+            path, bridge = m.reward_model.load, get_bridge(m.reward_model.load)
+            if not bridge.value_model:
                 names = sorted(b.value_architecture for b in BRIDGES.values() if b.value_architecture)
                 raise ConfigError(
-                    f"models.reward_model.load={path!r}: {get_bridge(path).architecture} is no reward model; expected "
+                    f"models.reward_model.load={path!r}: {bridge.architecture} is no reward model; expected "
                     f"a one-label sequence classifier, one of {names}"
                 )
         for key in [*roles, "models.policy"]:
@@ -432,7 +437,7 @@ class RunConfig:
                     f"{role.parallel.cp}) and rotary embeddings outside attention ({role.load!r} uses MLA: "
                     f"{mla}); set it to false"
                 )
-        for role in ("policy_trainer", "critic") if m.uses("critic") else ("policy_trainer",):
+        for role in m.trained_roles:
             groups, dp = rt.train_global_batch_size // n, getattr(m, role).parallel.dp(rt.trainer_devices)
             if getattr(m, role).share_prompts and groups < dp:
                 raise ConfigError(
@@ -766,7 +771,7 @@ class RunConfig:
                 parallel.validate_world(devices)
             except ValueError as err:
                 raise ConfigError(f"{key}: {err} ({where})") from None
-        for role in ("policy_trainer", "critic") if m.uses("critic") else ("policy_trainer",):
+        for role in m.trained_roles:
             trainer = getattr(m, role)
             dp = trainer.parallel.dp(devices)
             if rt.train_global_batch_size % (trainer.micro_batch_size * dp):

@@ -392,22 +392,22 @@ def plan_memory(
     a = arch or Architecture.from_bridge(get_bridge(m.policy_trainer.load))
     work = Workload.from_config(config)
     trainer = trainer_memory(a, m.policy_trainer.parallel, world, work, backend=backend)
+
+    def arch_of(load: str) -> Architecture:
+        return a if load == m.policy_trainer.load else Architecture.from_bridge(get_bridge(load))
+
+    def bf16_weights(section) -> int:  # a scoring role's weights on its busiest device
+        return max(p for p, _ in stage_params(arch_of(section.load), section.parallel)) * 2
+
     scoring = {}  # bf16 weights of the roles that only score: name -> bytes
     for role, name in (("ref_policy", "reference weights"), ("teacher", "teacher weights")):
         if m.uses(role):
-            section = getattr(m, role)
-            arch_of = a if section.load == m.policy_trainer.load else Architecture.from_bridge(get_bridge(section.load))
-            scoring[name] = max(p for p, _ in stage_params(arch_of, section.parallel)) * 2
-    reward_model = {}  # scores conversations during the rollout, beside the engines
-    if m.uses("reward_model"):
-        rm = Architecture.from_bridge(get_bridge(m.reward_model.load))
-        reward_model["reward model weights"] = max(p for p, _ in stage_params(rm, m.reward_model.parallel)) * 2
+            scoring[name] = bf16_weights(getattr(m, role))
+    # a reward model scores conversations during the rollout, beside the engines
+    reward_model = {"reward model weights": bf16_weights(m.reward_model)} if m.uses("reward_model") else {}
     critic = None
     if m.uses("critic"):
-        critic_arch = (
-            a if m.critic.load == m.policy_trainer.load else Architecture.from_bridge(get_bridge(m.critic.load))
-        )
-        critic_arch = dataclasses.replace(critic_arch, value_head=True)  # its LM head is dropped
+        critic_arch = dataclasses.replace(arch_of(m.critic.load), value_head=True)  # its LM head is dropped
         critic = trainer_memory(critic_arch, m.critic.parallel, world, work, backend=backend)
     ref = scoring.get("reference weights", 0)
     engine = engine_memory(a, m.policy.rollout, device_bytes)
