@@ -70,7 +70,9 @@ if [[ "${1:-}" == --dry-run ]]; then
     for n in $(seq 39 -1 17); do target+=(--platform "manylinux_2_${n}_x86_64"); done
     target+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
   fi
-  "$python" -m pip install --disable-pip-version-check -q --dry-run --ignore-installed \
+  # fast-deps: each wheel's metadata read by HTTP range requests where the index serves no separate metadata file,
+  # instead of downloading the wheel (gigabytes for the CUDA stack, and a flaky network loses some of them)
+  "$python" -m pip install --disable-pip-version-check -q --dry-run --ignore-installed --use-feature=fast-deps \
     --report "${MCORE_RL_REPORT:--}" "${index_args[@]}" "${target[@]}" -r "$req/$device.txt" -r "$req/dev.txt"
   exit
 fi
