@@ -47,7 +47,7 @@ from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.data.progress import DataProgress
 from mcore_rl.data.prompts import PromptDataset, read_rows
 from mcore_rl.metrics import MetricsLogger, plot_curves
-from mcore_rl.rewards.judge import Judge
+from mcore_rl.rewards.judge import PARSERS, Judge, Verdicts
 from mcore_rl.rewards.model import ModelReward
 from mcore_rl.rewards.user import Rewards
 from parallel.device import Device
@@ -106,12 +106,18 @@ class SingleTurn:
 
     def __init__(self, system: System, data: Data):
         self.rollout, self.rewards, self.data = system.rollout, system.rewards, data
+        m = system.config.models
         self.model = self.judge = None  # the reward model's and the judge's terms, when there are
         if system.reward_model is not None:
-            self.model = ModelReward(system.config.models.reward_model, system.reward_model, system.on_device)
-        if system.config.models.judge.load:  # on the policy's engines, with the policy's tokenizer
-            rollout = system.config.models.policy.rollout
-            self.judge = Judge(system.config.models.judge, system.rollout, data.tokenizer, rollout.max_model_len)
+            self.model = ModelReward(m.reward_model, system.reward_model, system.on_device)
+        if m.judge.own_engines:  # its engines, with its own tokenizer
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(m.judge.load)
+            self.judge = Judge(m.judge, system.judge_engines, tokenizer, m.judge.max_model_len, system.verdicts)
+        elif m.judge.load:  # on the policy's engines, with the policy's tokenizer
+            length = m.policy.rollout.max_model_len
+            self.judge = Judge(m.judge, system.rollout, data.tokenizer, length, system.verdicts)
         self.overlap = system.config.models.reward.overlap_rollout
         self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
         self._prompts: dict = {}  # submitted keys -> prompts
@@ -176,7 +182,8 @@ class SingleTurn:
 
 class System:
     """The roles on a Ray placement group: policy trainer ranks, reference, teacher, critic and reward-model ranks
-    where the run uses them (else ``None``), rollout engines, rewards."""
+    where the run uses them (else ``None``), rollout engines, a judge's engines and its parser's actor where it has
+    them (else ``None``), rewards."""
 
     def __init__(self, config: RunConfig):
         import ray
@@ -207,13 +214,18 @@ class System:
     def _start(self, config: RunConfig) -> None:
         from mcore_rl.roles.cluster import Placement, rendezvous, wait_ready
         from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer, ValueModel, ValueTrainer
-        from mcore_rl.roles.rollout import RewardPool, RolloutGroup
+        from mcore_rl.roles.rollout import BoundedPool, RewardPool, RolloutGroup
         from mcore_rl.roles.trainer import CriticGroup, ReferenceGroup, RewardModelGroup, TrainerGroup
 
         rt, m = config.runtime_args, config.models
-        roles = m.megatron_roles
+        # The Megatron roles on the trainer's devices: all but a reward model with devices of its own.
+        roles = [r for r in m.megatron_roles if r != "reward_model" or not rt.reward_model_devices]
         n = rt.trainer_devices
-        self.placement = Placement.pools(n, rt.rollout_devices, trainer_roles=len(roles))
+        # A judge's own engines without devices of their own sit beside the policy's (and, colocated, sleep with them).
+        beside = m.judge.own_engines and not rt.judge_devices
+        self.judge_sleeps = beside and rt.colocated
+        own = rt.reward_model_devices + rt.judge_devices
+        self.placement = Placement.pools(n, rt.rollout_devices, len(roles), engine_groups=1 + beside, own=own)
         self._stops.append(self.placement.remove)
         gpu = self.placement.resource == "GPU"
         if m.policy_trainer.moe.routing_replay and not gpu:
@@ -227,6 +239,8 @@ class System:
         steps = rt.num_episode * (rt.sample_per_episode // rt.train_global_batch_size)
         trainer = m.policy_trainer
         masters = dict(zip(roles, rendezvous(self.placement, len(roles)), strict=True))
+        if rt.reward_model_devices:  # its rank 0 on its own first device
+            masters["reward_model"] = rendezvous(self.placement, 1, rt.devices("reward_model").start)[0]
         self.trainer = TrainerGroup(
             PolicyTrainer, self.placement, n, f"{name}/policy_trainer", masters["policy_trainer"], cores,
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
@@ -250,8 +264,10 @@ class System:
                 megatron_roles.append(group)
         if m.uses("reward_model"):
             model = m.reward_model
+            first = rt.devices("reward_model").start if rt.reward_model_devices else 0
             self.reward_model = RewardModelGroup(
-                ValueModel, self.placement, n, f"{name}/reward_model", masters["reward_model"], cores,
+                ValueModel, self.placement, rt.world("reward_model"), f"{name}/reward_model",
+                masters["reward_model"], cores, first=first,
                 hf_dir=model.load, parallel=model.parallel, seed=rt.seed,
                 max_token_in_packing=model.max_token_in_packing,
             )  # fmt: skip
@@ -268,17 +284,29 @@ class System:
             self._stops.append(self.critic.kill)
             megatron_roles.append(self.critic)
         wait_ready(*megatron_roles)  # they started side by side
-        # GPU, colocated: the trainer leaves the device while the engines roll out (on CPU there is nowhere to go).
+        # GPU, colocated: the roles on the trainer's devices leave them while the engines roll out (on CPU there is
+        # nowhere to go); a reward model on devices of its own stays.
         self.offload = trainer.offload and rt.colocated
+        self.resident = [self.reward_model] if rt.reward_model_devices else []
         if self.offload:  # vLLM takes its share of the memory left free when it starts
             for role in megatron_roles:
-                role.offload()
+                if role not in self.resident:
+                    role.offload()
         rollout = dataclasses.replace(m.policy.rollout, return_routed_experts=trainer.moe.routing_replay)
-        devices = range(0 if rt.colocated else n, rt.num_devices)
         self.rollout = RolloutGroup.launch(
-            m.policy.load, rollout, self.placement, devices, f"{name}/policy", rt.colocated, cores
+            m.policy.load, rollout, self.placement, rt.devices("rollout"), f"{name}/policy", rt.colocated, cores
         )
         self._stops.append(self.rollout.stop)
+        self.judge_engines = self.verdicts = None
+        if m.judge.own_engines:
+            self.judge_engines = RolloutGroup.launch(
+                m.judge.load, m.judge.engine_config(m.policy.rollout), self.placement,
+                rt.devices("judge") or rt.devices("rollout"), f"{name}/judge", self.judge_sleeps, cores,
+            )  # fmt: skip
+            self._stops.append(self.judge_engines.stop)
+        if m.judge.load and m.judge.parser not in PARSERS:  # a user's parser, bounded in an actor of its own
+            self.verdicts = BoundedPool(Verdicts, (m.judge.parser,), 1, 0, m.reward.timeout_s, None, "judge verdict")
+            self._stops.append(self.verdicts.stop)
         reward = m.reward
         if reward.multi_turn:  # the environment scores trajectories, with the reward function if it is built in
             from mcore_rl.agent.actors import EnvPool, ToolPool
@@ -317,15 +345,29 @@ class System:
 
     @contextlib.contextmanager
     def on_device(self, role, parts: list[str] | None = None):
-        """``role``'s ``parts`` (default: all) on its devices for the block, and off them after it when offloading;
-        yields a record whose ``offloaded`` is the bytes that left."""
+        """``role``'s ``parts`` (default: all) on its devices for the block, and off them after it when offloading
+        (a role with devices of its own stays); yields a record whose ``offloaded`` is the bytes that left."""
         record = types.SimpleNamespace(offloaded=0)
         role.onload(parts)
         try:
             yield record
         finally:
-            if self.offload:
+            if self.offload and role not in self.resident:
                 record.offloaded = role.offload(parts)
+
+    def sleep_engines(self) -> int:
+        """Colocated: the engines, and a judge's beside them, give the trainer their memory; the bytes freed."""
+        if not self.config.runtime_args.colocated:
+            return 0
+        return self.rollout.sleep() + (self.judge_engines.sleep() if self.judge_sleeps else 0)
+
+    def verify_sync(self) -> dict:
+        """The sync's check, which wakes the engines' KV caches once the trainer's weights have left the device;
+        then a sleeping judge's engines wake too."""
+        report = self.trainer.verify_sync()
+        if self.judge_sleeps:
+            self.judge_engines.wake_up()
+        return report
 
     def close(self) -> None:
         import ray
@@ -521,7 +563,7 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
             before_sync()
             timer("wait_for_rollout")
         system.trainer.push_weights(version)
-    sync = system.trainer.verify_sync()  # the engines' KV caches return after the trainer's weights left
+    sync = system.verify_sync()  # the engines' KV caches return after the trainer's weights left
     timer("sync")
     tokens = float(batch["mask"].sum())
     return (
@@ -554,7 +596,7 @@ def sync_loop(run: Run, start: int) -> None:
         timer = Timer()
         samples, rewards, positions = rollout_phase(run)
         timer("rollout_and_reward")
-        freed = run.system.rollout.sleep() if run.config.runtime_args.colocated else 0
+        freed = run.system.sleep_engines()
         metrics = learn(run, samples, rewards, episode, timer)
         run.consume(positions)
         metrics |= staleness_stats(samples, episode - 1) | {"memory/engine_freed_bytes": freed}
@@ -634,8 +676,8 @@ def _last_line(err: BaseException) -> str:
 
 def _load_newest(system: System, root: Path):
     """Load the newest complete checkpoint that loads: ``((episode, path, {key: optimizer digest} of the trained
-    roles) or None, [(path, error)] of the newer ones that failed)``. A checkpoint that fails to load is reported and the one before it
-    tried; when none loads, the run stops rather than train from scratch over them."""
+    roles) or None, [(path, error)] of the newer ones that failed)``. A checkpoint that fails to load is reported
+    and the one before it tried; when none loads, the run stops rather than train from scratch over them."""
     failed = []
     for episode, path in reversed(checkpoint.complete(root)):
         try:
@@ -668,8 +710,7 @@ def run(config: RunConfig) -> Path:
     system = System(config)
     start, progress, logger = 0, DataProgress(), None
     try:
-        if rt.colocated:
-            system.rollout.sleep()  # the engines start awake; the trainer loads and syncs first
+        system.sleep_engines()  # colocated, the engines start awake; the trainer loads and syncs first
         with system.on_device(system.trainer, ["weights"]):
             found, failed = _load_newest(system, ckpt_root)
             logger = MetricsLogger(out, rt.log.tensorboard, rt.num_episode, found[0] if found else 0)
@@ -680,7 +721,7 @@ def run(config: RunConfig) -> Path:
                 progress = DataProgress.from_meta(checkpoint.read_meta(path))
                 logger.event("resume", episode=start, checkpoint=str(path), **progress.meta(), **digest)
             system.trainer.push_weights(start)  # engines start from the HF weights; the probe checks both
-        logger.event("initial_sync", **system.trainer.verify_sync())
+        logger.event("initial_sync", **system.verify_sync())
         job = Run(config, data, system, logger, progress)
         if rt.eval_episode_interval and not found:
             logger.log(0, job.evaluate(), advance=False)
@@ -700,6 +741,8 @@ def check_user_code(config: RunConfig, row) -> None:
     reward = config.models.reward
     answered = [*row.messages, {"role": "assistant", "content": row.answer}]
     if not reward.multi_turn:
+        if config.models.judge.load and config.models.judge.parser not in PARSERS:
+            Verdicts(config.models.judge.parser)  # it loads
         return Rewards(reward.weighted_terms).check(answered, row.answer)
     from mcore_rl.agent.envs import EnvError, check_messages, check_step, environment_factory
     from mcore_rl.agent.tools import load_tools

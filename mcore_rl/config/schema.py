@@ -3,6 +3,7 @@ before any actor starts. Errors name the key and say how to fix it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.moe import MoEConfig
 from mcore_rl.rewards.judge import PARSERS, JudgeError, load_template
 from mcore_rl.rewards.user import RewardTerm, default_name
-from mcore_rl.rollout.engine import RolloutConfig
+from mcore_rl.rollout.engine import MultiTurnConfig, RolloutConfig
 from mcore_rl.sync import SyncConfig
 from mcore_rl.userfile import is_user_file
 from models.registry import BRIDGES, get_bridge
@@ -58,6 +59,11 @@ class RuntimeArgs:
     # Devices of the rollout engines. 0: colocated, every role on all num_devices devices, taking turns. N > 0:
     # disaggregated, the engines on the last N devices, the trainer and reference on the others.
     rollout_devices: int = 0
+    # Devices of their own, after the rollout's (0: none). The reward model's ranks then score beside the rollout
+    # instead of taking turns on the trainer's devices; a judge's engines (models.judge.load a model directory)
+    # instead of sharing the policy engines' devices.
+    reward_model_devices: int = 0
+    judge_devices: int = 0
     # "sync": generate, train, sync weights, in turn. With rollout_devices > 0 also "one_step_off" (the next
     # episode's rollout overlaps this episode's training: samples are one policy version behind) and "async" (the
     # engines generate continuously into a buffer; each episode trains on the oldest ready samples).
@@ -78,13 +84,37 @@ class RuntimeArgs:
 
     @property
     def trainer_devices(self) -> int:
-        """Devices of the trainer and reference: all of them when colocated."""
-        return self.num_devices - self.rollout_devices
+        """Devices of the trainer and the Megatron roles beside it (and the engines', when colocated)."""
+        return self.num_devices - self.rollout_devices - self.reward_model_devices - self.judge_devices
 
     @property
     def engine_devices(self) -> int:
-        """Devices of the rollout engines: all of them when colocated."""
-        return self.rollout_devices or self.num_devices
+        """Devices of the rollout engines: the trainer's when colocated."""
+        return self.rollout_devices or self.trainer_devices
+
+    def world(self, role: str) -> int:
+        """The ranks of a Megatron role: on the reward model's own devices where it has them, else the trainer's."""
+        return (
+            self.reward_model_devices if role == "reward_model" and self.reward_model_devices else self.trainer_devices
+        )
+
+    def devices(self, pool: str) -> range:
+        """The devices (placement bundles) of ``pool``: ``trainer``, ``rollout`` (the trainer's when colocated),
+        ``reward_model`` or ``judge`` (empty without devices of their own), laid out in that order."""
+        sizes = {
+            "trainer": self.trainer_devices,
+            "rollout": self.rollout_devices,
+            "reward_model": self.reward_model_devices,
+            "judge": self.judge_devices,
+        }
+        if pool == "rollout" and self.colocated:
+            return range(self.trainer_devices)
+        first = 0
+        for name, size in sizes.items():
+            if name == pool:
+                return range(first, first + size)
+            first += size
+        raise KeyError(pool)
 
 
 ROLLOUT_MODES = ("sync", "one_step_off", "async")
@@ -195,14 +225,38 @@ class JudgeConfig:
     """A generative judge (mcore_rl/rewards/judge.py): a model prompted to grade each response, one of the weighted
     rewards."""
 
-    load: str = ""  # "policy": the policy's own rollout engines judge; empty: no judge
+    # "policy": the policy's own rollout engines judge. An HF directory of a supported family: engines of its own
+    # (on runtime_args.judge_devices, else beside the policy's engines, sleeping with them while the trainer
+    # works), with its own tokenizer's chat template. Empty: no judge.
+    load: str = ""
     name: str = "judge"  # its metrics: reward/<name>/mean, reward/<name>_failures
     weight: float = 1.0  # its weight in the sum with the other rewards
     # The judge's user message: text with {response}, optionally {question} and {answer}; or a file holding it
     template: str = ""
-    parser: str = "score_tag"  # the verdict -> a number: "score_tag" (<score>x</score>) or "yes_no"
+    # The verdict -> a number: "score_tag" (<score>x</score>), "yes_no", or path/to/file.py:function (verdict text)
+    # -> number or None (unreadable), run in an actor of its own, each call within models.reward.timeout_s
+    parser: str = "score_tag"
     max_new_tokens: int = 64  # a verdict's length (greedy)
     timeout_s: float = 120.0  # a batch of verdicts past it scores 0, counted as failures
+    # A judge's own engines (load a model directory): each over tensor_parallel_size devices, with its context
+    # length and, on CUDA, its share of each device's memory
+    tensor_parallel_size: int = 1
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.3
+
+    ENGINE_KEYS: ClassVar[tuple[str, ...]] = ("tensor_parallel_size", "max_model_len", "gpu_memory_utilization")
+
+    @property
+    def own_engines(self) -> bool:
+        return bool(self.load) and self.load != "policy"
+
+    def engine_config(self, policy: RolloutConfig) -> RolloutConfig:
+        """The judge engines' settings: the policy engines' (dtype, CPU KV cache, threads) with the judge's size.
+        Its weights never change, so a sleeping engine keeps them in host memory (sleep level 1)."""
+        return dataclasses.replace(
+            policy, **{k: getattr(self, k) for k in self.ENGINE_KEYS}, sleep_level=1, return_routed_experts=False,
+            load_tokenizer=True, multi_turn=MultiTurnConfig(),
+        )  # fmt: skip
 
 
 @dataclass
@@ -397,20 +451,23 @@ class RunConfig:
         m.policy.sync.validate("models.policy.sync")
         for key in self.model_keys:
             _check_model_dir(key, self._get(key))
-        if find_megatron(m.policy.load):
-            raise ConfigError(
-                f"models.policy.load={m.policy.load!r}: a Megatron checkpoint, but the rollout engine loads HF "
-                "weights; set it to the HF directory (the trainer and reference may load the Megatron checkpoint)"
-            )
+        engines = ["models.policy"] + (["models.judge"] if m.judge.own_engines else [])
+        for key in engines:
+            if find_megatron(self._get(key).load):
+                raise ConfigError(
+                    f"{key}.load={self._get(key).load!r}: a Megatron checkpoint, but vLLM engines load HF weights; "
+                    "set it to the HF directory (the Megatron roles may load the Megatron checkpoint)"
+                )
         roles = [f"models.{role}" for role in m.checked_roles]
-        for key in roles:
+        for key in [*roles, *engines[1:]]:
             role = self._get(key)
             try:
                 bridge = get_bridge(role.load)
             except ValueError as err:  # an architecture no family declares
                 raise ConfigError(f"{key}.load={role.load!r}: {err}") from None
             try:
-                bridge.validate_layout(role.parallel)
+                if key in roles:
+                    bridge.validate_layout(role.parallel)
             except ValueError as err:
                 raise ConfigError(f"{key}.parallel: {err}") from None
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
@@ -422,7 +479,7 @@ class RunConfig:
                     f"models.reward_model.load={path!r}: {bridge.architecture} is no reward model; expected "
                     f"a one-label sequence classifier, one of {names}"
                 )
-        for key in [*roles, "models.policy"]:
+        for key in [*roles, *engines]:
             if key not in ("models.critic", "models.reward_model") and get_bridge(self._get(key).load).value_model:
                 raise ConfigError(
                     f"{key}.load={self._get(key).load!r}: a reward model (a score head, no LM head); it can start "
@@ -470,7 +527,9 @@ class RunConfig:
         self._check_weights()
         self._validate_vocabularies()
         if self.models.uses("reward_model"):
-            self._check_chat_template()
+            self._check_chat_template("reward_model")
+        if self.models.judge.own_engines:
+            self._check_chat_template("judge")
 
     def _check_weights(self) -> None:
         checked = set()
@@ -492,8 +551,10 @@ class RunConfig:
 
     @property
     def model_keys(self) -> list[str]:
-        """The keys of the model directories the run loads: every Megatron role's, and the rollout engine's."""
-        return [f"models.{role}.load" for role in self.models.checked_roles] + ["models.policy.load"]
+        """The keys of the model directories the run loads: every Megatron role's, the rollout engines', and a
+        judge's own."""
+        judge = ["models.judge.load"] if self.models.judge.own_engines else []
+        return [f"models.{role}.load" for role in self.models.checked_roles] + ["models.policy.load", *judge]
 
     def _get(self, dotted: str):
         node = self
@@ -503,11 +564,20 @@ class RunConfig:
 
     def _validate_placement(self) -> None:
         rt, m = self.runtime_args, self.models
-        if not 0 <= rt.rollout_devices < rt.num_devices:
+        pools = {"rollout_devices": rt.rollout_devices, "reward_model_devices": rt.reward_model_devices}
+        pools["judge_devices"] = rt.judge_devices
+        if min(pools.values()) < 0 or rt.trainer_devices < 1:
+            given = ", ".join(f"{k}={v}" for k, v in pools.items() if v)
             raise ConfigError(
-                f"runtime_args.rollout_devices={rt.rollout_devices}: expected 0 (colocated) up to num_devices - 1 = "
-                f"{rt.num_devices - 1} (the trainer keeps at least one device)"
+                f"runtime_args.{given}: expected 0 (shared) or more, leaving the trainer at least one of "
+                f"num_devices={rt.num_devices}"
             )
+        for key, role, what in (
+            ("reward_model_devices", "reward_model", "models.reward_model.load"),
+            ("judge_devices", "judge", "models.judge.load (a model directory)"),
+        ):
+            if pools[key] and not (m.uses(role) if role == "reward_model" else m.judge.load):
+                raise ConfigError(f"runtime_args.{key}={pools[key]}: devices for a role the run has not; set {what}")
         if rt.rollout_mode not in ROLLOUT_MODES:
             raise ConfigError(f"runtime_args.rollout_mode={rt.rollout_mode!r}: expected one of {list(ROLLOUT_MODES)}")
         if rt.rollout_mode != "sync" and rt.colocated:
@@ -663,22 +733,29 @@ class RunConfig:
 
     def _validate_judge(self, names: dict[str, str]) -> None:
         judge, rt = self.models.judge, self.runtime_args
-        if judge.load != "policy":
-            raise ConfigError(
-                f"models.judge.load={judge.load!r}: the judge runs on the policy's own engines; set it to 'policy' "
-                "(a judge engine of its own is not built yet)"
-            )
         if self.models.reward.multi_turn:
             raise ConfigError("models.judge: a judge grades single-turn responses; remove it from a multi-turn run")
-        if rt.rollout_mode == "async":
-            raise ConfigError(
-                "models.judge.load='policy' with runtime_args.rollout_mode='async': the engines' weights change while "
-                "groups are judged; use rollout_mode sync or one_step_off"
-            )
+        if not judge.own_engines:
+            if rt.rollout_mode == "async":
+                raise ConfigError(
+                    "models.judge.load='policy' with runtime_args.rollout_mode='async': the engines' weights change "
+                    "while groups are judged; give the judge engines of its own (load a model directory) or use "
+                    "rollout_mode sync or one_step_off"
+                )
+            if changed := ["runtime_args.judge_devices"] * bool(rt.judge_devices) + [
+                f"models.judge.{k}" for k in judge.ENGINE_KEYS if getattr(judge, k) != getattr(JudgeConfig, k)
+            ]:
+                raise ConfigError(
+                    f"{', '.join(changed)}: size a judge's own engines, but models.judge.load='policy' judges on the "
+                    "policy's engines; remove them, or load the judge from a model directory"
+                )
         if judge.name in names:
             raise ConfigError(f"models.judge.name={judge.name!r} is also {names[judge.name]}'s name; give it its own")
-        if judge.parser not in PARSERS:
-            raise ConfigError(f"models.judge.parser={judge.parser!r}: expected one of {sorted(PARSERS)}")
+        if judge.parser not in PARSERS and not is_user_file(judge.parser):
+            raise ConfigError(
+                f"models.judge.parser={judge.parser!r}: expected one of {sorted(PARSERS)} or an existing "
+                "path/to/file.py:function"
+            )
         if not math.isfinite(judge.weight) or judge.timeout_s <= 0 or judge.max_new_tokens < 1:
             raise ConfigError(
                 "models.judge: expected a finite weight, timeout_s > 0 and max_new_tokens >= 1 (got "
@@ -688,20 +765,41 @@ class RunConfig:
             load_template(judge.template)
         except JudgeError as err:
             raise ConfigError(str(err)) from None
+        if judge.own_engines:
+            if not 0 < judge.gpu_memory_utilization < 1 or judge.max_new_tokens >= judge.max_model_len:
+                raise ConfigError(
+                    f"models.judge: expected 0 < gpu_memory_utilization < 1 and max_new_tokens < max_model_len (got "
+                    f"{judge.gpu_memory_utilization}, {judge.max_new_tokens}, {judge.max_model_len})"
+                )
+            policy = self.models.policy.rollout.gpu_memory_utilization
+            if not rt.judge_devices and policy + judge.gpu_memory_utilization > 0.95:
+                raise ConfigError(
+                    f"models.judge.gpu_memory_utilization={judge.gpu_memory_utilization} + models.policy.rollout."
+                    f"gpu_memory_utilization={policy} > 0.95: the judge's engines share the policy engines' "
+                    "devices on CUDA; lower them or give the judge runtime_args.judge_devices"
+                )
+            engines = rt.devices("judge") or rt.devices("rollout")
+            if len(engines) % judge.tensor_parallel_size:
+                where = "judge_devices" if rt.judge_devices else "the rollout engines' devices"
+                raise ConfigError(
+                    f"models.judge.tensor_parallel_size={judge.tensor_parallel_size} does not divide "
+                    f"runtime_args.{where} ({len(engines)}): each judge engine takes tensor_parallel_size devices"
+                )
 
-    def _check_chat_template(self) -> None:
-        """The reward model renders conversations with its own tokenizer's chat template."""
+    def _check_chat_template(self, role: str) -> None:
+        """The reward model and a judge of its own render what they read with their own tokenizer's chat
+        template."""
         from transformers import AutoTokenizer
 
-        path = self.models.reward_model.load
+        path = getattr(self.models, role).load
         try:
             template = AutoTokenizer.from_pretrained(path).chat_template
         except (OSError, ValueError) as err:
-            raise ConfigError(f"models.reward_model.load={path!r}: its tokenizer does not load ({err})") from None
+            raise ConfigError(f"models.{role}.load={path!r}: its tokenizer does not load ({err})") from None
         if not template:
             raise ConfigError(
-                f"models.reward_model.load={path!r}: its tokenizer has no chat template, which the conversations "
-                "are rendered with for it; add one (tokenizer_config.json or chat_template.jinja)"
+                f"models.{role}.load={path!r}: its tokenizer has no chat template, which what it reads is rendered "
+                "with; add one (tokenizer_config.json or chat_template.jinja)"
             )
 
     def _validate_overlong(self) -> None:
@@ -760,17 +858,21 @@ class RunConfig:
     def _validate_layouts(self) -> None:
         rt, m = self.runtime_args, self.models
         devices = rt.trainer_devices
-        where = (
-            f"runtime_args.num_devices={devices}"
-            if rt.colocated
-            else f"the trainer's {devices} devices: runtime_args.num_devices={rt.num_devices} - rollout_devices="
-            f"{rt.rollout_devices}"
-        )
-        for key, parallel in ((f"models.{role}.parallel", getattr(m, role).parallel) for role in m.checked_roles):
+        for role in m.checked_roles:
+            world = rt.world(role)
+            if world != devices:
+                where = f"runtime_args.reward_model_devices={world}"
+            elif devices == rt.num_devices:
+                where = f"runtime_args.num_devices={devices}"
+            else:
+                others = ("rollout_devices", "reward_model_devices", "judge_devices")
+                where = f"the trainer's {devices} devices: runtime_args.num_devices={rt.num_devices} - " + " - ".join(
+                    f"{k}={getattr(rt, k)}" for k in others if getattr(rt, k)
+                )
             try:
-                parallel.validate_world(devices)
+                getattr(m, role).parallel.validate_world(world)
             except ValueError as err:
-                raise ConfigError(f"{key}: {err} ({where})") from None
+                raise ConfigError(f"models.{role}.parallel: {err} ({where})") from None
         for role in m.trained_roles:
             trainer = getattr(m, role)
             dp = trainer.parallel.dp(devices)

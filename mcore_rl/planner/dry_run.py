@@ -86,17 +86,20 @@ def dry_run(config, device_memory_gb: float | None, json_path: Path | None) -> i
         f"{bridge.architecture} from {m.policy_trainer.load}: {sum(s.numel() for s in hf.values()) / GB:.2f} B params"
     )
     rt = config.runtime_args
-    pools = "colocated" if rt.colocated else f"trainer {world}, rollout {rt.rollout_devices}"
+    shown = ("trainer", "reward_model", "judge") if rt.colocated else ("trainer", "rollout", "reward_model", "judge")
+    pools = ", ".join(f"{pool} {len(rt.devices(pool))}" for pool in shown if rt.devices(pool))
+    pools = ("colocated: the engines on the trainer's; " if rt.colocated else "") + pools
     print(f"{rt.num_devices} devices ({pools}), rollout tensor parallel {m.policy.rollout.tensor_parallel_size}")
     report = {"model": m.policy_trainer.load, "devices": world, "hf_tensors": len(hf), "roles": {}}
     bucket = m.policy.sync.bucket_bytes
     report["roles"]["policy_trainer"] = plan_role(bridge, m.policy_trainer.parallel, world, bucket, hf)
     for role in SCORING_ROLES:  # the other Megatron roles, where their model or layout differs from the trainer's
         section, same_model = getattr(m, role), getattr(m, role).load == m.policy_trainer.load
-        if m.uses(role) and not (same_model and section.parallel == m.policy_trainer.parallel):
+        same_layout = section.parallel == m.policy_trainer.parallel and rt.world(role) == world
+        if m.uses(role) and not (same_model and same_layout):
             other = get_bridge(section.load)
             tensors = hf if same_model else hf_tensors(other.hf)
-            report["roles"][role] = plan_role(other, section.parallel, world, bucket, tensors)
+            report["roles"][role] = plan_role(other, section.parallel, rt.world(role), bucket, tensors)
     for name, role in report["roles"].items():
         _print(name, role)
     if device_memory_gb:

@@ -1,14 +1,16 @@
-"""Per-device memory of a run (colocated, or per device pool when the engines have their own), from the model's config.json and the run config alone (no model is built):
-what each role holds in each phase of an episode, whether it fits a device, and which layouts would.
+"""Per-device memory of a run (colocated, or per device pool where the engines, a reward model or a judge have their
+own), from the model's config.json and the run config alone (no model is built): what each role holds in each
+phase of an episode, whether it fits a device, and which layouts would.
 
 Everything is counted per device of the busiest pipeline rank:
 
 * trainer: bf16 weights, fp32 gradients (``grad_reduce_in_fp32``), the distributed optimizer's fp32 main weights and
   Adam moments sharded over DP x CP (dense) or the expert-data-parallel group (experts), and the activations
   the pipeline schedule keeps alive (1F1B: ``pp - rank`` micro-batches; interleaved: Megatron's warm-up count);
-* reference: bf16 weights (only with a KL term);
-* rollout engine: the ``gpu_memory_utilization`` share vLLM takes, of which weights and working memory, the rest
-  KV cache (GQA: ``2 L kv_heads/TP d`` per token; MLA: the latent ``L (kv_lora + rope)``, replicated over TP).
+* reference, teacher, reward model: bf16 weights; critic: as the trainer, with a value head for the LM head;
+* rollout engine, and a judge's own: the ``gpu_memory_utilization`` share vLLM takes, of which weights and working
+  memory, the rest KV cache (GQA: ``2 L kv_heads/TP d`` per token; MLA: the latent ``L (kv_lora + rope)``,
+  replicated over TP).
 
 Parameters are exact: :func:`stage_params` equals Megatron's meta-built model (checked by every dry run).
 Activations count what autograd saves, layer by layer, for Megatron's modules: ``te`` (TransformerEngine, GPU) and
@@ -403,16 +405,32 @@ def plan_memory(
     for role, name in (("ref_policy", "reference weights"), ("teacher", "teacher weights")):
         if m.uses(role):
             scoring[name] = bf16_weights(getattr(m, role))
+    rt = config.runtime_args
+    own = []  # the phases of the pools of a reward model and a judge with devices of their own
     # a reward model scores conversations during the rollout, beside the engines
     reward_model = {"reward model weights": bf16_weights(m.reward_model)} if m.uses("reward_model") else {}
+    if rt.reward_model_devices:
+        own.append(Phase("score (reward model devices)", reward_model | {"reserve": reserve_bytes}))
+        reward_model = {}
+    judge, judge_engine = {}, None  # a judge's own engines beside the policy's: their share while those are awake
+    if m.judge.own_engines:
+        judge_arch = Architecture.from_bridge(get_bridge(m.judge.load))
+        judge_engine = engine_memory(judge_arch, m.judge.engine_config(m.policy.rollout), device_bytes)
+        judge = {"judge engine share": judge_engine.share}
+        if rt.judge_devices:
+            own.append(Phase("judge (judge devices)", judge | {"reserve": reserve_bytes}))
+            judge = {}
     critic = None
     if m.uses("critic"):
         critic_arch = dataclasses.replace(arch_of(m.critic.load), value_head=True)  # its LM head is dropped
         critic = trainer_memory(critic_arch, m.critic.parallel, world, work, backend=backend)
     ref = scoring.get("reference weights", 0)
     engine = engine_memory(a, m.policy.rollout, device_bytes)
-    if not config.runtime_args.colocated:
-        return _disaggregated(m, trainer, ref, scoring | reward_model, critic, engine, device_bytes, reserve_bytes)
+    if not rt.colocated:
+        plan = _disaggregated(
+            m, trainer, ref, scoring | reward_model, critic, engine, judge, device_bytes, reserve_bytes
+        )
+        return _with_pools(plan, own, judge_engine, m.judge.max_model_len)
     offload = m.policy_trainer.offload
     resident = {"trainer (offloaded)": 0} if offload else {"trainer weights+grads+optimizer": trainer.static}
     # outside the step: with offload, the weights without the optimizer state and gradients
@@ -425,7 +443,7 @@ def plan_memory(
     fixed = {"sync buffers": 2 * m.policy.sync.bucket_bytes, "reserve": reserve_bytes}
     phases = [
         # also the sync's probe: the engines' KV caches wake once the trainer's weights have left
-        Phase("rollout", {"engine share": engine.share} | resident | (others or reward_model) | fixed),
+        Phase("rollout", {"engine share": engine.share} | judge | resident | (others or reward_model) | fixed),
         Phase(  # with offload, the optimizer state stays off the device until the step; one scoring role at a time
             "log-probs",
             weights_only
@@ -445,19 +463,35 @@ def plan_memory(
         # with offload, the optimizer state and gradients leave before the engine's weights arrive
         Phase("sync", weights_only | {"engine weights": engine.weights} | others | fixed),
     ]
-    return MemoryPlan(device_bytes, trainer, ref, engine, phases, _problems(m, phases, engine, device_bytes))
+    plan = MemoryPlan(device_bytes, trainer, ref, engine, phases, _problems(m, phases, engine, device_bytes))
+    return _with_pools(plan, own, judge_engine, m.judge.max_model_len)
 
 
-def _disaggregated(m, trainer, ref: int, scoring: dict, critic, engine: EngineMemory, device_bytes: int, reserve: int):
+def _with_pools(plan: MemoryPlan, own: list[Phase], judge: EngineMemory | None, judge_len: int) -> MemoryPlan:
+    """``plan`` with the phases of the devices of a reward model or judge of their own, and their problems; a
+    judge's engine whose KV cache cannot hold its ``judge_len`` tokens of context is one."""
+    problems = _over(own, plan.device_bytes)
+    if judge is not None and judge.kv_tokens < judge_len:
+        problems.append(
+            f"judge: the KV cache holds {max(judge.kv_tokens, 0)} tokens per engine, below models.judge.max_model_len"
+            f"={judge_len} (share {judge.share / GiB:.1f} GiB, weights {judge.weights / GiB:.1f}); raise "
+            "models.judge.gpu_memory_utilization or tensor_parallel_size"
+        )
+    return dataclasses.replace(plan, phases=plan.phases + own, problems=plan.problems + problems)
+
+
+def _disaggregated(
+    m, trainer, ref: int, scoring: dict, critic, engine: EngineMemory, judge: dict, device_bytes: int, reserve: int
+):
     """The phases of each pool when the engines have devices of their own: the trainer, the scoring roles and the
     critic stay resident on theirs (nothing else comes), rank 0 keeps one broadcast buffer; an engine device holds
-    the engine's share alone."""
+    the engine's share alone, or beside a judge's engine share."""
     resident = {"trainer weights+grads+optimizer": trainer.static} | scoring
     if critic:
         resident["critic weights+grads+optimizer"] = critic.static
     fixed = {"sync buffer": m.policy.sync.bucket_bytes, "reserve": reserve}
     phases = [
-        Phase("rollout (rollout devices)", {"engine share": engine.share, "reserve": reserve}),
+        Phase("rollout (rollout devices)", {"engine share": engine.share} | judge | {"reserve": reserve}),
         Phase("log-probs", resident | {"scoring": trainer.scoring} | fixed),
         Phase(
             "train", resident | {"activations": max(trainer.activations, critic.activations if critic else 0)} | fixed
@@ -466,14 +500,19 @@ def _disaggregated(m, trainer, ref: int, scoring: dict, critic, engine: EngineMe
     return MemoryPlan(device_bytes, trainer, ref, engine, phases, _problems(m, phases, engine, device_bytes))
 
 
-def _problems(m, phases: list[Phase], engine: EngineMemory, device_bytes: int) -> list[str]:
-    problems = [
+def _over(phases: list[Phase], device_bytes: int) -> list[str]:
+    """The phases that do not fit the device, with their parts."""
+    return [
         f"{p.name}: {p.total / GiB:.1f} GiB needed > {device_bytes / GiB:.1f} GiB ("
         + ", ".join(f"{k} {v / GiB:.1f}" for k, v in p.parts.items() if v)
         + ")"
         for p in phases
         if p.total > device_bytes
     ]
+
+
+def _problems(m, phases: list[Phase], engine: EngineMemory, device_bytes: int) -> list[str]:
+    problems = _over(phases, device_bytes)
     if engine.kv_tokens < m.policy.rollout.max_model_len:
         problems.append(
             f"rollout: the KV cache holds {max(engine.kv_tokens, 0)} tokens per engine, below max_model_len="

@@ -1,24 +1,27 @@
 """A generative judge: a language model prompted with a user's template to grade each response, its verdict
-parsed into a number. The judge generates on the policy's own rollout engines (``models.judge.load: policy``):
-their requests interleave with the rollout's, which keeps advancing while a verdict is generated.
+parsed into a number. The judge generates on the policy's own rollout engines (``models.judge.load: policy``), whose
+requests interleave with the rollout's, or on engines of its own loaded from a model directory (its weights never
+change; its own tokenizer renders the prompt).
 
 The template is text with ``{response}`` (the policy's response) and optionally ``{question}`` (the prompt's last
 user message) and ``{answer}`` (the reference answer); it becomes the judge's user message. A parser turns the
-verdict's text into a number or None (unreadable): ``score_tag`` (the number in ``<score>...</score>``) or
-``yes_no`` (1 for a first word yes, 0 for no); both are linear-time regexes over a verdict of at most
-``max_new_tokens``. An unreadable verdict, a call past the deadline, or a prompt with no room for the verdict in
-the engines' context scores 0 and is counted.
+verdict's text into a number or None (unreadable): built in, ``score_tag`` (the number in ``<score>...</score>``)
+or ``yes_no`` (1 for a first word yes, 0 for no), both linear-time regexes over a verdict of at most
+``max_new_tokens``; or a user's function (:class:`Verdicts`, run in an actor with a deadline: the verdict comes from
+the policy's text, and a parser's regex can be made to backtrack). An unreadable verdict, a call past the deadline,
+or a prompt with no room for the verdict in the engines' context scores 0 and is counted.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mcore_rl.rollout.engine import SamplingConfig
-from mcore_rl.userfile import UserCodeError
+from mcore_rl.userfile import UserCodeError, load_attribute
 
 KEY = "models.judge"
 PLACEHOLDERS = ("question", "response", "answer")
@@ -41,6 +44,43 @@ def yes_no(text: str) -> float | None:
 
 
 PARSERS: dict[str, Callable[[str], float | None]] = {"score_tag": score_tag, "yes_no": yes_no}
+Parse = Callable[[Sequence[tuple[str, str]]], list[float | None]]  # (sample id, verdict) -> number or None each
+
+
+def builtin_parse(name: str) -> Parse:
+    """A built-in parser over a batch of (sample id, verdict)."""
+    parser = PARSERS[name]
+    return lambda verdicts: [parser(text) for _, text in verdicts]
+
+
+class Verdicts:
+    """A user's parser, ``models.judge.parser: path/to/file.py:function`` taking the verdict's text and returning a
+    number, or None for a verdict it cannot read. One that raises has not read it either (the text is the judge's
+    answer to the policy's words: odd input is expected); one that returns anything else has a bug, raised as a
+    :class:`JudgeError` naming the sample."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.fn = load_attribute(
+            f"{KEY}.parser", spec, "parse", "a function {name}(verdict: str) -> float | None", JudgeError
+        )
+        if not callable(self.fn):
+            raise JudgeError(f"{KEY}.parser={spec!r}: {self.fn!r} is not a function; define (verdict) -> float | None")
+
+    def score(self, verdicts: Sequence[tuple[str, str]]) -> list[float | None]:
+        return [self._one(sample_id, text) for sample_id, text in verdicts]
+
+    def _one(self, sample_id: str, text: str) -> float | None:
+        try:
+            value = self.fn(text)
+        except Exception:  # noqa: BLE001 - an unreadable verdict, counted by the judge
+            return None
+        if value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)):
+            return value if value is None else float(value)
+        raise JudgeError(
+            f"{KEY}.parser={self.spec!r} returned {value!r} ({type(value).__name__}) on the verdict of sample "
+            f"{sample_id}; expected a number, or None for a verdict it cannot read"
+        )
 
 
 def load_template(spec: str) -> str:
@@ -63,16 +103,17 @@ def load_template(spec: str) -> str:
 
 class Judge:
     """The ``models.judge`` term: ``score`` renders each sample into the judge's prompt (``tokenizer``'s chat
-    template, with its generation prompt), generates a greedy verdict on the ``rollout`` engines within the
-    deadline, and parses it; ``take_failures`` counts the verdicts that were unreadable or late."""
+    template, with its generation prompt), generates a greedy verdict on the ``engines`` within the deadline, and
+    parses it; ``take_failures`` counts the verdicts that were unreadable or late."""
 
-    def __init__(self, config, rollout, tokenizer, max_model_len: int):
+    def __init__(self, config, engines, tokenizer, max_model_len: int, parse: Parse | None = None):
         """``max_model_len``: the engines'; a prompt with no room left for the verdict is not sent (it scores 0 and
-        is counted: a response long enough to overflow the judge must not stop the run)."""
+        is counted: a response long enough to overflow the judge must not stop the run). ``parse``: a user's parser
+        (see :class:`Verdicts`); default: the built-in ``config.parser``."""
         self.name, self.weight, self.timeout_s = config.name, config.weight, config.timeout_s
-        self.template, self.parse = load_template(config.template), PARSERS[config.parser]
+        self.template, self.parse = load_template(config.template), parse or builtin_parse(config.parser)
         self.sampling = SamplingConfig(temperature=0.0, max_new_tokens=config.max_new_tokens)
-        self.rollout, self.tokenizer = rollout, tokenizer
+        self.engines, self.tokenizer = engines, tokenizer
         self.max_prompt = max_model_len - config.max_new_tokens
         self.failures = 0
 
@@ -88,14 +129,14 @@ class Judge:
         prompts = [self.prompt(messages, answer) for _, messages, answer in samples]
         fits = [i for i, p in enumerate(prompts) if len(p) <= self.max_prompt]
         verdicts = (
-            self.rollout.generate_within([prompts[i] for i in fits], self.sampling, self.timeout_s) if fits else []
+            self.engines.generate_within([prompts[i] for i in fits], self.sampling, self.timeout_s) if fits else []
         )
         if verdicts is None:  # past the deadline: every verdict of the call is lost
             verdicts, fits = [], []
         texts = self.tokenizer.batch_decode([c[0].token_ids for c in verdicts], skip_special_tokens=True)
         scores, readable = [0.0] * len(samples), 0  # too long, late or unreadable: 0, counted
-        for i, text in zip(fits, texts, strict=True):
-            value = self.parse(text)
+        values = self.parse([(samples[i][0], text) for i, text in zip(fits, texts, strict=True)]) if fits else []
+        for i, value in zip(fits, values, strict=True):
             if value is not None and math.isfinite(value):
                 scores[i], readable = value, readable + 1
         self.failures += len(samples) - readable

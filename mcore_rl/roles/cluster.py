@@ -1,5 +1,5 @@
 """Ray placement of the roles: one bundle per device; colocated roles share bundles and take turns, and a
-disaggregated run gives the rollout engines bundles of their own.
+disaggregated run gives the rollout engines bundles of their own (and a reward model or judge may have theirs).
 
 On GPU clusters a device is a Ray ``GPU``. On a CPU machine it is a logical resource (``DEVICE``) that the
 driver declares when it starts a local cluster (``ray start --resources='{"mcore_rl_device": N}'`` on an existing
@@ -42,12 +42,16 @@ class Placement:
             raise RuntimeError(f"could not reserve {num_devices} x {self.resource} within {timeout_s:.0f} s")
 
     @classmethod
-    def pools(cls, trainer_devices: int, rollout_devices: int, trainer_roles: int) -> Placement:
-        """Colocated (``rollout_devices`` 0): every device shared by the engines and the ``trainer_roles``
-        Megatron roles. Otherwise the trainer's devices first, shared by its roles, then the engines' own."""
+    def pools(
+        cls, trainer_devices: int, rollout_devices: int, trainer_roles: int, engine_groups: int = 1, own: int = 0
+    ) -> Placement:
+        """Colocated (``rollout_devices`` 0): each of the trainer's devices shared by its ``trainer_roles`` Megatron
+        roles and the ``engine_groups`` (the policy's engines, and a judge's without devices of its own). Otherwise
+        the trainer's devices, shared by its roles, then the engines', shared by the engine groups. Then ``own``
+        devices of roles with devices of their own (a reward model, a judge), one role each."""
         if not rollout_devices:
-            return cls([trainer_roles + 1] * trainer_devices)
-        return cls([trainer_roles] * trainer_devices + [1] * rollout_devices)
+            return cls([trainer_roles + engine_groups] * trainer_devices + [1] * own)
+        return cls([trainer_roles] * trainer_devices + [engine_groups] * rollout_devices + [1] * own)
 
     def options(self, bundle: int) -> dict:
         """Ray actor options for an actor that takes one role's share of device ``bundle``."""
@@ -84,8 +88,8 @@ class ActorGroup:
     """The ranks of one Megatron role, one actor per bundle; ``call`` runs a method on all and gathers results.
 
     Constructing a group starts its ranks, with ``master`` (from :func:`rendezvous`) as their torch.distributed
-    rendezvous; :func:`wait_ready` waits for them, so several roles start side by side. ``cores``: each rank's CPU
-    cores, where it must not share them (CPU, disaggregated).
+    rendezvous; :func:`wait_ready` waits for them, so several roles start side by side. Rank ``r`` takes bundle
+    ``first + r``. ``cores``: each device's CPU cores, where a rank must keep to its own (CPU, disaggregated).
     """
 
     def __init__(
@@ -96,12 +100,13 @@ class ActorGroup:
         name: str,
         master: tuple[str, int],
         cores: list[list[int]] | None = None,
+        first: int = 0,
         **kwargs,
     ):
         remote = ray.remote(cls)
         self.actors = [
-            remote.options(name=f"{name}-{rank}", **placement.options(rank)).remote(
-                rank, world, master, cores=cores[rank] if cores else None, **kwargs
+            remote.options(name=f"{name}-{rank}", **placement.options(first + rank)).remote(
+                rank, world, master, cores=cores[first + rank] if cores else None, **kwargs
             )
             for rank in range(world)
         ]
@@ -121,12 +126,12 @@ class ActorGroup:
             ray.kill(actor)
 
 
-def rendezvous(placement: Placement, count: int) -> list[tuple[str, int]]:
-    """``count`` distinct addresses on the node of the placement's first bundle, where every role's rank 0 runs;
+def rendezvous(placement: Placement, count: int, bundle: int = 0) -> list[tuple[str, int]]:
+    """``count`` distinct addresses on the node of ``bundle``, where the rank 0 of the roles that use them runs;
     loopback ones when the cluster is that one node."""
     from parallel.transfer import free_addresses
 
-    return ray.get(ray.remote(free_addresses).options(**placement.options(0)).remote(count, single_node()))
+    return ray.get(ray.remote(free_addresses).options(**placement.options(bundle)).remote(count, single_node()))
 
 
 def single_node() -> bool:

@@ -1,4 +1,5 @@
-"""The rollout replicas (one vLLM engine actor each, ``tensor_parallel_size`` devices) and the reward actors."""
+"""The rollout replicas (one vLLM engine actor each, ``tensor_parallel_size`` devices), and the reward actors and
+other user code bounded in time."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import time
 
 import ray
 
-from mcore_rl.rewards.user import RewardError, Rewards, RewardTerm
+from mcore_rl.rewards.user import Rewards, RewardTerm
 from mcore_rl.roles.cluster import Placement
 from mcore_rl.rollout.engine import Completion, RolloutConfig, SamplingConfig, thread_binding
 from mcore_rl.rollout.remote import launch_engines, stop_engine
+from mcore_rl.userfile import UserCodeError
 
 log = logging.getLogger(__name__)
+
+STARTUP_S = 300  # the longest a user-code actor may take to start: its process, the user's file imported
 
 
 def _split(items: list, parts: int) -> list[list]:
@@ -96,23 +100,24 @@ class RolloutGroup:
             stop_engine(engine)
 
 
-class RewardPool:
-    """Reward actors, each scoring its share of a batch with every weighted reward function
-    (:class:`~mcore_rl.rewards.user.Rewards`) in its own CPU process. A call past its deadline (``timeout_s`` a
-    sample) is stopped by replacing its actor; its samples are scored again one at a time, and the one that hangs
-    again scores 0 and is counted (``timeouts``)."""
+class BoundedPool:
+    """Actors of ``cls(*args)``, each running its share of a batch through ``cls.score`` in its own CPU process. A
+    call past its deadline (``timeout_s`` an item) is stopped by replacing its actor; its items run again one at a
+    time, and the one that hangs again gets ``late`` and is counted (``timeouts``). A
+    :class:`~mcore_rl.userfile.UserCodeError` in an actor is raised here as itself (its message names the key, file
+    and sample), not inside Ray's traceback."""
 
-    def __init__(self, terms: list[tuple[str, RewardTerm]], num_actors: int, num_cpus: float, timeout_s: float):
-        self.terms = terms
-        self._new = lambda: ray.remote(Rewards).options(num_cpus=num_cpus).remote(terms)
-        self.actors = [self._new() for _ in range(num_actors if terms else 0)]  # none without a function to run
-        self.timeout_s = timeout_s
-        self.timeouts = 0  # samples scored 0 for a reward call past its deadline, since the last take_timeouts
+    def __init__(self, cls, args: tuple, num_actors: int, num_cpus: float, timeout_s: float, late, what: str):
+        """``what``: what an item's result is, for the log line of one past its deadline."""
+        self._new = lambda: ray.remote(cls).options(num_cpus=num_cpus).remote(*args)
+        self.timeout_s, self.late, self.what = timeout_s, late, what
+        self.actors = [self._new() for _ in range(num_actors)]
+        self._ready(self.actors)
+        self.timeouts = 0  # items given ``late`` for a call past its deadline, since the last take_timeouts
 
-    def score(self, samples: list[tuple[str, list[dict], str]]) -> list[tuple[float, dict[str, float]]]:
-        """(reward, its parts by name) in sample order; a :class:`~mcore_rl.rewards.user.RewardError` in an actor
-        is raised here as itself (its message names the key, file and sample), not inside Ray's traceback."""
-        parts = [p for p in _split(samples, len(self.actors)) if p]
+    def score(self, items: list[tuple]) -> list:
+        """The actors' results in item order (each item's first element names it)."""
+        parts = [p for p in _split(items, len(self.actors)) if p]
         refs = [a.score.remote(p) for a, p in zip(self.actors, parts, strict=False)]
         deadline = time.monotonic() + self.timeout_s * max(map(len, parts), default=0)
         results = []
@@ -121,36 +126,55 @@ class RewardPool:
                 results += self._get(ref, deadline - time.monotonic())
             except ray.exceptions.GetTimeoutError:
                 self._replace(i)
-                results += [self._one(i, sample) for sample in part]
+                results += [self._one(i, item) for item in part]
         return results
 
-    def _one(self, i: int, sample) -> tuple[float, dict[str, float]]:
+    def _one(self, i: int, item):
         try:
-            return self._get(self.actors[i].score.remote([sample]), self.timeout_s)[0]
+            return self._get(self.actors[i].score.remote([item]), self.timeout_s)[0]
         except ray.exceptions.GetTimeoutError:
-            log.warning("reward of sample %s: no result after %g s; scored 0", sample[0], self.timeout_s)
+            log.warning("%s of sample %s: no result after %g s", self.what, item[0], self.timeout_s)
             self._replace(i)
             self.timeouts += 1
-            return 0.0, {}
+            return self.late
 
     def _replace(self, i: int) -> None:
         ray.kill(self.actors[i])  # the only way to stop a call that hangs
         self.actors[i] = self._new()
+        self._ready([self.actors[i]])
+
+    def _ready(self, actors: list) -> None:
+        """Wait until ``actors`` have started (a process, the user's file imported): their start is not an item's
+        time. One that cannot start within ``STARTUP_S`` stops the run with what failed."""
+        try:
+            self._get([a.__ray_ready__.remote() for a in actors], STARTUP_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"the {self.what} actors did not start within {STARTUP_S} s") from None
 
     @staticmethod
     def _get(ref, timeout: float) -> list:
         try:
             return ray.get(ref, timeout=max(timeout, 0.0))
         except ray.exceptions.RayTaskError as err:
-            if isinstance(err.cause, RewardError):
+            if isinstance(err.cause, UserCodeError):
                 raise err.cause from None
             raise
 
     def take_timeouts(self) -> int:
-        """The samples scored 0 for a timeout since the last call."""
+        """The items given ``late`` for a timeout since the last call."""
         count, self.timeouts = self.timeouts, 0
         return count
 
     def stop(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
+
+
+class RewardPool(BoundedPool):
+    """Reward actors, each scoring its share of a batch with every weighted reward function
+    (:class:`~mcore_rl.rewards.user.Rewards`): ``score`` gives each sample's (reward, its parts by name); a sample
+    whose call hangs twice scores 0."""
+
+    def __init__(self, terms: list[tuple[str, RewardTerm]], num_actors: int, num_cpus: float, timeout_s: float):
+        self.terms = terms  # no actor without a function to run
+        super().__init__(Rewards, (terms,), num_actors if terms else 0, num_cpus, timeout_s, (0.0, {}), "reward")

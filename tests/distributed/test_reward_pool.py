@@ -1,12 +1,14 @@
 """Reward actors under a deadline: a reward call that hangs costs its sample a zero (counted), never the run; several
-weighted reward functions are summed, each kept by name with its components."""
+weighted reward functions are summed, each kept by name with its components; a judge's verdict parser that hangs
+leaves its verdict unreadable."""
 
 from __future__ import annotations
 
 import time
 
+from mcore_rl.rewards.judge import Verdicts
 from mcore_rl.rewards.user import RewardTerm
-from mcore_rl.roles.rollout import RewardPool
+from mcore_rl.roles.rollout import BoundedPool, RewardPool
 
 HANGS_ON_ONE = """
 import time
@@ -57,5 +59,28 @@ def test_weighted_rewards_are_summed_and_kept_by_name(ray_address, tmp_path):
             (2.0 * 1 - 0.5 * 1, {"exact": 1.0, "length": 1.0, "length/vowels": 0.0}),
             (2.0 * 0 - 0.5 * 4, {"exact": 0.0, "length": 4.0, "length/vowels": 3.0}),
         ]
+    finally:
+        pool.stop()
+
+
+# A user's verdict parser whose regex backtracks exponentially on a verdict the policy can provoke ("aaaa...b").
+BACKTRACKS = """
+import re
+
+def parse(verdict):
+    if re.fullmatch(r"(a+)+c", verdict):
+        return 1.0
+    return float(verdict) if verdict.strip().isdigit() else None
+"""
+
+
+def test_a_judge_parser_that_hangs_on_a_hostile_verdict_leaves_it_unreadable(ray_address, tmp_path):
+    """The parser runs in an actor of its own under the reward deadline: the verdict that sends its regex into
+    exponential backtracking is stopped and reads as unreadable (None, which the judge counts); the others parse."""
+    (tmp_path / "p.py").write_text(BACKTRACKS)
+    pool = BoundedPool(Verdicts, (f"{tmp_path}/p.py:parse",), 1, 0, 2.0, None, "judge verdict")
+    try:
+        verdicts = [("s0", "7"), ("s1", "a" * 40 + "b"), ("s2", "unsure"), ("s3", "3")]
+        assert pool.score(verdicts) == [7.0, None, None, 3.0] and pool.take_timeouts() == 1
     finally:
         pool.stop()

@@ -5,7 +5,7 @@ then takes the actor's placement group, checks it, and starts one worker per bun
 ``VLLM_RAY_BUNDLE_INDICES`` with ``VLLM_RAY_PER_WORKER_GPUS`` of a GPU each. ``workers_as_vllm_asks`` runs that
 executor's own steps (vLLM's functions, on a platform reporting Ray's GPU resource as the CUDA one does) up to the
 workers' start, and starts them as it does, so the check is that Ray grants them beside the trainer and reference
-ranks, on their GPUs.
+ranks, on their GPUs; and beside another engine group (a judge's) on shared GPUs, with a reward model on its own.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ class _Probe:
         group = ray.util.get_current_placement_group()
         return env, ray.get_gpu_ids(), group.id.hex() if group else None
 
-    def workers_as_vllm_asks(self, tp: int) -> list[list]:
-        """``RayExecutorV2._init_executor``'s steps 1, 2 and 4: the placement group, the bundles, the workers."""
+    def workers_as_vllm_asks(self, tp: int, instance: str = "policy") -> list[list]:
+        """``RayExecutorV2._init_executor``'s steps 1, 2 and 4: the placement group, the bundles, the workers
+        (named by ``instance``, as vLLM names them by its engine's own instance id)."""
         from vllm import envs
         from vllm.config import ParallelConfig
         from vllm.platforms import current_platform
@@ -46,7 +47,7 @@ class _Probe:
         workers = [
             ray.remote(_Probe)
             .options(
-                name=build_actor_name(f"engine{indices[0]}", rank, tp, 1, 1),
+                name=build_actor_name(f"{instance}{indices[0]}", rank, tp, 1, 1),
                 num_cpus=0,
                 **v2.RayExecutorV2._get_actor_resource_kwargs(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -85,6 +86,18 @@ def _scenario() -> None:
     assert env == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "1.0"}, env
     engine_gpus = {g for gpus in ray.get(engine.workers_as_vllm_asks.remote(TP), timeout=120) for g in gpus}
     assert len(trainer_gpus) == len(engine_gpus) == 2 and not trainer_gpus & engine_gpus, (trainer_gpus, engine_gpus)
+    placement.remove()
+    # A judge's engines beside the policy's on GPUs 1-2 (half of each), a reward model on GPU 3 of its own.
+    placement = Placement.pools(1, 2, trainer_roles=1, engine_groups=2, own=1)
+    trainer = probe.options(**placement.options(0)).remote()
+    reward_model = probe.options(**placement.options(3)).remote()
+    engines = {name: probe.options(**placement.engine_options(1, TP)).remote() for name in ("policy", "judge")}
+    workers = [ray.get(e.workers_as_vllm_asks.remote(TP, name), timeout=120) for name, e in engines.items()]
+    for engine in engines.values():
+        assert ray.get(engine.engine_view.remote(), timeout=60)[0]["VLLM_RAY_PER_WORKER_GPUS"] == "0.5"
+    assert workers[0] == workers[1] and len({g for gpus in workers[0] for g in gpus}) == 2, workers
+    (trainer_gpu,), (rm_gpu,) = ray.get([trainer.gpus.remote(), reward_model.gpus.remote()], timeout=60)
+    assert len({trainer_gpu, rm_gpu, *(g for gpus in workers[0] for g in gpus)}) == 4, (trainer_gpu, rm_gpu, workers)
     print("placement ok")
 
 

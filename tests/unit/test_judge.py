@@ -3,7 +3,7 @@ is refused naming the key and the fix; verdicts parse to a number or to None (un
 
 import pytest
 
-from mcore_rl.rewards.judge import JudgeError, load_template, score_tag, yes_no
+from mcore_rl.rewards.judge import JudgeError, Verdicts, load_template, score_tag, yes_no
 
 
 def test_templates_need_the_response_and_known_placeholders(tmp_path):
@@ -31,3 +31,20 @@ def test_templates_need_the_response_and_known_placeholders(tmp_path):
 )
 def test_parsers_read_a_number_or_nothing(text, tag, word):
     assert score_tag(text) == tag and yes_no(text) == word
+
+
+def test_a_users_parser_reads_numbers_and_nothing_else(tmp_path):
+    """A user's parser (models.judge.parser: file.py:function): numbers pass, None and a raise are unreadable
+    verdicts, anything else is its bug, named with the sample; a file without the function is refused by key."""
+    (tmp_path / "p.py").write_text(
+        "def parse(v):\n"
+        "    if v == 'boom':\n        raise ValueError(v)\n"
+        "    if v == 'word':\n        return 'seven'\n"
+        "    return None if v == '?' else int(v)\n"
+    )
+    verdicts = Verdicts(f"{tmp_path}/p.py:parse")
+    assert verdicts.score([("s0", "7"), ("s1", "?"), ("s2", "boom")]) == [7.0, None, None]
+    with pytest.raises(JudgeError, match=r"parser='.*p.py:parse' returned 'seven' \(str\) on the verdict of sample s3"):
+        verdicts.score([("s3", "word")])
+    with pytest.raises(JudgeError, match=r"models.judge.parser='.*p.py:other': .*p.py has no 'other'; define a funct"):
+        Verdicts(f"{tmp_path}/p.py:other")

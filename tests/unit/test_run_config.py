@@ -69,7 +69,12 @@ def test_bad_configs_are_refused_with_the_key(run_yaml, override, message):
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["runtime_args.rollout_devices=3"], r"rollout_devices=3: expected 0 \(colocated\) up to num_devices - 1 = 2"),
+        (["runtime_args.rollout_devices=3"], r"rollout_devices=3: expected 0 \(shared\) or more, leaving the trainer"),
+        (
+            ["runtime_args.rollout_devices=1", "runtime_args.judge_devices=-1"],
+            r"runtime_args.rollout_devices=1, judge_devices=-1: expected 0 \(shared\) or more",
+        ),
+        (["runtime_args.reward_model_devices=1"], r"reward_model_devices=1: devices for a role the run has not; set m"),
         (["runtime_args.rollout_mode=async"], r"rollout_mode='async' overlaps .*rollout_devices > 0"),
         (["runtime_args.rollout_mode=eager"], r"rollout_mode='eager': expected one of \['sync', 'one_step_off'"),
         # the trainer keeps 2 of the 3 devices: its tp=3 no longer fits them
@@ -375,7 +380,22 @@ JUDGE = ["models.judge.load=policy", "models.judge.template='Grade {response}'"]
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        (["models.judge.load=/some/model", "models.judge.template='{response}'"], r"models.judge.load='/some/model': "),
+        (
+            ["models.judge.load=/some/model", "models.judge.template='{response}'"],
+            r"judge.load='/some/model': no confi",
+        ),
+        (
+            [*JUDGE, "runtime_args.judge_devices=1"],
+            r"runtime_args.judge_devices: size a judge's own engines, but models",
+        ),
+        (
+            [*JUDGE, "models.judge.max_model_len=64"],
+            r"models.judge.max_model_len: size a judge's own engines, but mode",
+        ),
+        (
+            [*JUDGE, "models.judge.parser=/no/p.py:f"],
+            r"parser='/no/p.py:f': expected one of \['score_tag', 'yes_no'\] or",
+        ),
         (["models.judge.load=policy"], r"models.judge.template: no \{response\} placeholder"),
         ([*JUDGE, "models.judge.parser=json"], r"models.judge.parser='json': expected one of \['score_tag', 'yes_"),
         ([*JUDGE, "models.judge.name=math"], r"models.judge.name='math' is also models.reward's name"),
@@ -402,3 +422,50 @@ def test_a_model_of_an_unknown_family_is_named_by_key(run_yaml, tmp_path):
     (tmp_path / "gpt2" / "config.json").write_text('{"architectures": ["GPT2ForSequenceClassification"]}')
     with pytest.raises(ConfigError, match=r"models.reward_model.load='.*gpt2': architecture 'GPT2ForSequenceClass"):
         load_run_config(run_yaml, [f"models.reward_model.load={tmp_path}/gpt2"])
+
+
+def test_device_pools_are_laid_out_trainer_rollout_reward_model_judge():
+    from mcore_rl.config.schema import RuntimeArgs
+
+    split = RuntimeArgs(num_devices=8, rollout_devices=3, reward_model_devices=2, judge_devices=1)
+    pools = ("trainer", "rollout", "reward_model", "judge")
+    assert [split.devices(p) for p in pools] == [range(0, 2), range(2, 5), range(5, 7), range(7, 8)]
+    assert (split.trainer_devices, split.engine_devices, split.world("reward_model"), split.world("critic")) == (
+        2, 3, 2, 2,
+    )  # fmt: skip
+    colocated = RuntimeArgs(num_devices=4, reward_model_devices=1)
+    assert [colocated.devices(p) for p in pools] == [range(0, 3), range(0, 3), range(3, 4), range(4, 4)]
+    assert colocated.engine_devices == colocated.world("reward_model") + 2 == 3
+
+
+def test_a_judge_of_its_own_is_checked_like_a_model_and_sized_like_an_engine(run_yaml, tmp_path):
+    """A judge loaded from a model directory: its engines sit beside the policy's (their CUDA shares must fit
+    together) or on devices of their own, which its tensor parallelism must divide; its weights and chat template
+    are checked with the other models'; it may judge an async run (its weights never change)."""
+    from tests.tiny import make_tiny
+
+    judge = make_tiny("LlamaForCausalLM", tmp_path / "judge")
+    own = [f"models.judge.load={judge}", "models.judge.template='{response}'", "models.judge.max_model_len=128"]
+    config = load_run_config(run_yaml, own)
+    assert "models.judge.load" in config.model_keys and config.models.judge.own_engines
+    engine = config.models.judge.engine_config(config.models.policy.rollout)
+    assert (engine.max_model_len, engine.sleep_level, engine.load_tokenizer) == (128, 1, True)
+    config.check_files()
+    (judge / "chat_template.jinja").unlink()
+    with pytest.raises(ConfigError, match=r"models.judge.load='.*judge': its tokenizer has no chat template"):
+        config.check_files()
+    bad = [
+        (["models.judge.gpu_memory_utilization=0.5"], r"judge.gpu_memory_utilization=0.5 \+ models.policy.rollout."),
+        (["models.judge.max_new_tokens=128"], r"models.judge: expected 0 < gpu_memory_utilization < 1 and max_new_t"),
+        (
+            ["runtime_args.judge_devices=2", "models.policy_trainer.parallel.tp=1", "models.judge.tensor_parallel_size=3"],
+            r"judge.tensor_parallel_size=3 does not divide runtime_args.judge_devices \(2\)",
+        ),
+    ]  # fmt: skip
+    for overrides, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            load_run_config(run_yaml, own + overrides)
+    async_run = ["runtime_args.rollout_devices=1", "runtime_args.judge_devices=1", "runtime_args.rollout_mode=async"]
+    layout = ["models.policy_trainer.parallel.tp=1", "models.ref_policy.parallel.tp=1"]
+    config = load_run_config(run_yaml, own + async_run + layout)
+    assert config.runtime_args.devices("judge") == range(2, 3)
