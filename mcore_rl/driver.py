@@ -110,14 +110,14 @@ class SingleTurn:
         self.model = self.judge = None  # the reward model's and the judge's terms, when there are
         if system.reward_model is not None:
             self.model = ModelReward(m.reward_model, system.reward_model, system.on_device)
+        parse = system.verdicts.score if system.verdicts else None  # a user's parser, else the built-in one
         if m.judge.own_engines:  # its engines, with its own tokenizer
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(m.judge.load)
-            self.judge = Judge(m.judge, system.judge_engines, tokenizer, m.judge.max_model_len, system.verdicts)
+            self.judge = Judge(m.judge, system.judge_engines, tokenizer, m.judge.max_model_len, parse)
         elif m.judge.load:  # on the policy's engines, with the policy's tokenizer
-            length = m.policy.rollout.max_model_len
-            self.judge = Judge(m.judge, system.rollout, data.tokenizer, length, system.verdicts)
+            self.judge = Judge(m.judge, system.rollout, data.tokenizer, m.policy.rollout.max_model_len, parse)
         self.overlap = system.config.models.reward.overlap_rollout
         self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
         self._prompts: dict = {}  # submitted keys -> prompts
@@ -772,6 +772,8 @@ def write_samples(path: Path, samples, rewards) -> None:
     with path.open("w") as f:
         for s, r in zip(samples, rewards, strict=True):
             record = {"id": s.id, "reward": r, "response": s.text, "versions": sorted(set(s.completion.versions))}
+            if s.reward_parts:  # each weighted reward's own value
+                record["rewards"] = s.reward_parts
             if isinstance(s.completion, Trajectory):
                 record |= {"stop": s.completion.finish_reason, "messages": s.completion.messages}
             f.write(json.dumps(record) + "\n")

@@ -237,6 +237,54 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
 
 
+def test_a_reward_model_and_a_judge_with_devices_and_engines_of_their_own(tiny_models, ray_address, tmp_path):
+    """The reward model's rank on a device of its own, a judge of another family on engines of its own beside the
+    policy's (sleeping with them while the trainer works, woken after each sync), its verdicts read by a user's
+    parser: each sample's reward is the weighted sum, and the reward model's scores are HF's on the conversations
+    rendered with its own template."""
+    import torch
+    import transformers
+
+    from mcore_rl.rewards.model import conversation_tokens
+
+    reward_model = make_tiny_reward_model(tiny_models["LlamaForCausalLM"], tmp_path / "rm")
+    (tmp_path / "verdict.py").write_text("def parse(verdict):\n    return float(len(verdict)) if verdict else None\n")
+    overrides = [
+        "runtime_args.num_devices=3",
+        "runtime_args.reward_model_devices=1",
+        f"models.reward_model.load={reward_model}",
+        "models.reward_model.weight=0.1",
+        f"models.judge.load={tiny_models['LlamaForCausalLM']}",
+        "models.judge.template='Is this right? {response}'",
+        f"models.judge.parser={tmp_path}/verdict.py:parse",
+        "models.judge.weight=0.5",
+        "models.judge.max_new_tokens=4",
+        "models.judge.max_model_len=128",
+    ]
+    config = load_run_config(write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "pools"), overrides)
+    out = run(config)
+    record = read_metrics(out / "metrics.jsonl")[1]
+    want = record["reward/vowel_reward/mean"] + 0.1 * record["reward/rm/mean"] + 0.5 * record["reward/judge/mean"]
+    assert record["reward/mean"] == pytest.approx(want, abs=1e-6)
+    assert 0 <= record["reward/judge_failures"] < 16 and 0 < record["reward/judge/mean"] <= 4
+    assert "eval/reward/judge/mean" in record  # the judge's engines woke after the sync to judge the eval
+    samples = [json.loads(line) for line in (out / "rollouts" / "episode_1.jsonl").open()]
+    rows = {p.row.id: p.row for p in Data(config).train.prompts}
+    conversations = [
+        rows[s["id"].split("/")[0]].messages + [{"role": "assistant", "content": s["response"]}] for s in samples
+    ]
+    batch = conversation_tokens(transformers.AutoTokenizer.from_pretrained(reward_model), conversations)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(reward_model)
+    with torch.no_grad():  # one row at a time: the tiny config has no pad token for HF's pooling
+        rows = zip(batch["tokens"], batch["lengths"].tolist(), strict=True)
+        logits = torch.cat([hf(tokens[None, :length]).logits[:, 0] for tokens, length in rows])
+    scores = torch.tensor([s["rewards"]["rm"] for s in samples])
+    torch.testing.assert_close(scores, logits, atol=1e-4, rtol=1e-4)
+    for s in samples:
+        parts = s["rewards"]
+        assert s["reward"] == pytest.approx(parts["vowel_reward"] + 0.1 * parts["rm"] + 0.5 * parts["judge"], abs=1e-6)
+
+
 def test_a_full_disk_during_a_save_stops_the_run_with_the_earlier_checkpoints_intact(
     tiny_models, ray_address, tmp_path, capsys
 ):
