@@ -2,6 +2,7 @@
 equal what autograd saves on tiny models of every family and layout (the local build, within 2%), KV cache sizes
 are the known per-token numbers, and the phases and layout suggestions agree with them."""
 
+import json
 import os
 from pathlib import Path
 
@@ -227,3 +228,37 @@ def test_the_teacher_and_the_critic_are_counted():
     split = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b", *ppo, "runtime_args.rollout_devices=4"), 80 * GiB)
     train = {p.name: p for p in split.phases}["train"].parts
     assert train["teacher weights"] > 0 and train["critic weights+grads+optimizer"] > critic  # half the DP
+
+
+def test_a_reward_model_and_a_judge_are_counted_where_they_run(tmp_path):
+    """Qwen3-8B with a full-size Qwen3 reward model and a Qwen3-8B judge of its own: beside the trainer, the reward
+    model's weights are there while the engines roll out, and the judge's engine share beside the policy's; on
+    devices of their own, each pool has a phase of its own and the trainer's phases hold neither. A judge whose
+    share leaves its KV cache too small for its context is a problem named with the fix."""
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    config = json.loads((PUBLIC / "qwen3_8b" / "config.json").read_text())
+    config |= {"architectures": ["Qwen3ForSequenceClassification"], "id2label": {"0": "LABEL_0"}}
+    (rm / "config.json").write_text(json.dumps(config))
+    roles = [f"models.reward_model.load={rm}", f"models.judge.load={PUBLIC / 'qwen3_8b'}"]
+    roles += ["models.judge.template='{response}'", "models.judge.max_model_len=8192"]
+    beside = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b", *roles), 80 * GiB)
+    phases = {p.name: p.parts for p in beside.phases}
+    rm_weights, judge_share = phases["rollout"]["reward model weights"], phases["rollout"]["judge engine share"]
+    assert judge_share == int(0.3 * 80 * GiB) and 14 * GiB < rm_weights < 15 * GiB  # bf16, no LM head, tp 1
+    assert "judge engine share" not in phases["train"]
+    # all three beside the engines' 0.6 overflow the rollout; on pools of their own they fit
+    assert [p.split(" (")[0] for p in beside.problems] == ["rollout: 91.2 GiB needed > 80.0 GiB"]
+    pools = ["runtime_args.reward_model_devices=2", "runtime_args.judge_devices=2"]
+    own = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b", *roles, *pools), 80 * GiB)
+    phases = {p.name: p.parts for p in own.phases}
+    assert phases["score (reward model devices)"]["reward model weights"] == rm_weights
+    assert phases["judge (judge devices)"]["judge engine share"] == judge_share
+    assert not {"reward model weights", "judge engine share"} & {k for p in own.phases[:-2] for k in p.parts}
+    assert own.fits, own.problems
+    small = plan_memory(
+        _config("qwen3_8b_grpo", "qwen3_8b", *roles, "models.judge.gpu_memory_utilization=0.2"), 80 * GiB
+    )
+    assert any(
+        p.startswith("judge: the KV cache holds") and "models.judge.gpu_memory_utilization" in p for p in small.problems
+    )
