@@ -1,8 +1,10 @@
 """The ``rewards`` suite: rewards beyond one function. The main job (SmolLM2-135M-Instruct on the built-in
-arithmetic set, one device) with its reward the math checker alone; plus 0.2 x a SmolLM2 reward model that
+arithmetic set, one device) with its reward the math checker alone; plus 0.02 x a SmolLM2 reward model that
 ``mcore_rl.rewards.preference`` fits first (a score head on SmolLM2's hidden states preferring the instruction's
-format, the number alone, to the same number in a sentence), with the rewards scored beside the rollout and after
-it; and plus 0.5 x SmolLM2 judging its own answers on its own engines (yes/no).
+format, the number alone, to the same number in a sentence; its scores span about -20..20, so 0.02 keeps it beside
+the checker's 0/1 rather than above it), with the rewards scored beside the rollout and after it; and plus 0.5 x
+SmolLM2 judging the answers (yes/no): the policy itself on its own engines, and the initial SmolLM2 on a judge
+engine of its own.
 
 Reported per run: each reward's mean over the first and last quarter of the episodes (curves), greedy eval accuracy
 (the math checker's) before and after, the judge's unreadable verdicts, and the reward phase's time: what is left
@@ -18,9 +20,8 @@ from benchmarks.hardware import Hardware
 from benchmarks.report import Report, pyplot, table
 from benchmarks.rl import Variant
 
-RM_WEIGHT = 0.2
+RM_WEIGHT = 0.02
 JUDGE = (
-    "models.judge.load=policy",
     "models.judge.template='Question: {question}\nProposed answer: {response}\nIs the proposed answer correct? "
     "Answer yes or no.'",
     "models.judge.parser=yes_no",
@@ -35,7 +36,16 @@ RUNS = (
         "the same, each batch scored after its rollout",
         overrides=(*COMMON, "models.reward.overlap_rollout=false"),
     ),
-    Variant("math+judge", "the math checker + 0.5 x SmolLM2 judging itself (yes/no)", overrides=(*COMMON, *JUDGE)),
+    Variant(
+        "math+judge",
+        "the math checker + 0.5 x the policy judging itself (yes/no) on its engines",
+        overrides=(*COMMON, *JUDGE, "models.judge.load=policy"),
+    ),
+    Variant(
+        "math+judge-own",
+        "the same judged by the initial SmolLM2 on a judge engine of its own",
+        overrides=(*COMMON, *JUDGE, "models.judge.max_model_len=1024"),  # load: the model dir, given at run time
+    ),
 )
 
 
@@ -54,6 +64,8 @@ def reward_model(out: Path) -> tuple[Path, dict]:
 
 
 def suite(out: Path, hardware: Hardware, report: Report, episodes: int) -> None:
+    from converters.gguf2hf import default_model_dir
+
     del hardware  # the rl suite reports the machine; this one compares rewards
     model, accuracy = reward_model(out)
     extra = (
@@ -61,7 +73,11 @@ def suite(out: Path, hardware: Hardware, report: Report, episodes: int) -> None:
         f"models.reward_model.weight={RM_WEIGHT}",
         "models.reward_model.micro_batch_size=8",
     )
-    results = [run(v, out, episodes, extra if "+rm" in v.name else (), "rewards") for v in RUNS]
+    own_judge = (f"models.judge.load={default_model_dir()}",)
+    results = [
+        run(v, out, episodes, extra if "+rm" in v.name else own_judge if "own" in v.name else (), "rewards")
+        for v in RUNS
+    ]
     quarter = max(1, episodes // 4)
     rows = []
     for r in results:
@@ -88,8 +104,10 @@ def suite(out: Path, hardware: Hardware, report: Report, episodes: int) -> None:
         f"SmolLM2-135M-Instruct, the main job's settings on one device, {episodes} episodes of 32 samples on "
         f"`builtin:arithmetic`. The reward model: SmolLM2 with a Bradley-Terry score head fitted on 192 format "
         f"preference pairs (held-out preference accuracy {accuracy['held_out_accuracy']:.2f} on 64), served by "
-        "`models.reward_model` (its own Megatron role, conversations rendered with its chat template). The judge: "
-        "SmolLM2 on the policy's own engines, greedy, 8 tokens, parsed yes/no.",
+        f"`models.reward_model` (its own Megatron role, conversations rendered with its chat template), weight "
+        f"{RM_WEIGHT}. The judge: greedy, 8 tokens, parsed yes/no; `math+judge` asks the policy on its own engines, "
+        "`math+judge-own` the initial SmolLM2 on a second vLLM engine beside them (colocated: it sleeps while the "
+        "trainer works, its weights kept in host memory).",
         table(["run", "metric", "first quarter", "last quarter"], rows),
         report.figure(fig, "rewards", "each reward's mean per episode"),
     )

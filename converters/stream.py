@@ -144,11 +144,11 @@ def bucket_layout(
     return names, shapes
 
 
-def _gather_tp(tasks: list[_Task], mine: dict[str, LocalParam], group) -> dict[str, torch.Tensor]:
+def _gather_tp(tasks: list[_Task], mine: dict[str, LocalParam], group, read) -> dict[str, torch.Tensor]:
     """Full tensors of ``tasks`` from their TP (or expert-TP) shards: one all_gather for the whole bucket."""
     split = [t for t in tasks if t.tp_axis is not None]
-    gathered = all_gather_bucket([mine[t.slot].param.detach() for t in split], group)
-    full = {t.slot: mine[t.slot].param.detach() for t in tasks if t.tp_axis is None}
+    gathered = all_gather_bucket([read(mine[t.slot].param) for t in split], group)
+    full = {t.slot: read(mine[t.slot].param) for t in tasks if t.tp_axis is None}
     for i, t in enumerate(split):
         full[t.slot] = torch.cat([rank_shards[i] for rank_shards in gathered], dim=t.tp_axis)
     return full
@@ -159,8 +159,10 @@ def export_hf(
     bridge,
     groups: ProcessGroupCollection,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    read=torch.Tensor.detach,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full tensor)`` for the whole model on every rank, in byte buckets.
+    """Yield ``(hf_name, full tensor)`` for the whole model on every rank, in byte buckets; ``read`` gives what a
+    parameter's shard exports as (a LoRA-adapted weight: merged with its adapter, :func:`models.lora.merged`).
 
     Per bucket (tasks of one pipeline owner): one all_gather over TP, one over expert-TP, one over EP for the
     experts, one broadcast over PP. Peak extra memory is about one bucket. Yielded tensors may alias
@@ -181,8 +183,8 @@ def export_hf(
         if pp_rank == bucket[0].owner:
             dense = [t for t in bucket if not t.is_expert]
             experts = [t for t in bucket if t.is_expert]
-            full = _gather_tp(dense, mine, groups.tp)
-            expert_full = _gather_tp(experts, mine, groups.expt_tp)
+            full = _gather_tp(dense, mine, groups.tp, read)
+            expert_full = _gather_tp(experts, mine, groups.expt_tp, read)
             by_ep_rank = all_gather_bucket([expert_full[t.slot] for t in experts], groups.ep)
             expert_iter = iter(range(len(experts)))
             tensors = []

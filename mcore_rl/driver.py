@@ -246,7 +246,7 @@ class System:
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
             optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
             max_token_in_packing=trainer.max_token_in_packing, share_prompts=trainer.share_prompts, moe=trainer.moe,
-            recompute=trainer.recompute,
+            recompute=trainer.recompute, lora=trainer.lora,
         )  # fmt: skip
         self._stops.append(self.trainer.kill)
         megatron_roles = [self.trainer]
@@ -532,6 +532,8 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
             if role is not None:
                 with system.on_device(role):
                     batch[key] = role.logprobs(batch, section.micro_batch_size)
+        if m.needs_reference and trainer.lora.rank:  # the reference is the trainer's model without its adapters
+            batch["ref_logp"] = system.trainer.base_logprobs(batch, trainer.micro_batch_size)
         timer("ref_logprobs")
         # The first step's rows score their own old log-probs, unless the advantages read them before any step.
         first = 0 if trainer.reward_kl_coef or trainer.distill_coef else gbs

@@ -25,6 +25,7 @@ import torch
 from converters.stream import export_hf
 from mcore_rl.rollout.transport import BucketSender
 from mcore_rl.training import MegatronModel
+from models.lora import merged
 from parallel.comm import all_gather_objects, all_reduce_scalar
 from parallel.groups import block_group
 from parallel.transfer import TransferGroup, free_addresses
@@ -265,7 +266,9 @@ class WeightSync:
         wait = 0.0
         repairs: tuple[str, ...] = ()
         self._trainer_logprobs = self._score() if self.config.probe else None
-        exported = export_hf(self.chunks, self.bridge, self.groups, bucket_bytes=self.config.bucket_bytes)
+        # LoRA-adapted weights leave merged with their adapters (any engine loads them as plain weights)
+        read = merged(self.chunks)
+        exported = export_hf(self.chunks, self.bridge, self.groups, bucket_bytes=self.config.bucket_bytes, read=read)
         if not self.route.sends:
             for _ in exported:
                 pass

@@ -24,6 +24,7 @@ from mcore_rl.rewards.user import RewardTerm, default_name
 from mcore_rl.rollout.engine import MultiTurnConfig, RolloutConfig
 from mcore_rl.sync import SyncConfig
 from mcore_rl.userfile import is_user_file
+from models.lora import LoRAConfig
 from models.registry import BRIDGES, get_bridge
 from parallel.config import ParallelConfig
 
@@ -169,6 +170,9 @@ class TrainerConfig:
     share_prompts: bool = False
     moe: MoEConfig = field(default_factory=MoEConfig)  # load balancing and router metrics (MoE models only)
     recompute: str = "none"  # "full": each layer keeps only its input and recomputes the rest in backward
+    # rank > 0: train LoRA adapters on the frozen model (models/lora.py); the reference is the model with the
+    # adapters off (no models.ref_policy), and the engines get the weights merged with them
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass
@@ -326,12 +330,17 @@ class ModelsConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
 
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the loss or the reward reads the reference policy's log-probs: from models.ref_policy, or from
+        the policy trainer with its LoRA adapters off."""
+        return bool(self.policy_trainer.algorithm.kl_coef or self.policy_trainer.reward_kl_coef)
+
     def uses(self, role: str) -> bool:
         """Whether the run starts the Megatron role ``role`` (``policy_trainer`` or one of :data:`SCORING_ROLES`)."""
-        trainer = self.policy_trainer
         return {
             "policy_trainer": True,
-            "ref_policy": bool(trainer.algorithm.kl_coef or trainer.reward_kl_coef),
+            "ref_policy": self.needs_reference and not self.policy_trainer.lora.rank,
             "teacher": bool(self.teacher.load),
             "critic": bool(self.critic.load),
             "reward_model": bool(self.reward_model.load),
@@ -471,6 +480,13 @@ class RunConfig:
             except ValueError as err:
                 raise ConfigError(f"{key}.parallel: {err}") from None
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
+        lora = m.policy_trainer.lora
+        lora.validate()
+        if lora.rank and "linear_qkv" in lora.targets and get_bridge(m.policy_trainer.load).multi_latent_attention:
+            raise ConfigError(
+                "models.policy_trainer.lora.targets: linear_qkv is not in a model with multi-latent attention (its "
+                "projections are not adapted yet); remove it"
+            )
         if m.uses("reward_model"):
             path, bridge = m.reward_model.load, get_bridge(m.reward_model.load)
             if not bridge.value_model:

@@ -25,6 +25,7 @@ from mcore_rl.offload import StorageOffloader
 from mcore_rl.packing import pack_rows, plan_packing, plan_shared_prompts, rows_of, share_prompt_rows
 from mcore_rl.sync import BroadcastRoute, ColocatedRoute, SyncConfig, WeightSync
 from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
+from models.lora import LoRAConfig, adapters_off, attach_lora
 from models.registry import get_bridge
 from models.value_head import attach_value_heads
 from parallel.comm import all_gather_bucket, all_reduce_, all_reduce_scalar
@@ -59,7 +60,7 @@ class MegatronRank:
         )
         self.machine = Device.current()
         self.machine.share_cores(world, cores)
-        self.rank, self.parallel = rank, parallel
+        self.rank, self.parallel, self.seed = rank, parallel, seed
         self.max_token_in_packing = max_token_in_packing  # > 0: THD packs instead of padded micro-batches
         self.groups = init_parallel(parallel, seed=seed, device=self.machine)
         self.bridge = get_bridge(hf_dir)
@@ -330,9 +331,12 @@ class TrainableRank(MegatronRank):
 class PolicyTrainer(TrainableRank):
     """One rank of the policy: GRPO/GSPO steps, the weight sync into its rollout engine, checkpoints."""
 
-    def __init__(self, *args, loss: PolicyLossConfig, moe: MoEConfig | None = None, **kwargs):
-        """:class:`TrainableRank`'s arguments, the policy's ``loss`` and its ``moe`` settings."""
-        self.moe = moe or MoEConfig()
+    def __init__(
+        self, *args, loss: PolicyLossConfig, moe: MoEConfig | None = None, lora: LoRAConfig | None = None, **kwargs
+    ):
+        """:class:`TrainableRank`'s arguments, the policy's ``loss``, its ``moe`` settings and its ``lora`` adapters
+        (rank 0: none, the whole model trains)."""
+        self.moe, self.lora = moe or MoEConfig(), lora or LoRAConfig()
         super().__init__(*args, **kwargs)
         self.loss = loss
         self.router_load = (
@@ -344,6 +348,19 @@ class PolicyTrainer(TrainableRank):
 
     def _model_overrides(self) -> dict:
         return super()._model_overrides() | self.moe.overrides(self.bridge)
+
+    def _build(self, hf_dir: str) -> list[torch.nn.Module]:
+        """The model, frozen with LoRA adapters on it where the run trains adapters (the optimizer then holds
+        theirs only: Megatron's DDP and optimizer take the parameters that require gradients)."""
+        chunks = super()._build(hf_dir)
+        if self.lora.rank:
+            attach_lora(chunks, self.lora, self.seed, self.groups.tp)
+        return chunks
+
+    def base_logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
+        """:meth:`logprobs` of the model without its LoRA adapters: the reference policy of a LoRA run."""
+        with adapters_off(self.chunks):
+            return self.logprobs(batch, micro_batch_size)
 
     # ---- training -----------------------------------------------------------------------------------------
     def _loss_fn(self, batch: dict, output: torch.Tensor):

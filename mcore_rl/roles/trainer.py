@@ -75,5 +75,9 @@ class TrainerGroup(TrainedGroup):
         """Wake the engines and check them with the probe: the sync's report."""
         return self.call("verify_sync")[0]
 
+    def base_logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
+        """Log-probs of the model with its LoRA adapters off: a LoRA run's reference policy."""
+        return self.call("base_logprobs", batch, micro_batch_size)[0]
+
     def router_metrics(self) -> dict:
         return self.call("router_metrics")[0]

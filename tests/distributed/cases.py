@@ -12,6 +12,7 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from converters.hf_io import HFCheckpoint
+from converters.mapping import MappingTable
 from converters.plan import local_params
 from converters.stream import export_hf, load_weights
 from converters.transforms import full_shape, shard
@@ -720,3 +721,79 @@ def reward_model_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, lengths
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     role = ValueModel(rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, max_token_in_packing=packing)
     return role.sequence_scores({"tokens": tokens, "lengths": lengths}, micro_batch_size=2)
+
+
+def _full(tensor: torch.Tensor, axis: int | None, group) -> torch.Tensor:
+    """The whole of a TP-split ``tensor`` (split on ``axis``; None: replicated)."""
+    if axis is None:
+        return tensor
+    shards = [torch.empty_like(tensor) for _ in range(group.size())]
+    torch.distributed.all_gather(shards, tensor.contiguous(), group=group)
+    return torch.cat(shards, dim=axis)
+
+
+def lora_sgd_step(hf_dir: str, layout: dict, tokens: torch.Tensor, rank: int) -> dict:
+    """One SGD step (lr 1, no clipping) of LoRA adapters on a frozen model, B set to the base weight's first columns:
+    the loss, the log-probs of ``tokens`` with the adapters and without them (the base model), each adapter's whole
+    gradient (A's and B's, from the update) and how far each merged shard is from ``W + scale B A`` computed whole;
+    on every rank, all pipeline stages merged."""
+    from models.lora import LoRAConfig, adapters, adapters_off, attach_lora, merged
+    from parallel.comm import all_gather_objects
+
+    bridge, config, chunks, groups = _load(hf_dir, layout)
+    lora = LoRAConfig(rank=rank, alpha=2.0 * rank)
+    attach_lora(chunks, lora, seed=7, tp_group=groups.tp)
+    mine = adapters(chunks)
+    tp, tp_rank = groups.tp.size(), groups.tp.rank()
+    for adapter in mine.values():  # B from the base weight (its rows, as each layout lays them out): not zero
+        weight = adapter.base_weight.detach()
+        with torch.no_grad():
+            adapter.b.copy_((weight if adapter.column else _full(weight, 1, groups.tp))[:, :rank])
+    read = merged(chunks)
+    merge_error = 0.0
+    for adapter in mine.values():  # the merge against W + scale B A from whole tensors
+        column = adapter.column
+        whole_w = _full(adapter.base_weight.detach(), 0 if column else 1, groups.tp)
+        whole_a = _full(adapter.a.detach(), None if column else 1, groups.tp)
+        whole_b = _full(adapter.b.detach(), 0 if column else None, groups.tp)
+        want = shard(whole_w + lora.scale * whole_b @ whole_a, 0 if column else 1, tp_rank, tp)
+        merge_error = max(merge_error, (read(adapter.base_weight) - want).abs().max().item())
+    before = {slot: (a.a.detach().clone(), a.b.detach().clone()) for slot, a in mine.items()}
+    optimizer = OptimizerConfig(optimizer="sgd", lr=1.0, clip_grad=0.0, use_distributed_optimizer=False)
+    step = MegatronTrainStep(chunks, config, optimizer, groups)
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    mine_tokens = tokens.chunk(dp)[dp_rank]
+    positions = torch.arange(mine_tokens.shape[1] - 1).expand(1, -1)
+    microbatches = [
+        {"input_ids": mb[:, :-1], "labels": mb[:, 1:], "position_ids": positions} for mb in mine_tokens.split(1)
+    ]
+
+    def loss_fn(batch, output):
+        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size).mean()
+        return loss, {"loss": loss.detach()}
+
+    with adapters_off(chunks):
+        base_logp = step.logprobs(tokens, bridge.vocab_size, 2)
+    lora_logp = step.logprobs(tokens, bridge.vocab_size, 2)
+    result = step.step(microbatches, loss_fn)
+    grads, table = {}, MappingTable(bridge.mappings())
+    for slot, adapter in mine.items():  # SGD at lr 1: the gradient is what the step took away
+        a_old, b_old = before[slot]
+        grad_a = _full(a_old - adapter.a.detach(), None if adapter.column else 1, groups.tp)
+        grad_b = _full(b_old - adapter.b.detach(), 0 if adapter.column else None, groups.tp)
+        if adapter.column:  # B's rows are laid out as W's (gate/up per TP rank): compared in HF's order
+            mapping, _ = table.resolve(f"{slot}.weight")
+            grad_b = torch.cat(mapping.to_hf(grad_b, tp))
+        grads[slot] = (grad_a, grad_b)
+    merged_grads = {}
+    for part in all_gather_objects(grads, groups.pp):
+        merged_grads |= part
+    errors = all_gather_objects(merge_error, groups.pp)
+    return {
+        "loss": result.loss,
+        "base_logp": base_logp,
+        "lora_logp": lora_logp,
+        "grads": merged_grads,
+        "merge_error": max(errors),
+        "trained": sorted(n for c in step.model for n, p in c.named_parameters() if p.requires_grad),
+    }

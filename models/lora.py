@@ -1,0 +1,204 @@
+"""LoRA on Megatron's tensor-parallel linears: ``y = W x + scale * B A x`` with ``W`` frozen, ``A`` [r, in] and
+``B`` [out, r] trained, sharded the way ``W`` is so that every layout computes what one rank would.
+
+* Column-parallel base (``W_t`` [out/tp, in]: ``linear_qkv``, ``linear_fc1``): ``A`` is replicated and ``B_t``
+  [out/tp, r] splits like ``W`` on its rows. The adapter reads the layer's whole input: under sequence parallelism
+  gathered from the sequence shards (its gradient reduce-scattered back, as the base's is), and ``A``'s gradient,
+  partial on each rank (each holds one block of ``B``), is summed over TP by Megatron's gradient finalisation (``A``
+  is flagged as the sequence-parallel norms are). Without sequence parallelism ``h = A x`` passes an identity whose
+  gradient is summed over TP, so ``A``'s gradient is whole on every rank.
+* Row-parallel base (``W_t`` [out, in/tp], its input split over TP: ``linear_proj``, ``linear_fc2``): ``A_t``
+  [r, in/tp] splits like ``W`` on its columns, ``B`` is replicated: ``h = sum_t A_t x_t`` (all-reduced), ``B h``
+  on every rank, scattered to the sequence shards under sequence parallelism.
+
+Merged weights are ``W_t + scale * B_t A`` (column) or ``W_t + scale * B A_t`` (row): local, no communication.
+Adapters start as PEFT's (``A`` uniform in +-1/sqrt(in), ``B`` zero), each drawn whole from a generator seeded by
+its layer's global name and then sharded, so every layout starts from the same adapters. They live in one
+``lora`` module per model chunk (the base linears keep their names and checkpoint keys) and act through forward
+hooks on the base linears; ``enabled`` off gives the base model (the reference policy without a copy of it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from converters.plan import local_params
+from converters.transforms import shard
+
+KEY = "models.policy_trainer.lora"
+TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # attention and MLP projections
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 0  # 0: full fine-tuning
+    alpha: float = 32.0  # the adapters' scale is alpha / rank
+    # Megatron linears to adapt, by the last part of their name: linear_qkv, linear_proj (attention), linear_fc1,
+    # linear_fc2 (MLP); experts and the MLA projections are not adapted yet
+    targets: list[str] = field(default_factory=lambda: list(TARGETS))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self, prefix: str = KEY) -> None:
+        if self.rank < 0 or (self.rank and not (math.isfinite(self.alpha) and self.alpha > 0)):
+            raise ValueError(f"{prefix}: expected rank >= 0 and alpha > 0 (got rank {self.rank}, alpha {self.alpha})")
+        if unknown := sorted(set(self.targets) - set(TARGETS)):
+            raise ValueError(f"{prefix}.targets: {unknown} are no adaptable linears; expected some of {list(TARGETS)}")
+        if self.rank and not self.targets:
+            raise ValueError(f"{prefix}.targets: empty; name the linears to adapt, or set rank: 0")
+
+
+class Adapter(torch.nn.Module):
+    """The adapter of one base linear (see the module docstring for the sharding)."""
+
+    def __init__(self, base, slot: str, rank: int, scale: float, seed: int, tp_group):
+        super().__init__()
+        self.column = isinstance(base, ColumnParallelLinear)
+        self.slot, self.scale, self.tp_group, self.sequence_parallel = slot, scale, tp_group, base.sequence_parallel
+        self._base = [base.weight]  # not registered: the base model owns it
+        tp, tp_rank = tp_group.size(), tp_group.rank()
+        weight = base.weight
+        out_features, in_features = weight.shape[0] * (tp if self.column else 1), weight.shape[1]
+        in_features *= 1 if self.column else tp
+        generator = torch.Generator().manual_seed(seed ^ zlib.crc32(slot.encode()))
+        bound = 1 / math.sqrt(in_features)
+        a = torch.empty(rank, in_features).uniform_(-bound, bound, generator=generator)
+        b = torch.zeros(out_features, rank)
+        # the split of W: rows (column-parallel) or columns (row-parallel)
+        a, b = (a, shard(b, 0, tp_rank, tp)) if self.column else (shard(a, 1, tp_rank, tp), b)
+        self.a = torch.nn.Parameter(a.to(weight.device, weight.dtype))
+        self.b = torch.nn.Parameter(b.to(weight.device, weight.dtype))
+        sharded = self.b if self.column else self.a
+        set_tensor_model_parallel_attributes(sharded, True, 0 if self.column else 1, 1)
+        if self.column and self.sequence_parallel:  # A's gradient: partial per TP rank, summed by Megatron
+            self.a.sequence_parallel = True
+        self.enabled = True
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """``scale * B A x`` shaped as the base linear's output, from its input ``x``."""
+        group = self.tp_group
+        if self.column:
+            if self.sequence_parallel:
+                x = gather_from_sequence_parallel_region(x, group=group)
+            h = torch.nn.functional.linear(x, self.a)
+            if not self.sequence_parallel:
+                h = copy_to_tensor_model_parallel_region(h, group=group)
+            return self.scale * torch.nn.functional.linear(h, self.b)
+        h = reduce_from_tensor_model_parallel_region(torch.nn.functional.linear(x, self.a), group=group)
+        y = self.scale * torch.nn.functional.linear(h, self.b)
+        return scatter_to_sequence_parallel_region(y, group=group) if self.sequence_parallel else y
+
+    @property
+    def base_weight(self) -> torch.nn.Parameter:
+        return self._base[0]
+
+    def merged(self) -> torch.Tensor:
+        """This rank's shard of ``W + scale * B A``, in the base weight's dtype."""
+        weight = self.base_weight.detach()
+        return weight + (self.scale * (self.b.detach() @ self.a.detach())).to(weight.dtype)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Checkpoint keys of the adapter with its TP split (Megatron's default would call both replicated)."""
+        axis = {"b": 0} if self.column else {"a": 1}
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=self.tp_group)
+
+
+class Adapters(torch.nn.ModuleDict):
+    """A chunk's adapters (the ``lora`` module of its GPTModel), keyed by their base linear's global name with ``_``
+    for ``.``; checkpointed under the same keys in every layout."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        out = {}
+        for key, adapter in self.items():
+            out |= adapter.sharded_state_dict(f"{prefix}{key}.", sharded_offsets, metadata)
+        return out
+
+
+def _hook(adapter: Adapter):
+    def forward_hook(module, args, output):
+        if not adapter.enabled:
+            return output
+        out, bias = output
+        return out + adapter.delta(args[0]), bias
+
+    return forward_hook
+
+
+def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp_group) -> int:
+    """Freeze every parameter of ``chunks`` and adapt the ``config.targets`` linears: each chunk's GPTModel gains a
+    ``lora`` module holding its adapters (keyed by the base weights' global names). Returns the adapted count;
+    a target that matches no linear of the model is a ``ValueError`` naming it."""
+    slots = {id(lp.param): lp.slot for lp in local_params(chunks)}
+    found = set()
+    for chunk in chunks:
+        for param in chunk.parameters():
+            param.requires_grad_(False)
+        gpt = next(m for m in chunk.modules() if isinstance(m, GPTModel))
+        adapters = Adapters()
+        for name, module in gpt.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            linear = isinstance(module, ColumnParallelLinear | RowParallelLinear)
+            if leaf not in config.targets or not linear or getattr(module, "is_expert", False):
+                continue
+            slot = slots[id(module.weight)].removesuffix(".weight")
+            adapter = Adapter(module, slot, config.rank, config.scale, seed, tp_group)
+            module.register_forward_hook(_hook(adapter))
+            adapters[slot.replace(".", "_")] = adapter
+            found.add(leaf)
+        gpt.lora = adapters
+    if missing := sorted(set(config.targets) - found):
+        raise ValueError(f"{KEY}.targets: {missing} match no linear of this model; remove them")
+    return sum(len(c.lora) for c in _gpts(chunks))
+
+
+def _gpts(chunks: list[torch.nn.Module]) -> list[GPTModel]:
+    return [next(m for m in chunk.modules() if isinstance(m, GPTModel)) for chunk in chunks]
+
+
+def adapters(chunks: list[torch.nn.Module]) -> dict[str, Adapter]:
+    """This rank's adapters by their base linear's global name."""
+    return {a.slot: a for gpt in _gpts(chunks) for a in getattr(gpt, "lora", {}).values()}
+
+
+@contextlib.contextmanager
+def adapters_off(chunks: list[torch.nn.Module]):
+    """The base model for the block: the reference policy of a LoRA run."""
+    found = adapters(chunks).values()
+    for adapter in found:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in found:
+            adapter.enabled = True
+
+
+def merged(chunks: list[torch.nn.Module]):
+    """What each parameter of ``chunks`` exports as (:func:`converters.stream.export_hf`'s ``read``): an adapted
+    weight's shard merged with its adapter, computed when read; any other, itself."""
+    by_weight = {id(a.base_weight): a for a in adapters(chunks).values()}
+
+    def read(param: torch.Tensor) -> torch.Tensor:
+        adapter = by_weight.get(id(param))
+        return param.detach() if adapter is None else adapter.merged()
+
+    return read
