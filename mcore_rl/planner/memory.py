@@ -142,6 +142,27 @@ def layer_params(a: Architecture, moe: bool, parallel: ParallelConfig) -> tuple[
     return dense + a.experts * h + 3 * a.shared_ffn * h // tp + experts, experts
 
 
+def lora_params(a: Architecture, moe: bool, parallel: ParallelConfig, lora) -> int:
+    """LoRA adapter parameters of one layer on one device (models/lora.py): a column-parallel linear's A [r, in]
+    whole and B [out/tp, r], a row-parallel one's A [r, in/tp] and B [out, r] whole; the MLP's linears are the
+    shared experts' in an MoE layer (the routed experts are not adapted)."""
+    if not lora.rank:
+        return 0
+    tp, h, r = parallel.tp, a.hidden, lora.rank
+    ffn = a.shared_ffn if moe else a.ffn
+    shapes = {
+        "linear_qkv": (h, (a.heads + 2 * a.kv_heads) * a.head_dim // tp),
+        "linear_proj": (a.heads * (a.v_dim if a.mla else a.head_dim) // tp, h),
+        "linear_fc1": (h, 2 * ffn // tp),
+        "linear_fc2": (ffn // tp, h),
+    }
+    if a.mla:
+        del shapes["linear_qkv"]
+    if not ffn:
+        del shapes["linear_fc1"], shapes["linear_fc2"]
+    return sum(r * (inp + out) for name, (inp, out) in shapes.items() if name in lora.targets)
+
+
 def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, int]]:
     """Per pipeline rank: (parameters, expert parameters) one of its devices holds, tied copies included."""
     vocab = a.padded_vocab(parallel.tp) * a.hidden // parallel.tp
@@ -294,8 +315,10 @@ def trainer_memory(
     *,
     backend: str = "te",
     param_bytes: int = 2,
+    lora=None,
 ) -> TrainerMemory:
-    """Per-device bytes of a trainer rank at ``parallel`` (the pipeline rank with the largest total)."""
+    """Per-device bytes of a trainer rank at ``parallel`` (the pipeline rank with the largest total); with ``lora``
+    adapters (a LoRAConfig of rank > 0) only they have gradients and optimizer state."""
     dp_cp = world // (parallel.tp * parallel.pp)
     expert_dp = world // (parallel.ep * parallel.expert_tp * parallel.pp)
     opt_per_param = 8 + (4 if param_bytes != 4 else 0)  # Adam moments (+ fp32 main weights of bf16 parameters)
@@ -317,10 +340,17 @@ def trainer_memory(
             vocab_t = 0 if a.value_head else t * a.padded_vocab(parallel.tp) / parallel.tp
             head = head_activation_bytes(a, parallel, tokens, backend, param_bytes)
             acts += head + vocab_t * (param_bytes + 4)  # logits and their fp32 gradient during the loss backward
+        if lora is not None and lora.rank:
+            adapters = sum(lora_params(a, a.moe_layers[i], parallel, lora) for i in layers)
+            params, trained, trained_experts = params + adapters, adapters, 0
+        else:
+            trained, trained_experts = params, experts
         memory = TrainerMemory(
             weights=params * param_bytes,
-            grads=params * 4,
-            optimizer=int((params - experts) * opt_per_param / dp_cp + experts * opt_per_param / expert_dp),
+            grads=trained * 4,
+            optimizer=int(
+                (trained - trained_experts) * opt_per_param / dp_cp + trained_experts * opt_per_param / expert_dp
+            ),
             activations=int(acts),
             scoring=int(max(per_layer) + head * 2),
         )
@@ -393,7 +423,7 @@ def plan_memory(
     m, world = config.models, config.runtime_args.trainer_devices
     a = arch or Architecture.from_bridge(get_bridge(m.policy_trainer.load))
     work = Workload.from_config(config)
-    trainer = trainer_memory(a, m.policy_trainer.parallel, world, work, backend=backend)
+    trainer = trainer_memory(a, m.policy_trainer.parallel, world, work, backend=backend, lora=m.policy_trainer.lora)
 
     def arch_of(load: str) -> Architecture:
         return a if load == m.policy_trainer.load else Architecture.from_bridge(get_bridge(load))

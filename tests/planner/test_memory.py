@@ -16,13 +16,16 @@ from mcore_rl.planner.memory import (
     head_activation_bytes,
     in_flight,
     layer_activation_bytes,
+    lora_params,
     plan_memory,
+    rank_layers,
     remedies,
     stage_params,
     suggest_layouts,
 )
 from mcore_rl.planner.meta import hf_tensors
 from mcore_rl.rollout.engine import RolloutConfig
+from models.lora import TARGETS, LoRAConfig
 from models.registry import get_bridge
 from parallel.config import ParallelConfig
 from tests.planner import activations
@@ -87,6 +90,29 @@ def test_stage_params_equal_megatron_models(ranks, tiny_models, moonlight, arch,
     expected = stage_params(Architecture.from_bridge(get_bridge(hf_dir)), ParallelConfig(**layout))
     for stage, params, experts in ranks.run(activations.params_per_rank, hf_dir=hf_dir, layout=layout):
         assert (params, experts) == expected[stage]
+
+
+@pytest.mark.parametrize(
+    ("arch", "layout", "targets"),
+    [
+        ("LlamaForCausalLM", dict(pp=2, tp=2), list(TARGETS)),
+        (
+            "DeepseekV3ForCausalLM",
+            dict(pp=2, ep=2, tp=2, etp=1, sequence_parallel=True, last_stage_layers=1),
+            ["linear_proj", "linear_fc1"],
+        ),
+    ],
+)
+def test_lora_params_equal_the_adapters_megatron_models_hold(ranks, tiny_models, arch, layout, targets):
+    """Dense layers and DeepSeek's MoE layers (MLA's output projection, the shared experts' MLP)."""
+    a = Architecture.from_bridge(get_bridge(tiny_models[arch]))
+    parallel, lora = ParallelConfig(**layout), LoRAConfig(rank=8, targets=targets)
+    stages = [
+        sum(lora_params(a, a.moe_layers[i], parallel, lora) for i in ls) for ls in rank_layers(parallel, a.layers)
+    ]
+    results = ranks.run(activations.lora_params_per_rank, hf_dir=tiny_models[arch], layout=layout, targets=targets)
+    for stage, count in results:
+        assert count == stages[stage] > 0, (stage, count, stages)
 
 
 @pytest.mark.parametrize(
@@ -262,3 +288,15 @@ def test_a_reward_model_and_a_judge_are_counted_where_they_run(tmp_path):
     assert any(
         p.startswith("judge: the KV cache holds") and "models.judge.gpu_memory_utilization" in p for p in small.problems
     )
+
+
+def test_a_lora_plan_trains_the_adapters_alone():
+    """Qwen3-8B with rank-16 adapters: the frozen weights stay, the adapters join them, and only the adapters have
+    gradients and Adam's state (sharded over the data-parallel ranks)."""
+    full = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b"), 80 * GiB)
+    plan = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b", "models.policy_trainer.lora.rank=16"), 80 * GiB)
+    a, parallel = Architecture.from_bridge(get_bridge(str(PUBLIC / "qwen3_8b"))), ParallelConfig(tp=2)
+    adapters = sum(lora_params(a, False, parallel, LoRAConfig(rank=16)) for _ in range(a.layers))
+    assert plan.trainer.weights == full.trainer.weights + 2 * adapters
+    assert plan.trainer.grads == 4 * adapters and plan.trainer.optimizer == 12 * adapters // 4  # DP 4
+    assert plan.trainer.static < full.trainer.static / 2
