@@ -3,11 +3,11 @@ and its PNG plots.
 
 Suites: rl (end-to-end GRPO against TRL's GRPOTrainer), agent (word problems with and without the calculator
 tool), algorithms (one SmolLM2 run per advantage estimator: rloo, reinforce_pp, gae, distillation), rewards (the math
-checker with and without a reward model weighted in), experts (grouped vs sequential experts), packing
-(utilisation and speed-up on long-tailed lengths), sync (trainer -> engine weight sync), convert (hf2mcore and
-mcore2hf on a generated multi-GB checkpoint), sandbox (the code sandbox's start-up, per-call cost and tool calls per
-second). No suite: all. The same commands run on a GPU machine (bf16 peak,
-NCCL, CUDA IPC).
+checker alone, with a reward model weighted in, and with judges), lora (LoRA against full fine-tuning), experts
+(grouped vs sequential experts), packing (utilisation and speed-up on long-tailed lengths), sync (trainer -> engine
+weight sync), convert (hf2mcore and mcore2hf on a generated multi-GB checkpoint), sandbox (the code sandbox's
+start-up, per-call cost and tool calls per second). No suite: all. The same commands run on a GPU machine (bf16
+peak, NCCL, CUDA IPC).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks import agent, algorithms, convert, experts, packing, rewards, rl, sandbox, sync
+from benchmarks import agent, algorithms, convert, experts, lora, packing, rewards, rl, sandbox, sync
 from benchmarks.hardware import measure
 from benchmarks.report import Report, table
 
 SUITES = {
-    "rl": rl, "agent": agent, "algorithms": algorithms, "rewards": rewards, "experts": experts, "packing": packing, "sync": sync, "convert": convert,
-    "sandbox": sandbox,
+    "rl": rl, "agent": agent, "algorithms": algorithms, "rewards": rewards, "lora": lora, "experts": experts,
+    "packing": packing, "sync": sync, "convert": convert, "sandbox": sandbox,
 }  # fmt: skip
 
 
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
         "--episodes",
         type=int,
         default=4,
-        help="rl, agent, algorithms, rewards: episodes per run (rl leaves out the first)",
+        help="rl, agent, algorithms, rewards, lora: episodes per run (rl leaves out the first)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="rl: runs of mcore-rl and of the peer, alternating")
     names = ",".join(v.name for v in rl.VARIANTS)
@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
         if name == "rl":
             variants = [v for v in args.variants.split(",") if v]
             rl.suite(args.out, hardware, report, args.episodes, args.repeats, variants)
-        elif name in ("agent", "algorithms", "rewards"):
+        elif name in ("agent", "algorithms", "rewards", "lora"):
             SUITES[name].suite(args.out, hardware, report, args.episodes)
         elif name == "convert":
             convert.suite(args.out, hardware, report, args.convert_gb)
