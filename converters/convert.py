@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from converters.hf_io import HFCheckpoint, SafetensorsWriter, TensorEntry
 from converters.mapping import MappingTable, Target, check_tensors, unexpected_tensors
+from converters.plan import ADAPTERS
 from converters.torch_dist import Reader, Schema, Slot, Writer, model_schema
 
 
@@ -68,6 +69,12 @@ class MegatronSource:
 
     def __init__(self, directory: Path, bridge, table: MappingTable):
         self.reader, self.table = Reader(directory), table
+        if adapters := [k for k in self.reader.tensors if k.startswith(ADAPTERS)]:
+            raise ConversionError(
+                f"{directory}: holds LoRA adapters ({len(adapters)} tensors, e.g. {adapters[0]}) beside the frozen "
+                "model; the converters export neither merged weights nor PEFT adapters from them yet (what the run's "
+                "engines got each episode was merged), and converting the frozen model alone would drop the training"
+            )
         self.schema = model_schema(bridge, self.reader.padded_vocab_size())
         self.slots = {s.name: s for s in self.schema.slots}
         _fail(directory, self.reader.problems(self.schema))

@@ -39,7 +39,7 @@ def global_expert_name(slot: str, ep_rank: int, num_local_experts: int) -> str:
     return _EXPERT.sub(lambda m: f".local_experts.{ep_rank * num_local_experts + int(m.group(1))}.", slot)
 
 
-_ADAPTERS = "lora."  # the module of a chunk's LoRA adapters
+ADAPTERS = "lora."  # the module of a chunk's LoRA adapters (their parameters' and checkpoint keys' prefix)
 
 # Buffers that HF checkpoints hold as weights: the router's expert bias (DeepSeek's e_score_correction_bias).
 _CHECKPOINTED_BUFFERS = ("expert_bias",)
@@ -57,7 +57,7 @@ def local_params(chunks: list[torch.nn.Module]) -> list[LocalParam]:
         experts = {id(p) for m in chunk.modules() if getattr(m, "is_expert", False) for p in m.parameters()}
         layers = chunk.decoder.layers if hasattr(chunk, "decoder") else []
         for name, param in [*chunk.named_parameters(), *_checkpointed_buffers(chunk)]:
-            if name.startswith(_ADAPTERS):  # LoRA's (models/lora.py): trained beside the model, not its tensors
+            if name.startswith(ADAPTERS):  # LoRA's (models/lora.py): trained beside the model, not its tensors
                 continue
             match = _LAYER.match(name)
             if match:

@@ -36,6 +36,7 @@ from megatron.core.tensor_parallel import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from converters.plan import local_params
@@ -69,9 +70,10 @@ class LoRAConfig:
 class Adapter(torch.nn.Module):
     """The adapter of one base linear (see the module docstring for the sharding)."""
 
-    def __init__(self, base, slot: str, rank: int, scale: float, seed: int, tp_group):
+    def __init__(self, base, slot: str, rank: int, scale: float, seed: int, tp_group, gated: bool = False):
+        """``gated``: the base is a gated MLP's ``linear_fc1``, whose rows hold [gate_t; up_t] on TP rank t."""
         super().__init__()
-        self.column = isinstance(base, ColumnParallelLinear)
+        self.column, self.gated = isinstance(base, ColumnParallelLinear), gated
         self.slot, self.scale, self.tp_group, self.sequence_parallel = slot, scale, tp_group, base.sequence_parallel
         self._base = [base.weight]  # not registered: the base model owns it
         tp, tp_rank = tp_group.size(), tp_group.rank()
@@ -116,10 +118,14 @@ class Adapter(torch.nn.Module):
         return weight + (self.scale * (self.b.detach() @ self.a.detach())).to(weight.dtype)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
-        """Checkpoint keys of the adapter with its TP split (Megatron's default would call both replicated)."""
+        """Checkpoint keys of the adapter with its TP split (Megatron's default would call both replicated); a gated
+        ``linear_fc1``'s B is stored as its weight is, gate and up apart, so any TP size loads it."""
         axis = {"b": 0} if self.column else {"a": 1}
         state = self.state_dict(prefix="", keep_vars=True)
-        return make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=self.tp_group)
+        out = make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=self.tp_group)
+        if self.gated:
+            out[f"{prefix}b"] = apply_swiglu_sharded_factory(out[f"{prefix}b"], sharded_offsets)
+        return out
 
 
 class Adapters(torch.nn.ModuleDict):
@@ -160,7 +166,8 @@ def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp
             if leaf not in config.targets or not linear or getattr(module, "is_expert", False):
                 continue
             slot = slots[id(module.weight)].removesuffix(".weight")
-            adapter = Adapter(module, slot, config.rank, config.scale, seed, tp_group)
+            gated = leaf == "linear_fc1" and module.config.gated_linear_unit
+            adapter = Adapter(module, slot, config.rank, config.scale, seed, tp_group, gated)
             module.register_forward_hook(_hook(adapter))
             adapters[slot.replace(".", "_")] = adapter
             found.add(leaf)

@@ -797,3 +797,24 @@ def lora_sgd_step(hf_dir: str, layout: dict, tokens: torch.Tensor, rank: int) ->
         "merge_error": max(errors),
         "trained": sorted(n for c in step.model for n, p in c.named_parameters() if p.requires_grad),
     }
+
+
+def lora_checkpoint_export(hf_dir: str, layout: dict, directory: str, load: bool) -> dict[str, torch.Tensor]:
+    """Adapters (rank 4) on the model under ``layout``: with B from the base weights, saved to ``directory``
+    (``load`` False), or loaded from it; the merged HF tensors exported either way."""
+    from megatron.core import dist_checkpointing
+
+    from converters.torch_dist import load_model, model_state
+    from models.lora import LoRAConfig, adapters, attach_lora, merged
+
+    bridge, _, chunks, groups = _load(hf_dir, layout)
+    attach_lora(chunks, LoRAConfig(rank=4, alpha=8.0), seed=7, tp_group=groups.tp)
+    if load:
+        load_model(chunks, directory)
+    else:
+        for adapter in adapters(chunks).values():
+            weight = adapter.base_weight.detach()
+            with torch.no_grad():
+                adapter.b.copy_((weight if adapter.column else _full(weight, 1, groups.tp))[:, :4])
+        dist_checkpointing.save(model_state(chunks), directory)
+    return {name: t.clone() for name, t in export_hf(chunks, bridge, groups, read=merged(chunks))}
