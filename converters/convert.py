@@ -11,18 +11,20 @@ knows no model family.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from converters.hf_io import HFCheckpoint, SafetensorsWriter, TensorEntry
 from converters.mapping import MappingTable, Target, check_tensors, unexpected_tensors
-from converters.plan import ADAPTERS
-from converters.torch_dist import Reader, Schema, Slot, Writer, model_schema
+from converters.plan import ADAPTERS, adapted_slot
+from converters.torch_dist import LORA_FILE, Reader, Schema, Slot, Writer, model_schema
 
 
 class ConversionError(ValueError):
@@ -63,21 +65,57 @@ class HFSource:
         return full if dtype is None else full.to(dtype)
 
 
+@dataclass(frozen=True)
+class Adapters:
+    """The LoRA adapters of a checkpoint (:mod:`models.lora`): ``keys`` maps each adapted weight's slot to its
+    adapter's checkpoint key prefix, whose ``a`` [r, in] and ``b`` [out, r] are stored whole in the full Megatron
+    layout of the weight's rows (a gated MLP's B gate and up apart, as its weight)."""
+
+    rank: int
+    alpha: float
+    keys: dict[str, str]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @classmethod
+    def of(cls, reader: Reader) -> Adapters | None:
+        prefixes = sorted({k.rsplit(".", 1)[0] for k in reader.tensors if k.startswith(ADAPTERS)})
+        if not prefixes:
+            return None
+        settings = reader.dir / LORA_FILE
+        if not settings.is_file():
+            raise ConversionError(f"{reader.dir}: holds LoRA adapters but no {LORA_FILE} (their rank and alpha)")
+        lora = json.loads(settings.read_text())
+        keys = {adapted_slot(p.removeprefix(ADAPTERS)) + ".weight": p for p in prefixes}
+        return cls(int(lora["rank"]), float(lora["alpha"]), keys)
+
+
 class MegatronSource:
     """Full Megatron tensors read from a torch_dist checkpoint saved under any layout. A slot asked for at
-    another shape (the vocabulary padded for another TP size) is re-made through the HF layout of its mapping."""
+    another shape (the vocabulary padded for another TP size) is re-made through the HF layout of its mapping.
+    A checkpoint with LoRA adapters (``adapters``) gives its weights merged with them when ``merge``, else the frozen
+    model's (the adapters then export apart, :func:`write_peft`)."""
 
-    def __init__(self, directory: Path, bridge, table: MappingTable):
-        self.reader, self.table = Reader(directory), table
-        if adapters := [k for k in self.reader.tensors if k.startswith(ADAPTERS)]:
-            raise ConversionError(
-                f"{directory}: holds LoRA adapters ({len(adapters)} tensors, e.g. {adapters[0]}) beside the frozen "
-                "model; the converters export neither merged weights nor PEFT adapters from them yet (what the run's "
-                "engines got each episode was merged), and converting the frozen model alone would drop the training"
-            )
+    def __init__(self, directory: Path, bridge, table: MappingTable, merge: bool = False):
+        self.reader, self.table, self.merge = Reader(directory), table, merge
+        self.adapters = Adapters.of(self.reader)
         self.schema = model_schema(bridge, self.reader.padded_vocab_size())
         self.slots = {s.name: s for s in self.schema.slots}
-        _fail(directory, self.reader.problems(self.schema))
+        problems = self.reader.problems(self.schema)
+        if self.adapters:
+            problems += [
+                f"LoRA adapter of {name}: no such parameter" for name in self.adapters.keys if name not in self.slots
+            ]
+        _fail(directory, problems)
+
+    def adapter(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(A, B) of the adapter of the weight ``name`` in fp32, or None."""
+        prefix = self.adapters.keys.get(name) if self.adapters else None
+        if prefix is None:
+            return None
+        return self.reader.whole(f"{prefix}.a", torch.float32), self.reader.whole(f"{prefix}.b", torch.float32)
 
     def check(self, schema: Schema) -> None:
         missing = [s.name for s in schema.slots if s.name not in self.slots]
@@ -92,6 +130,10 @@ class MegatronSource:
             full = self.reader.read(stored, dtype)
         except ValueError as err:  # a data file that does not decode
             raise ConversionError(str(err)) from None
+        adapter = self.adapter(slot.name) if self.merge else None
+        if adapter is not None:
+            a, b = adapter
+            full = (full.float() + self.adapters.scale * b @ a).to(full.dtype)
         if stored.shape == slot.shape:
             return full
         mapping, _ = self.table.resolve(slot.name)
@@ -154,6 +196,33 @@ def write_hf(
                 bar.update(tensor.numel() * tensor.element_size())
         writer.close()
     return Report(len(entries), sum(e.nbytes for e in entries), len(writer.shards))
+
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+def write_peft(source: MegatronSource, out: Path, base: str, dtype: torch.dtype | None) -> Report:
+    """The checkpoint's LoRA adapters as a PEFT adapter directory over the HF model ``base``: each adapted weight's
+    HF tensors (q/k/v, gate/up) get the adapter's A, shared, and their rows of B, split by the weight's own mapping."""
+    tensors, modules = {}, set()
+    for name in source.adapters.keys:
+        a, b = source.adapter(name)
+        mapping, captures = source.table.resolve(name)
+        for hf_name, rows in zip(mapping.hf_names(captures), mapping.to_hf(b, 1), strict=True):
+            module = hf_name.removesuffix(".weight")
+            modules.add(module.rsplit(".", 1)[-1])
+            for part, tensor in (("lora_A", a), ("lora_B", rows)):
+                tensors[f"base_model.model.{module}.{part}.weight"] = tensor.to(dtype or torch.float32).clone()
+    save_file(tensors, out / PEFT_WEIGHTS)  # adapters are small: one file
+    lora = source.adapters
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
+        "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": sorted(modules), "use_rslora": False, "init_lora_weights": True,
+    }  # fmt: skip
+    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    return Report(len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()), 1)
 
 
 @contextlib.contextmanager

@@ -41,6 +41,17 @@ def global_expert_name(slot: str, ep_rank: int, num_local_experts: int) -> str:
 
 ADAPTERS = "lora."  # the module of a chunk's LoRA adapters (their parameters' and checkpoint keys' prefix)
 
+
+def adapter_key(slot: str) -> str:
+    """The key of the LoRA adapter of the linear ``slot`` (its global name) in its chunk's ``lora`` module, where
+    names hold no dots; :func:`adapted_slot` inverts it (Megatron's names hold no double underscores)."""
+    return slot.replace(".", "__")
+
+
+def adapted_slot(key: str) -> str:
+    return key.replace("__", ".")
+
+
 # Buffers that HF checkpoints hold as weights: the router's expert bias (DeepSeek's e_score_correction_bias).
 _CHECKPOINTED_BUFFERS = ("expert_bias",)
 

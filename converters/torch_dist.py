@@ -43,6 +43,7 @@ EMBEDDING_KEY = "embedding.word_embeddings.weight"
 CONFIG_FILE = "metadata.json"  # Megatron's marker of a distributed checkpoint and its backend
 MODEL_SUBDIR = "model"  # a converted checkpoint: <dir>/config.json, tokenizer files, <dir>/model (torch_dist)
 TRAINER_SUBDIR = "policy"  # a training checkpoint (episode_<n>): model, optimizer and schedule under policy/
+LORA_FILE = "lora.json"  # beside a LoRA run's torch_dist files: {"rank", "alpha"} of its adapters
 
 
 def find_megatron(path: str | Path) -> Path | None:
@@ -298,6 +299,12 @@ class Reader:
             elif path.stat().st_size < end:
                 problems.append(f"data file {name} is truncated: {path.stat().st_size} bytes, the metadata needs {end}")
         return problems
+
+    def whole(self, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The whole tensor stored under ``key`` (as one piece of a slot of its own)."""
+        shape = tuple(self.tensors[key].size)
+        stride = torch.empty(shape, device="meta").stride()
+        return self.read(Slot(key, shape, (Piece(key, shape, (0,) * len(shape), shape, stride, 0, 0),)), dtype)
 
     def read(self, slot: Slot, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The full tensor of ``slot`` (in its stored dtype unless ``dtype``)."""

@@ -34,11 +34,14 @@ to start training from it; the rollout engine keeps loading HF weights (``models
 
 MCORE2HF = """Megatron distributed checkpoint (any layout) -> HF safetensors shards with an index, one parameter at a time.
 
-    mcore-rl-mcore2hf CHECKPOINT OUTPUT [--hf-config HF_DIR] [--dtype bfloat16] [--max-shard-size 5GB] [--dry-run]
+    mcore-rl-mcore2hf CHECKPOINT OUTPUT [--hf-config HF_DIR] [--dtype bfloat16] [--max-shard-size 5GB] [--merge]
+                      [--dry-run]
 
 CHECKPOINT is a converted checkpoint (hf2mcore's OUTPUT), a training checkpoint (``checkpoints/episode_<n>``; only
 the model is read) or a torch_dist directory itself. config.json and tokenizer files come from beside it, or from
-``--hf-config``, and are copied to OUTPUT.
+``--hf-config``, and are copied to OUTPUT. A LoRA run's checkpoint (its frozen model and adapters) gives a PEFT
+adapter directory (adapter_config.json, adapter_model.safetensors) whose base is ``--hf-config`` (give the HF model
+the run started from), or with ``--merge`` the model with the adapters merged into its weights.
 """
 
 MCORE2MCORE = """Megatron distributed checkpoint -> Megatron distributed checkpoint for another layout (model weights only).
@@ -76,6 +79,7 @@ class Command:
             p.add_argument("--bucket-size", type=parse_bytes, default="1GB", help="bytes per checkpoint file")
         else:
             p.add_argument("--max-shard-size", type=parse_bytes, default="5GB", help="bytes per safetensors file")
+            p.add_argument("--merge", action="store_true", help="LoRA checkpoint: the merged model, not the adapter")
         p.add_argument("--dtype", choices=DTYPES, default="keep", help="cast the weights (default: keep)")
         p.add_argument("--force", action="store_true", help="replace a non-empty OUTPUT (once the new one is done)")
         p.add_argument("--dry-run", action="store_true", help="check everything and list what would be written")
@@ -148,7 +152,15 @@ def _source(command: Command, args: argparse.Namespace):
     except ValueError as err:  # unsupported architecture or feature, unreadable config.json
         raise ConversionError(f"{files}: {err}") from None
     table = MappingTable(bridge.mappings())
-    source = HFSource(files, bridge, table) if checkpoint is None else MegatronSource(checkpoint, bridge, table)
+    if checkpoint is None:
+        return HFSource(files, bridge, table), bridge, files, info
+    source = MegatronSource(checkpoint, bridge, table, merge=getattr(args, "merge", False))
+    if source.adapters and command.target == "megatron":
+        raise ConversionError(
+            f"{checkpoint}: holds LoRA adapters; export them with mcore-rl-mcore2hf (PEFT or --merge)"
+        )
+    if getattr(args, "merge", False) and not source.adapters:
+        raise ConversionError(f"{checkpoint}: --merge merges LoRA adapters, and this checkpoint holds none")
     return source, bridge, files, info
 
 
@@ -184,10 +196,20 @@ def _to_megatron(args, source, bridge, dtype) -> Plan:
     )
 
 
-def _to_hf(args, source, bridge, dtype) -> Plan:
-    """mcore2hf: safetensors shards of at most ``--max-shard-size`` bytes, with an index when there are several."""
-    from converters.convert import hf_plan, write_hf
+def _to_hf(args, source, bridge, dtype, files) -> Plan:
+    """mcore2hf: safetensors shards of at most ``--max-shard-size`` bytes, with an index when there are several; or
+    a LoRA checkpoint's PEFT adapter."""
+    from converters.convert import hf_plan, write_hf, write_peft
     from converters.hf_io import shard_files
+
+    if source.adapters and not args.merge:
+        base = str(args.hf_config or files)
+        adapters = source.adapters
+        listing = [f"{name}: LoRA rank {adapters.rank}" for name in adapters.keys]
+        listing.append(
+            f"would write a PEFT adapter ({len(adapters.keys)} adapted weights) over {base} to {args.output}"
+        )
+        return Plan(listing, lambda out: write_peft(source, out, base, dtype), {"format": "peft"})
 
     entries = hf_plan(source, source.schema, source.table, dtype)
     listing = [
@@ -215,14 +237,18 @@ def convert(command: Command, args: argparse.Namespace):
 
     source, bridge, files, provenance = _source(command, args)
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
-    plan = (_to_megatron if command.target == "megatron" else _to_hf)(args, source, bridge, dtype)
+    if command.target == "megatron":
+        plan = _to_megatron(args, source, bridge, dtype)
+    else:
+        plan = _to_hf(args, source, bridge, dtype, files)
     if args.dry_run:
         print("\n".join(plan.listing))
         return None
     inputs = tuple(p for p in (getattr(args, "hf_dir", None), getattr(args, "checkpoint", None), files) if p)
     with output_dir(args.output, args.force, inputs) as out:
         report = plan.write(out)
-        copy_model_files(files, out, skip=(MARKER,))  # a training checkpoint's marker is not the output's
+        if plan.info["format"] != "peft":  # an adapter directory holds the adapter alone
+            copy_model_files(files, out, skip=(MARKER,))  # a training checkpoint's marker is not the output's
         record = {"source": str(files.resolve()), **provenance, **plan.info, "dtype": args.dtype, **asdict(report)}
         (out / INFO_FILE).write_text(json.dumps(record | {"command": sys.argv}, indent=1, default=str) + "\n")
     return report

@@ -26,6 +26,7 @@ import zlib
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
@@ -39,7 +40,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from converters.plan import local_params
+from converters.plan import adapter_key, local_params
 from converters.transforms import shard
 
 KEY = "models.policy_trainer.lora"
@@ -122,15 +123,20 @@ class Adapter(torch.nn.Module):
         ``linear_fc1``'s B is stored as its weight is, gate and up apart, so any TP size loads it."""
         axis = {"b": 0} if self.column else {"a": 1}
         state = self.state_dict(prefix="", keep_vars=True)
-        out = make_sharded_tensors_for_checkpoint(state, prefix, axis, sharded_offsets, tp_group=self.tp_group)
+        dp_cp = (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(
+            with_context_parallel=True
+        )
+        out = make_sharded_tensors_for_checkpoint(
+            state, prefix, axis, sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp
+        )
         if self.gated:
             out[f"{prefix}b"] = apply_swiglu_sharded_factory(out[f"{prefix}b"], sharded_offsets)
         return out
 
 
 class Adapters(torch.nn.ModuleDict):
-    """A chunk's adapters (the ``lora`` module of its GPTModel), keyed by their base linear's global name with ``_``
-    for ``.``; checkpointed under the same keys in every layout."""
+    """A chunk's adapters (the ``lora`` module of its GPTModel), keyed by their base linear's global name
+    (:func:`converters.plan.adapter_key`); checkpointed under the same keys in every layout."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         out = {}
@@ -169,7 +175,7 @@ def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp
             gated = leaf == "linear_fc1" and module.config.gated_linear_unit
             adapter = Adapter(module, slot, config.rank, config.scale, seed, tp_group, gated)
             module.register_forward_hook(_hook(adapter))
-            adapters[slot.replace(".", "_")] = adapter
+            adapters[adapter_key(slot)] = adapter
             found.add(leaf)
         gpt.lora = adapters
     if missing := sorted(set(config.targets) - found):

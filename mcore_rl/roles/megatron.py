@@ -8,6 +8,7 @@ layout, so colocated roles never share a process group. Batches arrive whole on 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from converters.stream import load_weights
-from converters.torch_dist import model_state
+from converters.torch_dist import LORA_FILE, model_state
 from mcore_rl.algorithms.grpo import PolicyLossConfig, Share, policy_loss
 from mcore_rl.algorithms.ppo import value_loss
 from mcore_rl.logprobs import token_entropy, token_logprobs
@@ -440,10 +441,13 @@ class PolicyTrainer(TrainableRank):
     checkpoint_dir = "policy"
 
     def save(self, directory: str) -> None:
-        """The role's checkpoint (:meth:`TrainableRank.save`) and this rank's RNG states."""
+        """The role's checkpoint (:meth:`TrainableRank.save`), its LoRA settings and this rank's RNG states."""
         from megatron.core import tensor_parallel
 
         super().save(directory)
+        if self.lora.rank and self.rank == 0:  # what the converters need to export the adapters
+            lora = {"rank": self.lora.rank, "alpha": self.lora.alpha}
+            (Path(directory) / self.checkpoint_dir / LORA_FILE).write_text(json.dumps(lora) + "\n")
         rng = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
         if self.machine.cuda:
             rng["cuda"] = torch.cuda.get_rng_state()

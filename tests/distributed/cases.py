@@ -818,3 +818,29 @@ def lora_checkpoint_export(hf_dir: str, layout: dict, directory: str, load: bool
                 adapter.b.copy_((weight if adapter.column else _full(weight, 1, groups.tp))[:, :4])
         dist_checkpointing.save(model_state(chunks), directory)
     return {name: t.clone() for name, t in export_hf(chunks, bridge, groups, read=merged(chunks))}
+
+
+def lora_checkpoint_logprobs(hf_dir: str, layout: dict, directory: str, tokens: torch.Tensor):
+    """A LoRA policy's checkpoint as a run saves it (its torch_dist files and lora.json; rank 8, alpha 16, B from
+    the base weights) in ``directory``, and the trainer's log-probs of ``tokens`` with the adapters on and off."""
+    import json
+    from pathlib import Path
+
+    from megatron.core import dist_checkpointing
+
+    from converters.torch_dist import LORA_FILE, model_state
+    from models.lora import LoRAConfig, adapters, adapters_off, attach_lora
+
+    bridge, _, chunks, groups = _load(hf_dir, layout)
+    attach_lora(chunks, LoRAConfig(rank=8, alpha=16.0), seed=7, tp_group=groups.tp)
+    for adapter in adapters(chunks).values():
+        weight = adapter.base_weight.detach()
+        with torch.no_grad():
+            adapter.b.copy_((weight if adapter.column else _full(weight, 1, groups.tp))[:, :8] * 0.05)
+    dist_checkpointing.save(model_state(chunks), directory)
+    if torch.distributed.get_rank() == 0:
+        (Path(directory) / LORA_FILE).write_text(json.dumps({"rank": 8, "alpha": 16.0}))
+    model = MegatronModel(chunks, groups)
+    with adapters_off(chunks):
+        base = model.logprobs(tokens, bridge.vocab_size, micro_batch_size=2)
+    return model.logprobs(tokens, bridge.vocab_size, micro_batch_size=2), base

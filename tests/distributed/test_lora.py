@@ -1,14 +1,19 @@
 """LoRA adapters on Megatron's tensor-parallel linears (models/lora.py): under every layout the loss, the log-probs
 and the adapters' whole gradients equal one rank's; the base model is the adapters switched off; each merged
-shard is the shard of ``W + scale B A`` computed from whole tensors; only the adapters train."""
+shard is the shard of ``W + scale B A`` computed from whole tensors; only the adapters train; checkpoints load
+under other layouts; the converter exports a PEFT adapter and a merged model that HF computes as the trainer."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
+from converters.gguf2hf import default_model_dir
 from converters.hf_io import HFCheckpoint
 from tests.distributed import cases
+from tests.distributed.test_converters import cli
+from tests.tiny import make_tiny
 
 LAYOUTS = [dict(tp=2), dict(tp=2, sequence_parallel=True), dict(pp=2), dict(tp=2, pp=2, sequence_parallel=True)]
 
@@ -35,20 +40,66 @@ def test_lora_step_matches_one_rank_under_every_layout(ranks, tiny_models, arch)
                     assert (have - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), (layout, slot)
 
 
-def test_lora_checkpoints_and_merged_exports_are_layout_free(ranks, tiny_models, tmp_path):
+def test_lora_checkpoints_and_merged_exports_are_layout_free(ranks, tmp_path):
     """Adapters saved under TP 2 with sequence parallelism load under PP 2 and one rank alike (a gated MLP's B
     stored gate and up apart, as its weight is); the merged HF tensors exported are the same in all three, and
     differ from the base model's where adapters act."""
-    hf_dir, directory = tiny_models["LlamaForCausalLM"], str(tmp_path / "ckpt")
+    # a vocabulary that TP 1 and TP 2 pad alike (a checkpoint loads under another TP size only then)
+    hf_dir, directory = str(make_tiny("LlamaForCausalLM", tmp_path / "llama", vocab_size=256)), tmp_path / "ckpt"
+    directory.mkdir()
     saved = ranks.run(
-        cases.lora_checkpoint_export, hf_dir=hf_dir, layout=dict(tp=2, sequence_parallel=True), directory=directory,
+        cases.lora_checkpoint_export, hf_dir=hf_dir, layout=dict(tp=2, sequence_parallel=True), directory=str(directory),
         load=False,
     )[0]  # fmt: skip
     base = HFCheckpoint(hf_dir)
     changed = {n for n, t in saved.items() if not torch.equal(t, base.get(n))}
     assert any("mlp.gate_proj" in n for n in changed) and any("self_attn.o_proj" in n for n in changed)
     for layout in (dict(pp=2), dict()):
-        loaded = ranks.run(cases.lora_checkpoint_export, hf_dir=hf_dir, layout=layout, directory=directory, load=True)
+        loaded = ranks.run(
+            cases.lora_checkpoint_export, hf_dir=hf_dir, layout=layout, directory=str(directory), load=True
+        )
         assert loaded[0].keys() == saved.keys()
         for name, tensor in saved.items():
             assert (loaded[0][name] - tensor).abs().max() < 1e-6, (layout, name)
+
+
+def test_a_smollm2_lora_checkpoint_exports_a_peft_adapter_and_a_merged_model_as_the_trainer_computes(ranks3, tmp_path):
+    """SmolLM2 (tied embeddings, 9 heads / 3 KV heads, TP 3): mcore-rl-mcore2hf turns a LoRA checkpoint into a
+    PEFT adapter that HF's peft loads over the base model, and with --merge into a merged model; both give the
+    trainer's log-probs as closely as HF gives the frozen model's (fp32: about 1e-5 on average, under 1e-4 per
+    token; Megatron at TP 3 and HF sum in different orders). Either way the adapter's A is shared by q/k/v and by gate/up, whose
+    rows of B the weights' own mappings split."""
+    import peft
+
+    model_dir = default_model_dir()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    texts = ["The capital of France is Paris.", "2 + 3 = 5, and 7 * 6 = 42; the sum is 47."]
+    ids = tokenizer(texts, padding="longest", return_tensors="pt")["input_ids"]
+    checkpoint = tmp_path / "policy"
+    checkpoint.mkdir()
+    trainer, trainer_base = ranks3.run(
+        cases.lora_checkpoint_logprobs, hf_dir=str(model_dir), layout=dict(tp=3), directory=str(checkpoint),
+        tokens=ids,
+    )[0]  # fmt: skip
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def logprobs(model) -> torch.Tensor:
+        with torch.no_grad():
+            logits = model(ids).logits[:, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    assert (logprobs(base) - trainer).abs().max() > 1e-3  # the adapters act
+    base_diff = (logprobs(base) - trainer_base).abs()  # the frozen model's own: measured 1.1e-5 mean, 2.6e-5 max
+    for args in ([], ["--merge"]):
+        out = tmp_path / ("merged" if args else "peft")
+        assert cli("mcore2hf", checkpoint, out, "--hf-config", model_dir, *args).returncode == 0
+        if args:
+            model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        else:
+            fresh = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+            model = peft.PeftModel.from_pretrained(fresh, out)
+            assert sorted(model.peft_config["default"].target_modules) == [
+                "down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj",
+            ]  # fmt: skip
+        diff = (logprobs(model) - trainer).abs()  # measured 0.9e-5 / 1.0e-5 mean, 2.1e-5 max
+        assert diff.max() < 1e-4 and diff.mean() < 1.5 * base_diff.mean(), (args, diff.mean(), base_diff.mean())

@@ -18,7 +18,7 @@ import pytest
 from mcore_rl import checkpoint
 from mcore_rl.agent.trajectory import STOP_REASONS
 from mcore_rl.config.schema import load_run_config
-from mcore_rl.convert import mcore2hf
+from mcore_rl.convert import mcore2hf, mcore2mcore
 from mcore_rl.driver import Data, run
 from mcore_rl.metrics import read_metrics
 from mcore_rl.train import main
@@ -314,10 +314,13 @@ def test_a_lora_run_trains_adapters_syncs_merged_weights_and_resumes_exactly(
     run(load_run_config(path, [*overrides, "runtime_args.num_episode=3"]))
     (resume,) = events(out, "resume")
     assert resume["episode"] == 2 and resume["optimizer"] == saved["optimizer"] and saved["optimizer"]["step"] == 2
-    # The converters cannot export adapters yet: they refuse rather than write the frozen model alone.
-    latest = checkpoint.latest_complete(out / "checkpoints")[1]
-    assert mcore2hf([str(latest), str(tmp_path / "hf")]) == 2 and not (tmp_path / "hf").exists()
-    assert "holds LoRA adapters" in capsys.readouterr().err
+    # The run's checkpoint exports as a PEFT adapter over the model it started from (its numerics: test_lora.py).
+    latest, model = checkpoint.latest_complete(out / "checkpoints")[1], tiny_models["Qwen3ForCausalLM"]
+    assert mcore2hf([str(latest), str(tmp_path / "peft"), "--hf-config", model, "--quiet"]) == 0
+    adapter = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert adapter["r"] == 8 and adapter["base_model_name_or_path"] == model and "q_proj" in adapter["target_modules"]
+    assert mcore2mcore([str(latest), str(tmp_path / "mc"), "--tp", "2"]) == 2  # it would drop the adapters
+    assert "holds LoRA adapters; export them with mcore-rl-mcore2hf" in capsys.readouterr().err
 
 
 def test_a_full_disk_during_a_save_stops_the_run_with_the_earlier_checkpoints_intact(
