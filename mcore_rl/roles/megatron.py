@@ -67,7 +67,6 @@ class MegatronRank:
         self.bridge = get_bridge(hf_dir)
         self.config = self.bridge.transformer_config(parallel, **(self._model_overrides() | (overrides or {})))
         self.share_prompts = share_prompts
-        # Shared-prompt rows carry a block attention mask, which TransformerEngine's fused attention does not take.
         self.chunks = self._build(hf_dir)
         self.device = next(self.chunks[0].parameters()).device
         self.model = MegatronModel(self.chunks, self.groups)
@@ -77,9 +76,15 @@ class MegatronRank:
         """TransformerConfig fields the role sets beyond the layout's."""
         return {}
 
+    def _local_layers(self) -> bool:
+        """Whether the model needs Megatron's local layers rather than TransformerEngine's (which ``auto`` picks on
+        CUDA): shared-prompt rows carry a block attention mask that TransformerEngine's fused attention does not
+        take."""
+        return self.share_prompts
+
     def _build(self, hf_dir: str) -> list[torch.nn.Module]:
         """This rank's model chunks, loaded from ``hf_dir``."""
-        chunks = self.bridge.build_model(self.config, **({"backend": "local"} if self.share_prompts else {}))
+        chunks = self.bridge.build_model(self.config, **({"backend": "local"} if self._local_layers() else {}))
         load_weights(chunks, self.bridge, hf_dir, self.groups)
         return chunks
 
@@ -349,6 +354,11 @@ class PolicyTrainer(TrainableRank):
 
     def _model_overrides(self) -> dict:
         return super()._model_overrides() | self.moe.overrides(self.bridge)
+
+    def _local_layers(self) -> bool:
+        """LoRA adapts Megatron's own tensor-parallel linears too: TransformerEngine's fuse the layer norm into the
+        linear, whose hook would then see the input before the norm."""
+        return super()._local_layers() or bool(self.lora.rank)
 
     def _build(self, hf_dir: str) -> list[torch.nn.Module]:
         """The model, frozen with LoRA adapters on it where the run trains adapters (the optimizer then holds
