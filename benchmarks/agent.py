@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks.hardware import Hardware
-from benchmarks.report import Report, pyplot, table
+from benchmarks.report import Report, plot_rewards, pyplot, table
 from benchmarks.rl import REPO, Variant
 
 COMMON = (
@@ -150,11 +150,7 @@ def suite(out: Path, hardware: Hardware, report: Report, episodes: int) -> None:
     ]
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3))
-    for r in results:
-        ax.plot([e["episode"] for e in r["episodes"]], [e["reward/mean"] for e in r["episodes"]], label=r["name"])
-    ax.set_xlabel("episode")
-    ax.set_ylabel("training reward (accuracy)")
-    ax.legend(fontsize=7)
+    plot_rewards(ax, results)
     report.add(
         "agent: multi-step word problems with and without the calculator tool",
         f"SmolLM2-135M-Instruct after a {COLD_START_EXAMPLES}-example cold start in each run's format, the main job's "

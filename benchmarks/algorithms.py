@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.hardware import Hardware
-from benchmarks.report import Report, pyplot, table
+from benchmarks.report import Report, plot_rewards, pyplot, table
 from benchmarks.rl import REPO, Variant
 
 COMMON = ("runtime_args.num_devices=1", "models.policy_trainer.micro_batch_size=8")
@@ -130,16 +130,13 @@ def suite(out: Path, hardware: Hardware, report: Report, episodes: int) -> None:
                 signal_rows.append([r["name"], key, _fmt(_mean(eps[:quarter], key)), _fmt(_mean(eps[-quarter:], key))])
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(12, 3))
-    for r in results:
-        axes[0].plot([e["episode"] for e in r["episodes"]], [e["reward/mean"] for e in r["episodes"]], label=r["name"])
-    axes[0].set_ylabel("training reward (accuracy)")
+    plot_rewards(axes[0], results)
     for ax, key, name in ((axes[1], "critic/explained_variance", "gae"), (axes[2], "distill/reverse_kl", "distill")):
         eps = next(r for r in results if r["name"] == name)["episodes"]
         ax.plot([e["episode"] for e in eps if key in e], [e[key] for e in eps if key in e])
         ax.set_ylabel(f"{name}: {key}")
-    for ax in axes:
+    for ax in axes[1:]:
         ax.set_xlabel("episode")
-    axes[0].legend(fontsize=7)
     fig.tight_layout()
     report.add(
         "algorithms: one run per advantage estimator",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from benchmarks.algorithms import COMMON, _fmt, _mean, run
 from benchmarks.hardware import Hardware
-from benchmarks.report import Report, pyplot, table
+from benchmarks.report import Report, plot_rewards, pyplot, table
 from benchmarks.rl import Variant
 
 RANK = 16
@@ -54,11 +54,7 @@ def suite(out: Path, hardware: Hardware, report: Report, episodes: int) -> None:
         )  # fmt: skip
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3))
-    for r in results:
-        ax.plot([e["episode"] for e in r["episodes"]], [e["reward/mean"] for e in r["episodes"]], label=r["name"])
-    ax.set_xlabel("episode")
-    ax.set_ylabel("training reward (accuracy)")
-    ax.legend(fontsize=7)
+    plot_rewards(ax, results)
     fig.tight_layout()
     report.add(
         "lora: adapters against full fine-tuning",

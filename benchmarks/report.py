@@ -53,3 +53,12 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def plot_rewards(ax, results: list[dict]) -> None:
+    """Each run's training reward per episode on ``ax`` (``results``: runs with a name and their episodes)."""
+    for r in results:
+        ax.plot([e["episode"] for e in r["episodes"]], [e["reward/mean"] for e in r["episodes"]], label=r["name"])
+    ax.set_xlabel("episode")
+    ax.set_ylabel("training reward (accuracy)")
+    ax.legend(fontsize=7)

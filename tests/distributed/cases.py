@@ -732,7 +732,7 @@ def _full(tensor: torch.Tensor, axis: int | None, group) -> torch.Tensor:
     return torch.cat(shards, dim=axis)
 
 
-def lora_sgd_step(hf_dir: str, layout: dict, tokens: torch.Tensor, rank: int) -> dict:
+def lora_sgd_step(hf_dir: str, layout: dict, tokens: torch.Tensor, rank: int, targets: list[str]) -> dict:
     """One SGD step (lr 1, no clipping) of LoRA adapters on a frozen model, B set to the base weight's first columns:
     the loss, the log-probs of ``tokens`` with the adapters and without them (the base model), each adapter's whole
     gradient (A's and B's, from the update) and how far each merged shard is from ``W + scale B A`` computed whole;
@@ -741,7 +741,7 @@ def lora_sgd_step(hf_dir: str, layout: dict, tokens: torch.Tensor, rank: int) ->
     from parallel.comm import all_gather_objects
 
     bridge, config, chunks, groups = _load(hf_dir, layout)
-    lora = LoRAConfig(rank=rank, alpha=2.0 * rank)
+    lora = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets)
     attach_lora(chunks, lora, seed=7, tp_group=groups.tp)
     mine = adapters(chunks)
     tp, tp_rank = groups.tp.size(), groups.tp.rank()

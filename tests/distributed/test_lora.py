@@ -16,20 +16,32 @@ from tests.distributed.test_converters import cli
 from tests.tiny import make_tiny
 
 LAYOUTS = [dict(tp=2), dict(tp=2, sequence_parallel=True), dict(pp=2), dict(tp=2, pp=2, sequence_parallel=True)]
+MOE_LAYOUTS = [dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)]
+ATTENTION, MLP = ["linear_qkv", "linear_proj"], ["linear_fc1", "linear_fc2"]
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
-def test_lora_step_matches_one_rank_under_every_layout(ranks, tiny_models, arch):
+@pytest.mark.parametrize(
+    ("arch", "targets", "layouts"),
+    [
+        ("LlamaForCausalLM", ATTENTION + MLP, LAYOUTS),
+        ("Qwen3ForCausalLM", ATTENTION + MLP, LAYOUTS),
+        ("Qwen3MoeForCausalLM", ATTENTION, MOE_LAYOUTS),  # routed experts only: the attention is adapted
+        ("DeepseekV3ForCausalLM", ["linear_proj", *MLP], MOE_LAYOUTS),  # MLA's output, the dense and shared MLPs
+    ],
+)
+def test_lora_step_matches_one_rank_under_every_layout(ranks, tiny_models, arch, targets, layouts):
     tokens = torch.randint(0, 100, (4, 17), generator=torch.Generator().manual_seed(3))
+    step = dict(hf_dir=tiny_models[arch], tokens=tokens, rank=4, targets=targets)
     # the model whole on every rank (data parallel only): the reference the model-parallel layouts must equal
-    reference = ranks.run(cases.lora_sgd_step, hf_dir=tiny_models[arch], layout={}, tokens=tokens, rank=4)[0]
+    reference = ranks.run(cases.lora_sgd_step, layout={}, **step)[0]
     assert reference["merge_error"] < 1e-6
     assert (reference["lora_logp"] - reference["base_logp"]).abs().max() > 1e-3  # B is not zero: the adapters act
-    assert all(".lora." in n or n.startswith("lora.") for n in reference["trained"]), reference["trained"][:4]
+    assert all("lora." in n for n in reference["trained"]), reference["trained"][:4]  # only the adapters train
     slots = sorted(reference["grads"])
-    assert len(slots) == 4 * 4 and all(g.abs().max() > 0 for pair in reference["grads"].values() for g in pair)
-    for layout in LAYOUTS:
-        for got in ranks.run(cases.lora_sgd_step, hf_dir=tiny_models[arch], layout=layout, tokens=tokens, rank=4):
+    assert {s.rsplit(".", 1)[1] for s in slots} == set(targets)
+    assert all(g.abs().max() > 0 for pair in reference["grads"].values() for g in pair)
+    for layout in layouts:
+        for got in ranks.run(cases.lora_sgd_step, layout=layout, **step):
             assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5), layout
             assert got["merge_error"] < 1e-6, layout
             for key in ("base_logp", "lora_logp"):
