@@ -469,3 +469,27 @@ def test_a_judge_of_its_own_is_checked_like_a_model_and_sized_like_an_engine(run
     layout = ["models.policy_trainer.parallel.tp=1", "models.ref_policy.parallel.tp=1"]
     config = load_run_config(run_yaml, own + async_run + layout)
     assert config.runtime_args.devices("judge") == range(2, 3)
+
+
+def test_lora_keys_are_checked_and_replace_the_reference_role(run_yaml, tmp_path):
+    """LoRA settings are refused by key with the fix; with a KL term, the reference is the trainer's model with
+    its adapters off, so no reference role starts (and the planner counts no reference weights)."""
+    from tests.tiny import MOONLIGHT, make_tiny
+
+    bad = [
+        (["models.policy_trainer.lora.rank=-1"], r"lora: expected rank >= 0 and alpha > 0 \(got rank -1"),
+        (["models.policy_trainer.lora.rank=8", "models.policy_trainer.lora.alpha=0"], r"alpha > 0 \(got rank 8"),
+        (["models.policy_trainer.lora.targets=[q_proj]"], r"lora.targets: \['q_proj'\] are no adaptable linears"),
+        (["models.policy_trainer.lora.rank=8", "models.policy_trainer.lora.targets=[]"], r"lora.targets: empty"),
+    ]
+    for overrides, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            load_run_config(run_yaml, overrides)
+    kl = ["models.policy_trainer.algorithm.kl_coef=0.01"]
+    assert load_run_config(run_yaml, kl).models.megatron_roles == ["policy_trainer", "ref_policy"]
+    lora = load_run_config(run_yaml, [*kl, "models.policy_trainer.lora.rank=8"]).models
+    assert lora.megatron_roles == ["policy_trainer"] and lora.needs_reference
+    mla = make_tiny("DeepseekV3ForCausalLM", tmp_path / "mla", **MOONLIGHT)
+    layout = ["models.policy_trainer.parallel.tp=1", "models.ref_policy.parallel.tp=1", "runtime_args.num_devices=1"]
+    with pytest.raises(ConfigError, match=r"lora.targets: linear_qkv is not in a model with multi-latent attention"):
+        load_run_config(run_yaml, [f"models.policy_trainer.load={mla}", "models.policy_trainer.lora.rank=8", *layout])
