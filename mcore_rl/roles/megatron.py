@@ -466,12 +466,27 @@ class PolicyTrainer(TrainableRank):
     def load(self, directory: str) -> None:
         from megatron.core import tensor_parallel
 
+        self._check_lora(Path(directory) / self.checkpoint_dir / LORA_FILE)
         super().load(directory)
         rng = torch.load(Path(directory) / f"rng_rank{self.rank}.pt", weights_only=True)  # tensors only, no code
         torch.set_rng_state(rng["cpu"])
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
         if "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"])
+
+    def _check_lora(self, settings: Path) -> None:
+        """The checkpoint's adapters (``settings``: their rank and alpha, where it has any) are this run's."""
+
+        def text(lora: dict | None) -> str:
+            return f"LoRA rank {lora['rank']}, alpha {lora['alpha']}" if lora else "no LoRA adapters"
+
+        saved = json.loads(settings.read_text()) if settings.is_file() else None
+        ours = {"rank": self.lora.rank, "alpha": self.lora.alpha} if self.lora.rank else None
+        if saved != ours:
+            raise ValueError(
+                f"{settings.parent}: holds {text(saved)}, but models.policy_trainer.lora gives {text(ours)}; set it "
+                "as the checkpoint's to resume, or give the run a new runtime_args.output_dir"
+            )
 
 
 class ValueModel(MegatronRank):

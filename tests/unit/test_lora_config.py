@@ -1,0 +1,32 @@
+"""A LoRA run resumes only from a checkpoint with its own adapters' settings: any other is named with the fix."""
+
+import json
+import types
+
+import pytest
+
+from mcore_rl.roles.megatron import PolicyTrainer
+from models.lora import LoRAConfig
+
+
+@pytest.mark.parametrize(
+    ("saved", "ours", "message"),
+    [
+        (
+            {"rank": 8, "alpha": 16.0},
+            LoRAConfig(rank=4, alpha=16.0),
+            r"holds LoRA rank 8, alpha 16.0, but .* gives LoRA rank 4",
+        ),
+        ({"rank": 8, "alpha": 16.0}, LoRAConfig(), r"holds LoRA rank 8, alpha 16.0, but .* gives no LoRA adapters"),
+        (None, LoRAConfig(rank=8), r"holds no LoRA adapters, but models.policy_trainer.lora gives LoRA rank 8"),
+    ],
+)
+def test_a_checkpoint_with_other_adapters_is_refused(tmp_path, saved, ours, message):
+    settings = tmp_path / "lora.json"
+    if saved:
+        settings.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=message + r".*; set it as the checkpoint's to resume, or give the run a new"):
+        PolicyTrainer._check_lora(types.SimpleNamespace(lora=ours), settings)
+    if saved:
+        PolicyTrainer._check_lora(types.SimpleNamespace(lora=LoRAConfig(**saved)), settings)  # its own: fine
+    PolicyTrainer._check_lora(types.SimpleNamespace(lora=LoRAConfig()), tmp_path / "none.json")  # neither has any
