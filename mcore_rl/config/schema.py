@@ -796,10 +796,10 @@ class RunConfig:
                 )
             engines = rt.devices("judge") or rt.devices("rollout")
             if len(engines) % judge.tensor_parallel_size:
-                where = "judge_devices" if rt.judge_devices else "the rollout engines' devices"
+                where = "runtime_args.judge_devices" if rt.judge_devices else "the rollout engines' devices"
                 raise ConfigError(
-                    f"models.judge.tensor_parallel_size={judge.tensor_parallel_size} does not divide "
-                    f"runtime_args.{where} ({len(engines)}): each judge engine takes tensor_parallel_size devices"
+                    f"models.judge.tensor_parallel_size={judge.tensor_parallel_size} does not divide {where} "
+                    f"({len(engines)}): each judge engine takes tensor_parallel_size devices"
                 )
 
     def _check_chat_template(self, role: str) -> None:
