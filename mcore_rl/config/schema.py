@@ -19,6 +19,7 @@ from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.moe import MoEConfig
+from mcore_rl.planner.memory import Architecture, adaptable_linears
 from mcore_rl.rewards.judge import PARSERS, JudgeError, load_template
 from mcore_rl.rewards.user import RewardTerm, default_name
 from mcore_rl.rollout.engine import MultiTurnConfig, RolloutConfig
@@ -482,11 +483,15 @@ class RunConfig:
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
         lora = m.policy_trainer.lora
         lora.validate()
-        if lora.rank and "linear_qkv" in lora.targets and get_bridge(m.policy_trainer.load).multi_latent_attention:
-            raise ConfigError(
-                "models.policy_trainer.lora.targets: linear_qkv is not in a model with multi-latent attention (its "
-                "projections are not adapted yet); remove it"
-            )
+        if lora.rank:
+            a = Architecture.from_bridge(get_bridge(m.policy_trainer.load))
+            present = set().union(*(adaptable_linears(a, moe) for moe in a.moe_layers))
+            if missing := sorted(set(lora.targets) - present):
+                raise ConfigError(
+                    f"models.policy_trainer.lora.targets: {missing} match no linear of "
+                    f"{m.policy_trainer.load!r} (multi-latent attention has no linear_qkv, an MoE layer adapts only "
+                    f"its shared experts' MLP, the routed experts are not adapted yet); adapt {sorted(present)}"
+                )
         if m.uses("reward_model"):
             path, bridge = m.reward_model.load, get_bridge(m.reward_model.load)
             if not bridge.value_model:

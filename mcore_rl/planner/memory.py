@@ -142,10 +142,16 @@ def layer_params(a: Architecture, moe: bool, parallel: ParallelConfig) -> tuple[
     return dense + a.experts * h + 3 * a.shared_ffn * h // tp + experts, experts
 
 
+def adaptable_linears(a: Architecture, moe: bool) -> set[str]:
+    """The LoRA targets (models/lora.py) a layer has: MLA has no ``linear_qkv``; an MoE layer's MLP linears are its
+    shared experts' (the routed experts are not adapted)."""
+    mlp = {"linear_fc1", "linear_fc2"} if a.shared_ffn or not moe else set()
+    return {"linear_proj"} | (set() if a.mla else {"linear_qkv"}) | mlp
+
+
 def lora_params(a: Architecture, moe: bool, parallel: ParallelConfig, lora) -> int:
     """LoRA adapter parameters of one layer on one device (models/lora.py): a column-parallel linear's A [r, in]
-    whole and B [out/tp, r], a row-parallel one's A [r, in/tp] and B [out, r] whole; the MLP's linears are the
-    shared experts' in an MoE layer (the routed experts are not adapted)."""
+    whole and B [out/tp, r], a row-parallel one's A [r, in/tp] and B [out, r] whole."""
     if not lora.rank:
         return 0
     tp, h, r = parallel.tp, a.hidden, lora.rank
@@ -156,11 +162,8 @@ def lora_params(a: Architecture, moe: bool, parallel: ParallelConfig, lora) -> i
         "linear_fc1": (h, 2 * ffn // tp),
         "linear_fc2": (ffn // tp, h),
     }
-    if a.mla:
-        del shapes["linear_qkv"]
-    if not ffn:
-        del shapes["linear_fc1"], shapes["linear_fc2"]
-    return sum(r * (inp + out) for name, (inp, out) in shapes.items() if name in lora.targets)
+    targets = adaptable_linears(a, moe) & set(lora.targets)
+    return sum(r * (inp + out) for name, (inp, out) in shapes.items() if name in targets)
 
 
 def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, int]]:

@@ -253,6 +253,7 @@ def test_a_reward_model_and_a_judge_with_devices_and_engines_of_their_own(tiny_m
     overrides = [
         "runtime_args.num_devices=3",
         "runtime_args.reward_model_devices=1",
+        "models.policy_trainer.algorithm.kl_coef=0",  # no reference role: this run is about the rewards
         f"models.reward_model.load={reward_model}",
         "models.reward_model.weight=0.1",
         f"models.judge.load={tiny_models['LlamaForCausalLM']}",

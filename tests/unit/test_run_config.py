@@ -489,7 +489,13 @@ def test_lora_keys_are_checked_and_replace_the_reference_role(run_yaml, tmp_path
     assert load_run_config(run_yaml, kl).models.megatron_roles == ["policy_trainer", "ref_policy"]
     lora = load_run_config(run_yaml, [*kl, "models.policy_trainer.lora.rank=8"]).models
     assert lora.megatron_roles == ["policy_trainer"] and lora.needs_reference
-    mla = make_tiny("DeepseekV3ForCausalLM", tmp_path / "mla", **MOONLIGHT)
     layout = ["models.policy_trainer.parallel.tp=1", "models.ref_policy.parallel.tp=1", "runtime_args.num_devices=1"]
-    with pytest.raises(ConfigError, match=r"lora.targets: linear_qkv is not in a model with multi-latent attention"):
-        load_run_config(run_yaml, [f"models.policy_trainer.load={mla}", "models.policy_trainer.lora.rank=8", *layout])
+    for arch, extra, missing in (
+        ("DeepseekV3ForCausalLM", MOONLIGHT, r"\['linear_qkv'\]"),  # MLA; its shared experts' MLP is adapted
+        ("Qwen3MoeForCausalLM", {}, r"\['linear_fc1', 'linear_fc2'\]"),  # routed experts only
+    ):
+        model = make_tiny(arch, tmp_path / arch, **extra)
+        with pytest.raises(ConfigError, match=rf"lora.targets: {missing} match no linear of .*; adapt \["):
+            load_run_config(
+                run_yaml, [f"models.policy_trainer.load={model}", "models.policy_trainer.lora.rank=8", *layout]
+            )
