@@ -264,6 +264,60 @@ def train_and_checkpoint() -> tuple[str, dict]:
     return detail, numbers
 
 
+def lora() -> tuple[str, dict]:
+    """The policy trainer with LoRA adapters (rank 8) on the device: the base model's log-probs equal the policy's
+    before any step (B starts at zero) and stay while the adapters train; three steps move the policy; a merged
+    weight is ``W + scale B A``; a checkpoint resumes Adam's state of the adapters exactly; the weights offload
+    with the base frozen."""
+    from converters.plan import local_params
+    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.roles.megatron import PolicyTrainer
+    from models.lora import LoRAConfig, adapters, merged
+    from parallel.config import ParallelConfig
+
+    tmp = tempfile.TemporaryDirectory()
+    hf_dir, which = _model(Path(tmp.name))
+    _world()
+    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
+    args = (0, 1, ("127.0.0.1", 0), hf_dir, ParallelConfig(), 1, optimizer, 4)
+    kwargs = dict(loss=PolicyLossConfig(), lora=LoRAConfig(rank=8, alpha=16.0))
+    trainer = PolicyTrainer(*args, **kwargs)
+    trained = sum(p.numel() for c in trainer.chunks for p in c.parameters() if p.requires_grad)
+    assert trained == sum(p.numel() for a in adapters(trainer.chunks).values() for p in a.parameters()), trained
+    tokens = _tokens(trainer.bridge.vocab_size, rows=8, length=33).cpu()
+    mask = torch.ones(8, 32)
+    batch = {"tokens": tokens, "mask": mask, "advantages": torch.randn(8, generator=torch.Generator().manual_seed(1))}
+    base = trainer.base_logprobs(batch, micro_batch_size=4)
+    assert torch.equal(trainer.logprobs(batch, micro_batch_size=4), base)  # B = 0: the adapters add nothing yet
+    batch["old_logp"] = batch["rollout_logp"] = base * mask
+    steps = [trainer.train(batch, global_batch_size=8, micro_batch_size=4)[0] for _ in range(3)]
+    assert all(s["update_successful"] == 1.0 for s in steps), steps
+    moved = (trainer.logprobs(batch, micro_batch_size=4) - base).abs().max().item()
+    assert moved > 0 and torch.equal(trainer.base_logprobs(batch, micro_batch_size=4), base), moved
+    adapter = next(iter(adapters(trainer.chunks).values()))
+    want = adapter.base_weight.float() + 2.0 * adapter.b.float() @ adapter.a.float()
+    merge_error = (merged(trainer.chunks)(adapter.base_weight).float() - want).abs().max().item()
+    assert merge_error <= 2 * want.abs().max().item() * 2**-8, merge_error  # within the weight dtype's rounding
+    saved = trainer.optimizer_digest()
+    with tempfile.TemporaryDirectory() as directory:
+        trainer.save(directory)
+        resumed = PolicyTrainer(*args, **kwargs)
+        resumed.load(directory)
+    assert resumed.optimizer_digest() == saved, (resumed.optimizer_digest(), saved)
+    freed = trainer.offload(["weights"])
+    trainer.onload(["weights"])
+    assert (freed > 0) == torch.cuda.is_available(), freed
+    frozen = sum(lp.param.numel() for lp in local_params(trainer.chunks))
+    tmp.cleanup()
+    numbers = {"model": which, "trained_params": trained, "frozen_params": frozen, "losses": [s["loss"] for s in steps]}
+    numbers |= {"policy_moved": moved, "merge_error": merge_error, "digest": saved, "offloaded_bytes": freed}
+    detail = f"{which}: {trained / 1e6:.2f} M adapter parameters train over {frozen / 1e6:.1f} M frozen; the policy "
+    detail += (
+        f"moved {moved:.3g} in log-prob, the base model not at all; merge error {merge_error:.2g}; resumed exactly"
+    )
+    return detail, numbers
+
+
 def _hf_values(hf_dir: str, tokens: torch.Tensor, head: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A value head ``head`` [1, hidden] on HF's last hidden states of ``tokens`` (all but the last position)."""
     import transformers
@@ -777,6 +831,7 @@ STEPS = [
     Step("tiny_moe", tiny_moe, (*MEGATRON, "transformers", "safetensors"), 300, 1),  # runs on CPU too
     Step("train_and_checkpoint", train_and_checkpoint, (*MEGATRON, "transformers", "yaml"), 420, 2),
     Step("critic", critic, (*MEGATRON, "transformers", "yaml"), 300, 2),
+    Step("lora", lora, (*MEGATRON, "transformers", "yaml"), 300, 2),
     Step("hf_sync", hf_sync, (*MEGATRON, "transformers", "safetensors"), 420, 2),
     Step("mfu", mfu, (*MEGATRON, "transformers", "yaml"), 420, 2),
     Step("weight_transfer", weight_transfer, (), 180, 2),

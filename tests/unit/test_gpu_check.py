@@ -236,3 +236,14 @@ def test_the_critic_step_runs_its_checks_on_cpu():
     assert result["numbers"]["values"]["max_abs_diff"] < 1e-4
     losses = result["numbers"]["value_losses"]
     assert losses == sorted(losses, reverse=True) and result["numbers"]["offloaded_bytes"] == 0
+
+
+def test_the_lora_step_runs_its_checks_on_cpu():
+    """The LoRA step's logic, run before a GPU is lent: on SmolLM2 in fp32 only the adapters train, the base model
+    stays the policy's start, the merge is W + scale B A and the checkpoint resumes exactly."""
+    step = next(s for s in STEPS if s.name == "lora")
+    result = checks._in_own_process(Step(step.name, step.run, step.needs, step.timeout_s, step.command, cuda=False))
+    assert result["status"] == "PASS", result.get("traceback", result["detail"])
+    numbers = result["numbers"]
+    assert 0 < numbers["trained_params"] < numbers["frozen_params"] / 10 and numbers["policy_moved"] > 0
+    assert numbers["merge_error"] < 1e-6 and numbers["offloaded_bytes"] == 0
