@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from converters.plan import local_params
+from converters.plan import ADAPTERS, local_params
 from parallel.config import ParallelConfig
 from parallel.groups import fake_world, init_parallel
 
@@ -340,6 +340,13 @@ def load_model(chunks: list[torch.nn.Module], directory: str | Path) -> None:
             f"convert it for this TP size with mcore-rl-mcore2mcore"
         )
     request = model_state(chunks)
+    stored_adapters = sorted(k for k in reader.tensors if k.startswith(ADAPTERS))
+    if stored_adapters and not any(getattr(t, "key", "").startswith(ADAPTERS) for t in nested_values(request)):
+        raise ValueError(
+            f"{directory}: holds LoRA adapters ({len(stored_adapters)} tensors, e.g. {stored_adapters[0]}) and this "
+            "model has none: starting from it would drop them; export the merged model with mcore-rl-mcore2hf "
+            "--merge and start from that, or resume the LoRA run itself"
+        )
     kept = _unrequest_absent_extra_state(request, set(reader.metadata.state_dict_metadata))
     state = dist_checkpointing.load(request, str(directory))
     for path, value in kept.items():

@@ -844,3 +844,9 @@ def lora_checkpoint_logprobs(hf_dir: str, layout: dict, directory: str, tokens: 
     with adapters_off(chunks):
         base = model.logprobs(tokens, bridge.vocab_size, micro_batch_size=2)
     return model.logprobs(tokens, bridge.vocab_size, micro_batch_size=2), base
+
+
+def load_plain(hf_dir: str, layout: dict, directory: str) -> None:
+    """The model without adapters loaded from the Megatron checkpoint ``directory``."""
+    bridge, _, chunks, groups = _load(hf_dir, layout)
+    load_weights(chunks, bridge, directory, groups)

@@ -73,6 +73,8 @@ def test_lora_checkpoints_and_merged_exports_are_layout_free(ranks, tmp_path):
         assert loaded[0].keys() == saved.keys()
         for name, tensor in saved.items():
             assert (loaded[0][name] - tensor).abs().max() < 1e-6, (layout, name)
+    with pytest.raises(Exception, match="holds LoRA adapters .* and this model has none"):
+        ranks.run(cases.load_plain, hf_dir=hf_dir, layout=dict(), directory=str(directory))
 
 
 def test_a_smollm2_lora_checkpoint_exports_a_peft_adapter_and_a_merged_model_as_the_trainer_computes(ranks3, tmp_path):
