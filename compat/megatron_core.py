@@ -39,6 +39,8 @@ optimizer/distrib_optimizer.py              current_device() buffers (:791, :107
 distributed/param_and_grad_buffer.py        cuda streams, current_device() buffers (:417-806)
 dist_checkpointing/strategies/              synchronize before the writers start (filesystem_async.py:230,
                                             state_dict_saver.py:252)
+transformer/multi_token_prediction.py       current_device() receive buffers of the context-parallel roll
+                                            of the MTP layers' inputs and labels (:178)
 ==========================================  ==========================================================
 
 What a module-level proxy cannot reach is patched narrowly:
@@ -106,6 +108,7 @@ PROXIED_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.transformer.multi_token_prediction",
 )
 
 # (module, attribute path) of functions that check tensor.type() against CUDA names or call tensor.cuda().

@@ -61,7 +61,10 @@ class HFSource:
     def full(self, slot: Slot, dtype: torch.dtype | None) -> torch.Tensor:
         mapping, captures = self.table.resolve(slot.name)
         hf = [self.ckpt.get(n) for n in mapping.hf_names(captures)]
-        full = mapping.to_megatron(hf, 1, torch.Size(slot.shape)).contiguous()
+        try:
+            full = mapping.to_megatron(hf, 1, torch.Size(slot.shape)).contiguous()
+        except ValueError as err:  # tensors that cannot form the parameter (copies that differ)
+            raise ConversionError(f"{self.ckpt.dir}: {err}") from None
         return full if dtype is None else full.to(dtype)
 
 

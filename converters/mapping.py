@@ -59,16 +59,26 @@ def Direct(megatron: str, hf: str, tp_axis: int | None = None) -> Mapping:  # no
 
 @dataclass(frozen=True)
 class Vocab(Mapping):
-    """Embedding or output layer: TP splits the vocabulary, which Megatron pads to a TP-friendly multiple."""
+    """Embedding or output layer: TP splits the vocabulary, which Megatron pads to a TP-friendly multiple.
+
+    HF names after the first are copies of it (DeepSeek-V3's MTP layers keep their own copy of the shared embedding
+    and head): loaded only when equal to the first, exported to each."""
 
     vocab_size: int = 0
     tp_axis: int | None = 0
 
     def to_megatron(self, hf, tp, full_shape):
+        if not hf[0].is_meta and (
+            differ := [n for n, t in zip(self.hf[1:], hf[1:], strict=True) if not torch.equal(t, hf[0])]
+        ):
+            raise ValueError(
+                f"{differ} differ from {self.hf[0]}: the model shares one tensor where the checkpoint has copies"
+            )
         return transforms.pad_vocab(hf[0], full_shape[0])
 
     def to_hf(self, full, tp):
-        return (full[: self.vocab_size],)
+        cut = full[: self.vocab_size]
+        return (cut, *(cut.clone() for _ in self.hf[1:]))
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from converters.mapping import Mapping, MappingTable, Target, check_tensors, une
 from converters.plan import LocalParam, global_expert_name, local_params
 from converters.torch_dist import find_megatron, load_model
 from converters.transforms import full_shape, shard
+from models.mtp import MTP
 from parallel.comm import all_gather_bucket, all_gather_objects, broadcast_bucket
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -103,15 +104,19 @@ def stage_meta(mine: dict[str, LocalParam]) -> StageMeta:
     return [(s, tuple(lp.param.shape), lp.param.dtype, lp.is_expert, lp.tp_axis) for s, lp in mine.items()]
 
 
-def export_plan(stages: list[StageMeta], table: MappingTable, num_local: int) -> list[_Task]:
+def export_plan(stages: list[StageMeta], table: MappingTable, num_local: int, mtp: bool = True) -> list[_Task]:
     """The ordered export tasks of a model whose pipeline ranks hold ``stages`` (pure: the dry run plans
-    full-size models with it, from meta tensors)."""
-    tasks = []
+    full-size models with it, from meta tensors). A parameter that several stages hold (the embedding an MTP stage
+    keeps a copy of) is exported by the first; ``mtp`` False leaves the MTP layers out."""
+    tasks, seen = [], set()
     for owner, stage in enumerate(stages):
         for slot, shape, dtype, is_expert, axis in stage:
+            if not mtp and slot.startswith(MTP):
+                continue
             mapping, _ = table.resolve(global_expert_name(slot, 0, num_local) if is_expert else slot)
             _check_axis(mapping, slot, axis)
-            if mapping.export:
+            if mapping.export and slot not in seen:
+                seen.add(slot)
                 tasks.append(_Task(slot, owner, shape, dtype, is_expert, axis))
     return sorted(tasks, key=lambda t: (t.owner, t.slot))
 
@@ -160,9 +165,11 @@ def export_hf(
     groups: ProcessGroupCollection,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     read=torch.Tensor.detach,
+    mtp: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for the whole model on every rank, in byte buckets; ``read`` gives what a
-    parameter's shard exports as (a LoRA-adapted weight: merged with its adapter, :func:`models.lora.merged`).
+    parameter's shard exports as (a LoRA-adapted weight: merged with its adapter, :func:`models.lora.merged`);
+    ``mtp`` False: without the multi-token-prediction layers (for an engine that does not draft with them).
 
     Per bucket (tasks of one pipeline owner): one all_gather over TP, one over expert-TP, one over EP for the
     experts, one broadcast over PP. Peak extra memory is about one bucket. Yielded tensors may alias
@@ -176,7 +183,7 @@ def export_hf(
     num_local = _num_local_experts(chunks, ep)
     mine = {lp.slot: lp for lp in local_params(chunks)}
     device = next(iter(mine.values())).param.device
-    tasks = export_plan(all_gather_objects(stage_meta(mine), groups.pp), table, num_local)
+    tasks = export_plan(all_gather_objects(stage_meta(mine), groups.pp), table, num_local, mtp)
     for bucket in buckets(tasks, bucket_bytes, tp, etp, ep):
         names, shapes = bucket_layout(bucket, num_local, tp, etp, ep)
         tensors = None
@@ -197,4 +204,6 @@ def export_hf(
         tensors = broadcast_bucket(tensors, shapes, bucket[0].dtype, bucket[0].owner, groups.pp, device)
         for (name, split_over), tensor in zip(names, tensors, strict=True):
             mapping, captures = table.resolve(name)
-            yield from zip(mapping.hf_names(captures), mapping.to_hf(tensor, split_over), strict=True)
+            for hf_name, hf_tensor in zip(mapping.hf_names(captures), mapping.to_hf(tensor, split_over), strict=True):
+                if mtp or not bridge.is_mtp_tensor(hf_name):
+                    yield hf_name, hf_tensor

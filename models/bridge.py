@@ -9,6 +9,7 @@ mappings that :mod:`converters.stream` uses in both directions.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 from typing import ClassVar
@@ -20,7 +21,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from converters.mapping import QKV, Direct, GatedMLP, Mapping, Vocab
-from models.spec import block_spec
+from models.mtp import MTPModel
+from models.spec import block_spec, mtp_block_spec
 from models.value_head import attach_value_heads
 from parallel.config import ParallelConfig
 from parallel.device import Device
@@ -133,6 +135,11 @@ class Bridge:
         return None
 
     @property
+    def num_mtp_layers(self) -> int:
+        """Multi-token-prediction layers of the checkpoint (:mod:`models.mtp`); families with none say 0."""
+        return 0
+
+    @property
     def multi_latent_attention(self) -> bool:
         return issubclass(self.config_class, MLATransformerConfig)
 
@@ -190,6 +197,7 @@ class Bridge:
             # megatron-core 0.16.1's default ("full") is deprecated by itself, with a warning on every config; the
             # empty list is what it turns "full" into.
             cuda_graph_scope=[],
+            mtp_num_layers=self.num_mtp_layers or None,
         )
         fields.update(self.extra_config())
         fields.update(overrides)
@@ -237,9 +245,11 @@ class Bridge:
         return chunks
 
     def _gpt_model(self, config, backend, vp_stage, vocab_size, max_sequence_length) -> GPTModel:
-        return GPTModel(
+        model = MTPModel if config.mtp_num_layers else GPTModel
+        return model(
             config=config,
             transformer_layer_spec=block_spec(config, backend, vp_stage),
+            mtp_block_spec=mtp_block_spec(config, backend, vp_stage),
             vocab_size=vocab_size,
             max_sequence_length=max_sequence_length or self.hf.get("max_position_embeddings", 4096),
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -252,9 +262,7 @@ class Bridge:
 
     # ---- parameter mappings -------------------------------------------------------------------------------
     def mappings(self) -> list[Mapping]:
-        out = [
-            Vocab("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), vocab_size=self.vocab_size),
-            Direct("decoder.final_layernorm.weight", "model.norm.weight"),
+        layer = [
             Direct(_L + "input_layernorm.weight", _HL + "input_layernorm.weight"),
             Direct(_L + "self_attention.linear_proj.weight", _HL + "self_attn.o_proj.weight", tp_axis=1),
             *self.attention_mappings(),
@@ -262,13 +270,65 @@ class Bridge:
             # TransformerEngine fuses the pre-MLP norm into the following linear layer.
             Direct(_L + "mlp.linear_fc1.layer_norm_weight", _HL + "post_attention_layernorm.weight"),
         ]
+        # An MTP layer's copies of the shared embedding and head (see mtp_mappings).
+        mtp = [self.mtp_prefix(i) for i in range(self.num_mtp_layers)]
+        embeddings = ("model.embed_tokens.weight", *(p + "embed_tokens.weight" for p in mtp))
+        heads = tuple(p + "shared_head.head.weight" for p in mtp)
+        tied = self.tie_word_embeddings
+        out = [
+            Vocab("embedding.word_embeddings.weight", embeddings + (heads if tied else ()), vocab_size=self.vocab_size),
+            Direct("decoder.final_layernorm.weight", "model.norm.weight"),
+            *layer,
+            *self.mtp_mappings(layer),
+        ]
         # A tied output layer (last pipeline stage's copy of the embedding) is loaded from the embedding and
         # never exported: HF checkpoints of tied models have no lm_head.
         if self.value_model:  # the critic's value head (models/value_head.py), replicated over TP
             return [*out, Direct("output_layer.weight", "score.weight")]
-        tied = self.tie_word_embeddings
-        head = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        out.append(Vocab("output_layer.weight", (head,), vocab_size=self.vocab_size, export=not tied))
+        head = ("model.embed_tokens.weight",) if tied else ("lm_head.weight", *heads)
+        out.append(Vocab("output_layer.weight", head, vocab_size=self.vocab_size, export=not tied))
+        return out
+
+    def mtp_prefix(self, i: int) -> str:
+        """HF name prefix of MTP layer ``i``: after the decoder's layers (DeepSeek-V3's layout)."""
+        return f"model.layers.{self.hf['num_hidden_layers'] + i}."
+
+    def is_mtp_tensor(self, hf_name: str) -> bool:
+        """Whether checkpoint tensor ``hf_name`` belongs to an MTP layer."""
+        return any(hf_name.startswith(self.mtp_prefix(i)) for i in range(self.num_mtp_layers))
+
+    def mtp_own_tensors(self) -> dict[str, torch.Size]:
+        """Shapes of the MTP layers' checkpoint tensors besides their decoder layers (:meth:`mtp_mappings`)."""
+        h, v, out = self.hf["hidden_size"], self.vocab_size, {}
+        for i in range(self.num_mtp_layers):
+            p = self.mtp_prefix(i)
+            shapes = {"enorm": (h,), "hnorm": (h,), "eh_proj": (h, 2 * h), "shared_head.norm": (h,)}
+            shapes |= {"embed_tokens": (v, h), "shared_head.head": (v, h)}
+            out |= {f"{p}{name}.weight": torch.Size(shape) for name, shape in shapes.items()}
+        return out
+
+    def mtp_mappings(self, layer: list[Mapping]) -> list[Mapping]:
+        """Megatron's MTP layer i: its norms of the embedding and the hidden state, their projection, a decoder layer
+        (named as the decoder's, ``layer``) and the norm before the shared head. Megatron's MTP uses the model's
+        embedding and output layer; the checkpoint holds copies of them per MTP layer (``embed_tokens``,
+        ``shared_head.head``), which :class:`converters.mapping.Vocab` loads only when equal and exports to each."""
+        out = []
+        for i in range(self.num_mtp_layers):
+            hf, mg = self.mtp_prefix(i), f"mtp.layers.{i}."
+            out += [
+                Direct(mg + "enorm.weight", hf + "enorm.weight"),
+                Direct(mg + "hnorm.weight", hf + "hnorm.weight"),
+                Direct(mg + "eh_proj.weight", hf + "eh_proj.weight", tp_axis=0),
+                Direct(mg + "final_layernorm.weight", hf + "shared_head.norm.weight"),
+            ]
+            out += [
+                dataclasses.replace(
+                    m,
+                    megatron=m.megatron.replace(_L, mg + "transformer_layer.", 1),
+                    hf=tuple(h.replace(_HL, hf, 1) for h in m.hf),
+                )
+                for m in layer
+            ]
         return out
 
     def attention_mappings(self) -> list[Mapping]:

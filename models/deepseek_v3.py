@@ -9,21 +9,17 @@
   experts, and ``first_k_dense_replace`` dense layers first.
 * RL defaults: no load-balancing loss and no expert-bias updates (the router stays the checkpoint's); they are
   not configurable yet.
-* Multi-token-prediction layers of released checkpoints (``model.layers.{num_hidden_layers}..``) are not trained
-  here: they are skipped on load, with a log line saying so.
+* Multi-token-prediction layers (``num_nextn_predict_layers``; ``model.layers.{num_hidden_layers}..``) are
+  Megatron's MTP block (:mod:`models.mtp`, mappings: :meth:`models.bridge.Bridge.mtp_mappings`).
 """
 
 from __future__ import annotations
-
-import logging
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from compat.vllm import mla_engine_args
 from converters.mapping import Direct, GatedMLP, Mapping, RopeRows
 from models.bridge import _HL, _L, DECODER_CONFIG, ROUTED_EXPERTS, Bridge
-
-log = logging.getLogger(__name__)
 
 MLA_CONFIG = DECODER_CONFIG + (
     ("q_lora_rank", "q_lora_rank"),
@@ -59,12 +55,6 @@ class DeepseekV3Bridge(Bridge):
     qk_norm = True  # MLA's latent norms (q_a_layernorm, kv_a_layernorm)
     rope_types = ("default", "yarn")
     config_aliases = {"num_local_experts": "n_routed_experts"}  # transformers 5's name; released checkpoints differ
-
-    def __init__(self, hf_config: dict):
-        super().__init__(hf_config)
-        mtp = self.num_mtp_layers
-        if mtp:
-            log.info("%s: skipping %d multi-token-prediction layer(s) of the checkpoint", self.architecture, mtp)
 
     @property
     def num_experts(self) -> int:
@@ -163,11 +153,6 @@ class DeepseekV3Bridge(Bridge):
             ),
             Direct(shared + "linear_fc2.weight", _HL + "mlp.shared_experts.down_proj.weight", tp_axis=1),
         ]
-
-    def ignored_hf_tensors(self) -> list[str]:
-        first = self.hf["num_hidden_layers"]
-        mtp = [rf"^model\.layers\.{first + i}\." for i in range(self.num_mtp_layers)]
-        return super().ignored_hf_tensors() + mtp
 
     def rollout_engine_args(self, cuda: bool) -> dict:
         return mla_engine_args(cuda, self.rope_type)

@@ -42,6 +42,7 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from converters.plan import adapter_key, local_params
 from converters.transforms import shard
+from models.mtp import MTP
 
 KEY = "models.policy_trainer.lora"
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # attention and MLP projections
@@ -169,7 +170,8 @@ def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp
         for name, module in gpt.named_modules():
             leaf = name.rsplit(".", 1)[-1]
             linear = isinstance(module, ColumnParallelLinear | RowParallelLinear)
-            if leaf not in config.targets or not linear or getattr(module, "is_expert", False):
+            # the MTP layers (models/mtp.py) stay the checkpoint's under LoRA: they do not run in its steps
+            if leaf not in config.targets or not linear or getattr(module, "is_expert", False) or name.startswith(MTP):
                 continue
             slot = slots[id(module.weight)].removesuffix(".weight")
             gated = leaf == "linear_fc1" and module.config.gated_linear_unit

@@ -10,7 +10,8 @@ The local spec is Megatron's own, with modules substituted through the spec (its
 * MLA's down projections: replicated ``Linear`` (as in TransformerEngine's spec) instead of column-parallel;
 * routed experts: :class:`models.experts.GroupedExperts` when ``moe_grouped_gemm`` is set.
 
-Dense and MoE layers follow ``moe_layer_freq`` (DeepSeek's first dense layers).
+Dense and MoE layers follow ``moe_layer_freq`` (DeepSeek's first dense layers); multi-token-prediction layers
+(``mtp_num_layers``) take the last layer's kind, on the last pipeline stage, as Megatron places them.
 """
 
 from __future__ import annotations
@@ -18,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
+    get_gpt_mtp_block_spec_for_backend,
 )
 from megatron.core.post_training.modelopt.layers import Linear
 from megatron.core.transformer.identity_op import IdentityOp
@@ -49,6 +53,13 @@ class TorchNorm:
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class _LocalProvider(LocalSpecProvider):
+    """Megatron's local modules with :class:`TorchNorm` (the MTP layers' norms)."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        return TorchNorm
 
 
 def _with_norm(spec: ModuleSpec | type, norm: type) -> ModuleSpec | type:
@@ -135,3 +146,13 @@ def block_spec(config: TransformerConfig, backend: str, vp_stage: int | None) ->
         module=TransformerBlock,
         submodules=TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in kinds], layer_norm=final_norm),
     )
+
+
+def mtp_block_spec(config: TransformerConfig, backend: str, vp_stage: int | None):
+    """The multi-token-prediction block of this (virtual) pipeline stage, or ``None`` where it has none."""
+    if not config.mtp_num_layers:
+        return None
+    layer = layer_spec(config, backend, moe_layers(config)[-1])
+    if backend == "te":
+        return get_gpt_mtp_block_spec(config, layer, use_transformer_engine=True, vp_stage=vp_stage)
+    return get_gpt_mtp_block_spec_for_backend(config, layer, _LocalProvider(), vp_stage=vp_stage)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 
@@ -53,7 +54,8 @@ FAMILIES: dict[str, dict] = {
         router_aux_loss_coef=0.0,
     ),
     # MLA at vLLM's CPU MLA kernel's only shape (kv_lora_rank + qk_rope_head_dim = 576) with YaRN; one dense layer
-    # then MoE layers with a shared expert and group-limited routing (4 groups, 2 chosen), as DeepSeek-V3.
+    # then MoE layers with a shared expert and group-limited routing (4 groups, 2 chosen), and a multi-token-prediction
+    # layer, as DeepSeek-V3.
     "DeepseekV3ForCausalLM": dict(
         config="DeepseekV3Config",
         tie_word_embeddings=False,
@@ -74,6 +76,7 @@ FAMILIES: dict[str, dict] = {
         scoring_func="sigmoid",
         moe_intermediate_size=64,
         first_k_dense_replace=1,
+        num_nextn_predict_layers=1,  # an MTP layer, as the released checkpoints have
         rope_parameters=dict(
             rope_type="yarn",
             rope_theta=10000.0,
@@ -99,6 +102,8 @@ def make_tiny(architecture: str, out_dir: Path, seed: int = 0, **overrides) -> P
     spec = dict(FAMILIES[architecture]) | overrides
     config_cls = getattr(transformers, spec.pop("config"))
     max_shard_size = spec.pop("max_shard_size", "5GB")
+    mtp = spec.pop("num_nextn_predict_layers", 0)
+    spec["num_hidden_layers"] = spec.get("num_hidden_layers", COMMON["num_hidden_layers"]) + mtp
     config = config_cls(architectures=[architecture], **(COMMON | spec))
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).float()
@@ -110,8 +115,36 @@ def make_tiny(architecture: str, out_dir: Path, seed: int = 0, **overrides) -> P
             if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias, zero by default
                 buffer.normal_(0.0, 0.1)
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    if mtp:
+        _as_mtp_layers(Path(out_dir), mtp)
     save_char_tokenizer(out_dir)
     return Path(out_dir)
+
+
+def _as_mtp_layers(out_dir: Path, depth: int) -> None:
+    """Turn the saved model's last ``depth`` decoder layers into DeepSeek-V3 multi-token-prediction layers, as the
+    released checkpoints hold them: random ``enorm``/``hnorm``/``eh_proj``/``shared_head.norm`` added, and copies of
+    the embedding and the LM head (``embed_tokens``, ``shared_head.head``); ``num_nextn_predict_layers`` set."""
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((out_dir / "config.json").read_text())
+    layers = config["num_hidden_layers"] - depth
+    (file,) = out_dir.glob("*.safetensors")
+    tensors = load_file(file)
+    hidden = config["hidden_size"]
+    for i in range(layers, layers + depth):
+        prefix = f"model.layers.{i}."
+        tensors |= {
+            prefix + "enorm.weight": 1 + 0.1 * torch.randn(hidden),
+            prefix + "hnorm.weight": 1 + 0.1 * torch.randn(hidden),
+            prefix + "eh_proj.weight": 0.05 * torch.randn(hidden, 2 * hidden),
+            prefix + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden),
+            prefix + "embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+            prefix + "shared_head.head.weight": tensors["lm_head.weight"].clone(),
+        }
+    save_file(tensors, file, metadata={"format": "pt"})
+    config |= {"num_hidden_layers": layers, "num_nextn_predict_layers": depth}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def make_tiny_reward_model(causal_dir: str | Path, out_dir: Path, seed: int = 3) -> str:

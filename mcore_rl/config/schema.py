@@ -174,6 +174,9 @@ class TrainerConfig:
     # rank > 0: train LoRA adapters on the frozen model (models/lora.py); the reference is the model with the
     # adapters off (no models.ref_policy), and the engines get the weights merged with them
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # > 0: a model with multi-token-prediction layers (DeepSeek-V3's) trains them on the policy's samples with this
+    # weight of their loss (models/mtp.py), so the drafter keeps up with the policy; 0: they stay the checkpoint's
+    mtp_loss_coef: float = 0.0
 
 
 @dataclass
@@ -481,6 +484,7 @@ class RunConfig:
             except ValueError as err:
                 raise ConfigError(f"{key}.parallel: {err}") from None
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
+        self._check_mtp()
         lora = m.policy_trainer.lora
         lora.validate()
         if lora.rank:
@@ -875,6 +879,29 @@ class RunConfig:
                 "models.policy_trainer.moe.routing_replay: multi-turn trajectories are sampled turn by turn, with "
                 "no routing of their observation tokens to replay; set it to false"
             )
+
+    def _check_mtp(self) -> None:
+        trainer = self.models.policy_trainer
+        coef = trainer.mtp_loss_coef
+        if not coef:
+            return
+        key = "models.policy_trainer.mtp_loss_coef"
+        if not math.isfinite(coef) or coef < 0:
+            raise ConfigError(f"{key}={coef}: expected a finite weight >= 0")
+        bridge = get_bridge(trainer.load)
+        if not bridge.num_mtp_layers:
+            raise ConfigError(
+                f"{key}={coef}: {trainer.load!r} ({bridge.architecture}) has no multi-token-prediction layers "
+                "(num_nextn_predict_layers); remove the key"
+            )
+        for on, what, why in (
+            (trainer.lora.rank, "lora", "it freezes the model, its MTP layers included"),
+            (trainer.share_prompts, "share_prompts", "its rows hold several responses back to back"),
+        ):
+            if on:
+                raise ConfigError(
+                    f"{key}={coef}: not with models.policy_trainer.{what} ({why}); set one of them to 0/false"
+                )
 
     def _validate_layouts(self) -> None:
         rt, m = self.runtime_args, self.models

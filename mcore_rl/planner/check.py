@@ -22,6 +22,7 @@ from parallel.config import ParallelConfig
 @dataclass(frozen=True)
 class MappingReport:
     hf_params: int  # elements of every HF tensor (tied copies once)
+    engine_params: int  # of which the rollout engines receive (not the MTP layers')
     exported_params: int  # elements of the HF tensors the Megatron model exports (equals hf_params when complete)
     stage_params: list[int]  # elements one device of each pipeline stage holds (its shards, tied copies included)
     stage_expert_params: list[int]  # of which expert weights (sharded over EP x expert-TP)
@@ -54,8 +55,11 @@ def check_mappings(
     table = MappingTable(bridge.mappings())
     num_local = _num_local(bridge, parallel)
     errors: list[str] = []
-    targets = []
+    targets, seen = [], set()
     for lp in (lp for stage in stages for lp in stage):
+        if lp.slot in seen:  # held by several stages (the embedding an MTP stage keeps a copy of): one target
+            continue
+        seen.add(lp.slot)
         split_over = _split_over(parallel, lp)
         want = tuple(full_shape(lp.param.shape, lp.tp_axis, split_over))
         names = [global_expert_name(lp.slot, r, num_local) for r in range(parallel.ep)] if lp.is_expert else [lp.slot]
@@ -74,6 +78,7 @@ def check_mappings(
     ]
     return MappingReport(
         hf_params=sum(shape.numel() for n, shape in hf.items() if not bridge.ignores(n)),
+        engine_params=sum(s.numel() for n, s in hf.items() if not bridge.ignores(n) and not bridge.is_mtp_tensor(n)),
         exported_params=sum(hf[n].numel() * len(s) for n, s in check.exporters.items()),
         stage_params=[sum(lp.param.numel() for lp in stage if _is_param(lp)) for stage in stages],
         stage_expert_params=[sum(lp.param.numel() for lp in stage if lp.is_expert) for stage in stages],
@@ -89,7 +94,8 @@ def sync_plan(bridge, parallel: ParallelConfig, stages: list[list[LocalParam]], 
     """How the rollout sync moves this model: the export's buckets and the engine loads, on meta tensors."""
     table = MappingTable(bridge.mappings())
     num_local = _num_local(bridge, parallel)
-    tasks = export_plan([stage_meta({lp.slot: lp for lp in stage}) for stage in stages], table, num_local)
+    stage_metas = [stage_meta({lp.slot: lp for lp in stage}) for stage in stages]
+    tasks = export_plan(stage_metas, table, num_local, mtp=False)  # the engines do not draft with MTP layers
     gathers = list(buckets(tasks, bucket_bytes, parallel.tp, parallel.expert_tp, parallel.ep))
 
     exports: dict[tuple, list[torch.Tensor]] = {}  # one export per mapping and shape: layers and experts repeat
@@ -102,7 +108,9 @@ def sync_plan(bridge, parallel: ParallelConfig, stages: list[list[LocalParam]], 
                 key = (mapping, tuple(shape), split_over, bucket[0].dtype)
                 if key not in exports:
                     exports[key] = mapping.to_hf(torch.empty(shape, dtype=bucket[0].dtype, device="meta"), split_over)
-                yield from zip(mapping.hf_names(captures), exports[key], strict=True)
+                for hf_name, tensor in zip(mapping.hf_names(captures), exports[key], strict=True):
+                    if not bridge.is_mtp_tensor(hf_name):
+                        yield hf_name, tensor
 
     sends = [[t.numel() * t.element_size() for _, t in b] for b in send_buckets(exported(), bucket_bytes)]
     counts = sorted(len(b) for b in sends)

@@ -47,9 +47,11 @@ def plan_role(bridge, parallel, world: int, bucket_bytes: int, hf: dict[str, tor
         "layout": dataclasses.asdict(parallel),
         "data_parallel": parallel.dp(world),
         "stage_layers": parallel.stage_layers(bridge.hf["num_hidden_layers"]),
+        "mtp_layers": bridge.num_mtp_layers,  # on the last stage
         "stage_params": report.stage_params,
         "stage_expert_params": report.stage_expert_params,
         "hf_params": report.hf_params,
+        "engine_params": report.engine_params,
         "exported_params": report.exported_params,
         "errors": report.errors,
         "sync": dataclasses.asdict(sync),
@@ -60,11 +62,13 @@ def plan_role(bridge, parallel, world: int, bucket_bytes: int, hf: dict[str, tor
 def _print(name: str, role: dict) -> None:
     layout = layout_text(ParallelConfig(**role["layout"]))
     print(f"{name}: {layout}, data parallel {role['data_parallel']} ({role['seconds']} s)")
+    stages = len(role["stage_layers"])
     for i, (layers, params, experts) in enumerate(
         zip(role["stage_layers"], role["stage_params"], role["stage_expert_params"], strict=True)
     ):
+        mtp = f" + {role['mtp_layers']} MTP" if role["mtp_layers"] and i == stages - 1 else ""
         print(
-            f"  stage {i}: {layers} layers, {params / GB:.3f} B params per device "
+            f"  stage {i}: {layers}{mtp} layers, {params / GB:.3f} B params per device "
             f"({experts / GB:.3f} B expert), {2 * params / GB:.2f} GB bf16 weights"
         )
     sync = role["sync"]

@@ -65,6 +65,7 @@ class Architecture:
     rope_dim: int = 0
     v_dim: int = 0
     value_head: bool = False  # a value head ([1, hidden]) for the LM head: a reward model or a critic
+    mtp_layers: int = 0  # multi-token-prediction layers (models/mtp.py), on the last pipeline stage
 
     @classmethod
     def from_bridge(cls, bridge) -> Architecture:
@@ -95,16 +96,26 @@ class Architecture:
             rope_dim=c.qk_pos_emb_head_dim if mla else 0,
             v_dim=c.v_head_dim if mla else 0,
             value_head=bridge.value_model,
+            mtp_layers=c.mtp_num_layers or 0,
         )
 
     def padded_vocab(self, tp: int) -> int:
         return padded_vocab(self.vocab, tp)
 
     def hf_params(self) -> int:
-        """Parameters of the HF checkpoint (what each rollout engine holds)."""
+        """Parameters of the HF checkpoint: the model's, and its MTP layers' with their copies of the embedding and
+        the head."""
         total = sum(params for params, _ in stage_params(self, ParallelConfig()))
         padding = (self.padded_vocab(1) - self.vocab) * self.hidden * (1 if self.tied else 2)
-        return total - padding + (self.experts * sum(self.moe_layers) if self.expert_bias else 0)
+        moe_layers = sum(self.moe_layers) + (self.mtp_layers if self.moe_layers[-1] else 0)
+        copies = 2 * self.mtp_layers * self.vocab * self.hidden
+        return total - padding + copies + (self.experts * moe_layers if self.expert_bias else 0)
+
+    def engine_params(self) -> int:
+        """Parameters a rollout engine holds: the checkpoint's but the MTP layers (vLLM leaves them to a drafter)."""
+        mtp, _ = mtp_params(self, ParallelConfig())
+        bias = self.experts * self.mtp_layers if self.expert_bias and self.moe_layers[-1] else 0
+        return self.hf_params() - mtp - bias - 2 * self.mtp_layers * self.vocab * self.hidden
 
 
 # ---- parameters ----------------------------------------------------------------------------------------------
@@ -166,8 +177,18 @@ def lora_params(a: Architecture, moe: bool, parallel: ParallelConfig, lora) -> i
     return sum(r * (inp + out) for name, (inp, out) in shapes.items() if name in targets)
 
 
+def mtp_params(a: Architecture, parallel: ParallelConfig) -> tuple[int, int]:
+    """(parameters, expert parameters) of the MTP layers on a device of the last pipeline rank: each a decoder layer
+    of the last layer's kind, norms of the embedding, the hidden state and the output, and the column-parallel
+    projection [hidden, 2 hidden]."""
+    params, experts = layer_params(a, a.moe_layers[-1], parallel)
+    own = 3 * a.hidden + 2 * a.hidden * a.hidden // parallel.tp
+    return a.mtp_layers * (params + own), a.mtp_layers * experts
+
+
 def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, int]]:
-    """Per pipeline rank: (parameters, expert parameters) one of its devices holds, tied copies included."""
+    """Per pipeline rank: (parameters, expert parameters) one of its devices holds, tied copies included (the
+    embedding's copy on the last rank for its MTP layers too)."""
     vocab = a.padded_vocab(parallel.tp) * a.hidden // parallel.tp
     out = []
     for rank, layers in enumerate(rank_layers(parallel, a.layers)):
@@ -177,7 +198,9 @@ def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, i
             total += vocab
         if rank == parallel.pp - 1:  # the final norm and the LM head (its tied copy under PP), or a value head
             head = a.hidden if a.value_head else (vocab if not a.tied or parallel.pp > 1 else 0)
-            total += a.hidden + head
+            mtp, mtp_experts = mtp_params(a, parallel)
+            copy = vocab if a.mtp_layers and parallel.pp > 1 else 0
+            total, experts = total + a.hidden + head + mtp + copy, experts + mtp_experts
         out.append((total, experts))
     return out
 
@@ -319,9 +342,11 @@ def trainer_memory(
     backend: str = "te",
     param_bytes: int = 2,
     lora=None,
+    mtp_loss_coef: float = 0.0,
 ) -> TrainerMemory:
     """Per-device bytes of a trainer rank at ``parallel`` (the pipeline rank with the largest total); with ``lora``
-    adapters (a LoRAConfig of rank > 0) only they have gradients and optimizer state."""
+    adapters (a LoRAConfig of rank > 0) only they have gradients and optimizer state. MTP layers train (gradients,
+    optimizer state, their layer's activations and logits) only with ``mtp_loss_coef``."""
     dp_cp = world // (parallel.tp * parallel.pp)
     expert_dp = world // (parallel.ep * parallel.expert_tp * parallel.pp)
     opt_per_param = 8 + (4 if param_bytes != 4 else 0)  # Adam moments (+ fp32 main weights of bf16 parameters)
@@ -338,16 +363,22 @@ def trainer_memory(
         layer_inputs = st * a.hidden * param_bytes
         kept = layer_inputs * len(layers) + max(per_layer) if work.recompute else sum(per_layer)
         acts = in_flight(parallel, rank, work.micro_batches) * kept
-        head = 0.0
+        head, frozen = 0.0, (0, 0)
         if rank == parallel.pp - 1:
             vocab_t = 0 if a.value_head else t * a.padded_vocab(parallel.tp) / parallel.tp
             head = head_activation_bytes(a, parallel, tokens, backend, param_bytes)
-            acts += head + vocab_t * (param_bytes + 4)  # logits and their fp32 gradient during the loss backward
+            logits = vocab_t * (param_bytes + 4)  # logits and their fp32 gradient during the loss backward
+            acts += head + logits
+            if a.mtp_layers and mtp_loss_coef:  # per MTP layer: a layer's activations and logits more
+                mtp_layer = layer_activation_bytes(a, a.moe_layers[-1], parallel, tokens, backend, param_bytes)
+                acts += a.mtp_layers * in_flight(parallel, rank, work.micro_batches) * (mtp_layer + logits)
+            elif a.mtp_layers:
+                frozen = mtp_params(a, parallel)
         if lora is not None and lora.rank:
             adapters = sum(lora_params(a, a.moe_layers[i], parallel, lora) for i in layers)
             params, trained, trained_experts = params + adapters, adapters, 0
         else:
-            trained, trained_experts = params, experts
+            trained, trained_experts = params - frozen[0], experts - frozen[1]
         memory = TrainerMemory(
             weights=params * param_bytes,
             grads=trained * 4,
@@ -377,7 +408,7 @@ def engine_memory(a: Architecture, rollout, device_bytes: int, max_num_seqs: int
     logits), and the KV cache in the rest."""
     tp = rollout.tensor_parallel_size
     share = int(rollout.gpu_memory_utilization * device_bytes)
-    weights = a.hf_params() * 2 // tp
+    weights = a.engine_params() * 2 // tp
     batched = max(8192, rollout.max_model_len)
     mlp = a.topk * a.moe_ffn if a.experts else a.ffn
     working = batched * (16 * a.hidden + 6 * mlp // tp) + max_num_seqs * a.vocab * 12
@@ -426,7 +457,10 @@ def plan_memory(
     m, world = config.models, config.runtime_args.trainer_devices
     a = arch or Architecture.from_bridge(get_bridge(m.policy_trainer.load))
     work = Workload.from_config(config)
-    trainer = trainer_memory(a, m.policy_trainer.parallel, world, work, backend=backend, lora=m.policy_trainer.lora)
+    trainer = trainer_memory(
+        a, m.policy_trainer.parallel, world, work, backend=backend, lora=m.policy_trainer.lora,
+        mtp_loss_coef=m.policy_trainer.mtp_loss_coef,
+    )  # fmt: skip
 
     def arch_of(load: str) -> Architecture:
         return a if load == m.policy_trainer.load else Architecture.from_bridge(get_bridge(load))

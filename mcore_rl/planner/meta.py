@@ -45,11 +45,14 @@ def hf_tensors(hf_config: dict) -> dict[str, torch.Size]:
     in-memory experts)."""
     from models.registry import get_bridge
 
+    bridge = get_bridge(hf_config)
     fields = {k: v for k, v in hf_config.items() if k not in _NOT_ARCHITECTURE}
+    # MTP layers: transformers builds none; their decoder layers are as many more of its own, after the model's
+    fields["num_hidden_layers"] = hf_config["num_hidden_layers"] + bridge.num_mtp_layers
     config = transformers.AutoConfig.for_model(**fields)
     # a reward model: the family's sequence classifier (a score head where the causal LM has its LM head)
-    auto = "AutoModelForSequenceClassification" if get_bridge(hf_config).value_model else "AutoModelForCausalLM"
+    auto = "AutoModelForSequenceClassification" if bridge.value_model else "AutoModelForCausalLM"
     with torch.device("meta"):
         model = getattr(transformers, auto).from_config(config)
     saved = revert_weight_conversion(model, model.state_dict())
-    return {name: tensor.shape for name, tensor in saved.items()}
+    return {name: tensor.shape for name, tensor in saved.items()} | bridge.mtp_own_tensors()

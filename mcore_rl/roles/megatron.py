@@ -8,6 +8,7 @@ layout, so colocated roles never share a process group. Batches arrive whole on 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +19,7 @@ import torch
 from converters.stream import load_weights
 from converters.torch_dist import LORA_FILE, model_state
 from mcore_rl.algorithms.grpo import PolicyLossConfig, Share, policy_loss
+from mcore_rl.algorithms.mtp import mtp_logprobs, mtp_loss
 from mcore_rl.algorithms.ppo import value_loss
 from mcore_rl.logprobs import token_entropy, token_logprobs
 from mcore_rl.metrics import process_stats
@@ -27,6 +29,7 @@ from mcore_rl.packing import pack_rows, plan_packing, plan_shared_prompts, rows_
 from mcore_rl.sync import BroadcastRoute, ColocatedRoute, SyncConfig, WeightSync
 from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
 from models.lora import LoRAConfig, adapters_off, attach_lora
+from models.mtp import MTPOutput, freeze_mtp, mtp_active
 from models.registry import get_bridge
 from models.value_head import attach_value_heads
 from parallel.comm import all_gather_bucket, all_reduce_, all_reduce_scalar
@@ -338,11 +341,17 @@ class PolicyTrainer(TrainableRank):
     """One rank of the policy: GRPO/GSPO steps, the weight sync into its rollout engine, checkpoints."""
 
     def __init__(
-        self, *args, loss: PolicyLossConfig, moe: MoEConfig | None = None, lora: LoRAConfig | None = None, **kwargs
+        self,
+        *args,
+        loss: PolicyLossConfig,
+        moe: MoEConfig | None = None,
+        lora: LoRAConfig | None = None,
+        mtp_loss_coef: float = 0.0,
+        **kwargs,
     ):
-        """:class:`TrainableRank`'s arguments, the policy's ``loss``, its ``moe`` settings and its ``lora`` adapters
-        (rank 0: none, the whole model trains)."""
-        self.moe, self.lora = moe or MoEConfig(), lora or LoRAConfig()
+        """:class:`TrainableRank`'s arguments, the policy's ``loss``, its ``moe`` settings, its ``lora`` adapters
+        (rank 0: none, the whole model trains) and the weight of its MTP layers' loss (0: they stay frozen)."""
+        self.moe, self.lora, self.mtp_loss_coef = moe or MoEConfig(), lora or LoRAConfig(), mtp_loss_coef
         super().__init__(*args, **kwargs)
         self.loss = loss
         self.router_load = (
@@ -366,6 +375,8 @@ class PolicyTrainer(TrainableRank):
         chunks = super()._build(hf_dir)
         if self.lora.rank:
             attach_lora(chunks, self.lora, self.seed, self.groups.tp)
+        elif not self.mtp_loss_coef:
+            freeze_mtp(chunks)
         return chunks
 
     def base_logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
@@ -374,8 +385,9 @@ class PolicyTrainer(TrainableRank):
             return self.logprobs(batch, micro_batch_size)
 
     # ---- training -----------------------------------------------------------------------------------------
-    def _loss_fn(self, batch: dict, output: torch.Tensor):
+    def _loss_fn(self, batch: dict, output: torch.Tensor | MTPOutput):
         vocab = self.bridge.vocab_size
+        output, depths = output if isinstance(output, MTPOutput) else (output, ())
         logp = rows_of(batch, token_logprobs(output, batch["labels"], vocab))
         # The first step's old policy is the current one: its old log-probs are its own, detached (ratio 1).
         old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
@@ -393,6 +405,11 @@ class PolicyTrainer(TrainableRank):
             entropy=entropy,
             share=batch["share"],
         )
+        if depths:  # the MTP layers' loss on the same samples (models/mtp.py)
+            logps = [rows_of(batch, x) for x in mtp_logprobs(batch, depths, vocab, self.groups.cp)]
+            mtp = mtp_loss(logps, batch["mask"], batch["share"])
+            loss = loss + self.mtp_loss_coef * mtp
+            metrics = metrics | {"mtp/loss": mtp.detach()}
         return loss, metrics | {"loss": loss.detach()}
 
     def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
@@ -413,7 +430,8 @@ class PolicyTrainer(TrainableRank):
                 raise ValueError(f"old_logp starts at row {first_old}, inside the step of rows {start}+")
             steps.append(step)
         names = ["mask", "old_logp", "rollout_logp", "ref_logp", *self._routing(batch), "advantages"]
-        return self._optimize(steps, names, micro_batch_size, self._loss_fn)
+        with mtp_active(self.chunks) if self.mtp_loss_coef else contextlib.nullcontext():
+            return self._optimize(steps, names, micro_batch_size, self._loss_fn)
 
     def router_metrics(self) -> dict:
         """Router load over the training steps since the last call (:class:`RouterLoad`); {} for dense models."""

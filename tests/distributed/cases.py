@@ -417,10 +417,12 @@ def policy_trainer_episodes(
     moe: dict | None = None,
     routing: str | None = None,
     recompute: str = "none",
+    mtp_loss_coef: float = 0.0,
 ) -> dict:
     """Two GRPO episodes of the policy-trainer role (responses of different lengths), its device memory freed and
     restored between them when ``offload``; returns each episode's old log-probs, each optimizer step's metrics
-    and the bytes the offload freed. ``routing``: the batch carries routed experts to replay (see ``_routing``)."""
+    and the bytes the offload freed. ``routing``: the batch carries routed experts to replay (see ``_routing``);
+    ``mtp_loss_coef``: the MTP layers train too."""
     from mcore_rl.algorithms.grpo import PolicyLossConfig
     from mcore_rl.moe import MoEConfig
     from mcore_rl.offload import StorageOffloader
@@ -431,6 +433,7 @@ def policy_trainer_episodes(
     trainer = PolicyTrainer(
         rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 4, loss=PolicyLossConfig(),
         max_token_in_packing=max_token_in_packing, moe=MoEConfig(**(moe or {})), recompute=recompute,
+        mtp_loss_coef=mtp_loss_coef,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(0)
     lengths = torch.tensor([12, 9, 7, 12, 10, 8, 11, 6])
@@ -850,3 +853,19 @@ def load_plain(hf_dir: str, layout: dict, directory: str) -> None:
     """The model without adapters loaded from the Megatron checkpoint ``directory``."""
     bridge, _, chunks, groups = _load(hf_dir, layout)
     load_weights(chunks, bridge, directory, groups)
+
+
+def mtp_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, lengths: list[int], packing: int = 0):
+    """With the MTP block running under ``layout``: its depth-1 log-probs of ``tokens`` (log p(token i + 2) at
+    position i) and the model's own log-probs; and the model's log-probs with the block off. Padded micro-batches,
+    or THD packs of ``packing`` tokens."""
+    from mcore_rl.algorithms.mtp import mtp_logprobs
+    from models.mtp import mtp_active
+
+    bridge, _, chunks, groups = _load(hf_dir, layout)
+    model, vocab = MegatronModel(chunks, groups), bridge.vocab_size
+    args = dict(micro_batch_size=2, lengths=lengths, max_tokens=packing)
+    with mtp_active(chunks):
+        mtp = model.score(tokens, lambda b, out: mtp_logprobs(b, out.depths, vocab, groups.cp)[0], **args)
+        main = model.score(tokens, lambda b, out: token_logprobs(out.logits, b["labels"], vocab), **args)
+    return mtp, main, model.score(tokens, lambda b, out: token_logprobs(out, b["labels"], vocab), **args)

@@ -52,7 +52,8 @@ def test_context_parallel_episodes_match_single_rank(ranks, tiny_models, arch, l
                 cases.policy_trainer_episodes, hf_dir=tiny_models[arch], layout=layout, max_token_in_packing=packing
             ):
                 for logp, expected in zip(result["logprobs"], reference["logprobs"], strict=True):
-                    assert (logp - expected).abs().max().item() <= 1e-5, (layout, packing)
+                    # fp32 sums in another order (CP x EP), then an update: a few ulps of log-probs near -5
+                    assert (logp - expected).abs().max().item() <= 2e-5, (layout, packing)
                 for step, expected in zip(result["steps"], reference["steps"], strict=True):
                     assert step.keys() == expected.keys()
                     for key in ("loss", "grad_norm", "ratio_mean", "kl", "entropy"):

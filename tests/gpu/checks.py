@@ -13,6 +13,7 @@ build, the embedded model) say what is missing. Nothing needs the network. ``pyt
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib
 import importlib.metadata
@@ -316,6 +317,76 @@ def lora() -> tuple[str, dict]:
         f"moved {moved:.3g} in log-prob, the base model not at all; merge error {merge_error:.2g}; resumed exactly"
     )
     return detail, numbers
+
+
+MTP_TOLERANCE = 1e-4  # fp32 MTP log-probs against the independent forward (measured on CPU: under 1e-5)
+
+
+def _mtp_depth1(batch: dict, output, vocab: int, cp_group) -> torch.Tensor:
+    from mcore_rl.algorithms.mtp import mtp_logprobs
+
+    return mtp_logprobs(batch, output.depths, vocab, cp_group)[0]
+
+
+def mtp() -> tuple[str, dict]:
+    """DeepSeek-V3's multi-token prediction (tiny, with an MTP layer) in fp32 on each available layer spec
+    (TransformerEngine's MTP block on CUDA): its depth-1 log-probs equal the independent forward of
+    tests/mtp_reference.py; a policy step with ``mtp_loss_coef`` moves the MTP layers' weights, one without leaves
+    them as loaded."""
+    _need("transformers", "safetensors", "tokenizers")
+    from converters.stream import load_weights
+    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.roles.megatron import PolicyTrainer
+    from mcore_rl.training import MegatronModel
+    from models.mtp import MTP, mtp_active
+    from models.registry import get_bridge
+    from parallel.config import ParallelConfig
+    from parallel.device import Device
+    from parallel.groups import init_parallel
+    from tests.mtp_reference import reference_mtp_logprobs
+    from tests.tiny import make_tiny
+
+    _world()
+    report, numbers = [], {}
+    with tempfile.TemporaryDirectory() as root:
+        hf_dir = str(make_tiny("DeepseekV3ForCausalLM", Path(root) / "deepseek"))
+        bridge = get_bridge(hf_dir)
+        tokens = _tokens(100, rows=4, length=17)
+        expected = reference_mtp_logprobs(hf_dir, tokens, Path(root) / "mtp_layer")
+        backends = ["local"] + (["te"] if Device.current().layer_backend("auto") == "te" else [])
+        for backend in backends:
+            groups = init_parallel(ParallelConfig())
+            config = bridge.transformer_config(ParallelConfig(), params_dtype=torch.float32)
+            chunks = bridge.build_model(config, backend=backend)
+            load_weights(chunks, bridge, hf_dir, groups)
+            measure = functools.partial(_mtp_depth1, vocab=bridge.vocab_size, cp_group=groups.cp)
+            with mtp_active(chunks):
+                got = MegatronModel(chunks, groups).score(tokens, measure, 2)
+            gap = (got[:, :-1] - expected).abs().max().item()
+            assert gap <= MTP_TOLERANCE, (backend, gap)
+            numbers[f"{backend}_max_abs_logprob_diff"] = gap
+            report.append(f"{backend}: MTP log-probs within {gap:.1e} of the independent forward")
+
+        optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
+        args = (0, 1, ("127.0.0.1", 0), hf_dir, ParallelConfig(), 1, optimizer, 4)
+        overrides = {"params_dtype": torch.float32}
+        batch = {"tokens": tokens.cpu(), "mask": torch.ones(4, 16), "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])}
+        moved = {}
+        for coef in (0.0, 0.5):
+            trainer = PolicyTrainer(*args, loss=PolicyLossConfig(), mtp_loss_coef=coef, overrides=overrides)
+            before = {n: p.detach().clone() for n, p in trainer.chunks[0].named_parameters() if n.startswith(MTP)}
+            batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=2)
+            step = trainer.train(batch, global_batch_size=4, micro_batch_size=2)[0]
+            after = dict(trainer.chunks[0].named_parameters())
+            moved[coef] = max((after[n].detach() - w).abs().max().item() for n, w in before.items())
+            if coef:
+                numbers["mtp_loss"] = step["mtp/loss"]
+        assert moved[0.0] == 0.0 and moved[0.5] > 0, moved
+        numbers["mtp_weights_moved"] = moved[0.5]
+        report.append(
+            f"a step with mtp_loss_coef 0.5 (MTP loss {numbers['mtp_loss']:.3f}) moves the MTP layers, one without does not"
+        )
+    return "; ".join(report), numbers
 
 
 def _hf_values(hf_dir: str, tokens: torch.Tensor, head: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -832,6 +903,7 @@ STEPS = [
     Step("train_and_checkpoint", train_and_checkpoint, (*MEGATRON, "transformers", "yaml"), 420, 2),
     Step("critic", critic, (*MEGATRON, "transformers", "yaml"), 300, 2),
     Step("lora", lora, (*MEGATRON, "transformers", "yaml"), 300, 2),
+    Step("mtp", mtp, (*MEGATRON, "transformers", "safetensors", "yaml"), 300, 2),
     Step("hf_sync", hf_sync, (*MEGATRON, "transformers", "safetensors"), 420, 2),
     Step("mfu", mfu, (*MEGATRON, "transformers", "yaml"), 420, 2),
     Step("weight_transfer", weight_transfer, (), 180, 2),

@@ -2,6 +2,7 @@
 equal what autograd saves on tiny models of every family and layout (the local build, within 2%), KV cache sizes
 are the known per-token numbers, and the phases and layout suggestions agree with them."""
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -12,16 +13,19 @@ from mcore_rl.config.schema import load_run_config
 from mcore_rl.planner.memory import (
     Architecture,
     GiB,
+    Workload,
     engine_memory,
     head_activation_bytes,
     in_flight,
     layer_activation_bytes,
     lora_params,
+    mtp_params,
     plan_memory,
     rank_layers,
     remedies,
     stage_params,
     suggest_layouts,
+    trainer_memory,
 )
 from mcore_rl.planner.meta import hf_tensors
 from mcore_rl.rollout.engine import RolloutConfig
@@ -122,13 +126,17 @@ def test_lora_params_equal_the_adapters_megatron_models_hold(ranks, tiny_models,
         ("qwen3_30b_a3b", 30.53),
         ("moonlight_16b_a3b", 15.96),
         ("qwen3_235b_a22b", 235.09),
-        ("deepseek_v3", 671.03),  # the released 685B less its multi-token-prediction layer (not trained or rolled out)
+        # the released "685B": 671.03 B and its multi-token-prediction layer's 13.46 B (an MoE layer and copies of
+        # the embedding and the head), which the rollout engines leave out
+        ("deepseek_v3", 684.49),
     ],
 )
 def test_checkpoint_parameter_counts_of_the_public_configs(model, billions):
     bridge = get_bridge(str(PUBLIC / model))
-    counted = Architecture.from_bridge(bridge).hf_params()
+    a = Architecture.from_bridge(bridge)
+    counted = a.hf_params()
     assert counted / 1e9 == pytest.approx(billions, abs=0.005)
+    assert a.engine_params() / 1e9 == pytest.approx(671.03 if model == "deepseek_v3" else billions, abs=0.005)
     if billions < 100:  # exactly what transformers' own model of the config holds (on meta; the large ones are slow)
         assert counted == sum(shape.numel() for shape in hf_tensors(bridge.hf).values())
 
@@ -300,3 +308,28 @@ def test_a_lora_plan_trains_the_adapters_alone():
     assert plan.trainer.weights == full.trainer.weights + 2 * adapters
     assert plan.trainer.grads == 4 * adapters and plan.trainer.optimizer == 12 * adapters // 4  # DP 4
     assert plan.trainer.static < full.trainer.static / 2
+
+
+def test_mtp_layers_train_only_with_their_loss():
+    """DeepSeek-V3 671B: its MTP layer (an MoE layer, its norms and projection, the embedding's copy) sits on the
+    last pipeline stage; without mtp_loss_coef it is frozen (weights only), with it it gains gradients, Adam's state
+    and one more layer's activations and logits."""
+    a = Architecture.from_bridge(get_bridge(str(PUBLIC / "deepseek_v3")))
+    parallel = ParallelConfig(tp=8, pp=8, ep=32, sequence_parallel=True, last_stage_layers=5)
+    plain = dataclasses.replace(a, mtp_layers=0)
+    mtp, mtp_experts = mtp_params(a, parallel)
+    vocab_copy = a.padded_vocab(8) * a.hidden // 8
+    with_mtp, without = stage_params(a, parallel), stage_params(plain, parallel)
+    assert with_mtp[:-1] == without[:-1]
+    assert with_mtp[-1] == (without[-1][0] + mtp + vocab_copy, without[-1][1] + mtp_experts)
+    assert mtp_experts == 256 // 32 * 3 * 2048 * 7168 // 8  # its routed experts over EP 32, expert-TP 8 (the TP)
+
+    config = _config("deepseek_v3_671b_grpo", "deepseek_v3", "models.policy_trainer.mtp_loss_coef=0.3")
+    assert plan_memory(config, 80 * GiB).fits  # the script's layout trains it too
+    work, one_stage = Workload.from_config(config), ParallelConfig(tp=8, ep=32, sequence_parallel=True)
+    frozen = trainer_memory(a, one_stage, 256, work)
+    trained = trainer_memory(a, one_stage, 256, work, mtp_loss_coef=0.3)
+    mtp, _ = mtp_params(a, one_stage)
+    assert trained.weights == frozen.weights
+    assert trained.grads == frozen.grads + 4 * mtp
+    assert trained.optimizer > frozen.optimizer and trained.activations > frozen.activations

@@ -247,3 +247,13 @@ def test_the_lora_step_runs_its_checks_on_cpu():
     numbers = result["numbers"]
     assert 0 < numbers["trained_params"] < numbers["frozen_params"] / 10 and numbers["policy_moved"] > 0
     assert numbers["merge_error"] < 1e-6 and numbers["offloaded_bytes"] == 0
+
+
+def test_the_mtp_step_runs_its_checks_on_cpu():
+    """The MTP step's logic, run before a GPU is lent: the MTP block's log-probs equal the independent forward in
+    fp32, and only a step with mtp_loss_coef moves the MTP layers."""
+    step = next(s for s in STEPS if s.name == "mtp")
+    result = checks._in_own_process(Step(step.name, step.run, step.needs, step.timeout_s, step.command, cuda=False))
+    assert result["status"] == "PASS", result.get("traceback", result["detail"])
+    numbers = result["numbers"]
+    assert numbers["local_max_abs_logprob_diff"] < 1e-5 and numbers["mtp_weights_moved"] > 0

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from converters.mapping import MappingTable
 from models.registry import BRIDGES, get_bridge
 from parallel.config import ParallelConfig
 from tests.tiny import FAMILIES
@@ -78,10 +79,22 @@ def test_deepseek_routing_it_cannot_translate_is_refused(tiny_models):
         get_bridge(cfg | {"scoring_func": "softmax"})
 
 
-def test_deepseek_skips_multi_token_prediction_layers(tiny_models):
-    """Released checkpoints append num_nextn_predict_layers MTP layers after the decoder's; they are not loaded."""
+def test_deepseek_s_multi_token_prediction_layers_are_megatron_s_mtp_block(tiny_models):
+    """Released checkpoints append num_nextn_predict_layers MTP layers after the decoder's: they become Megatron's
+    MTP layers (mtp_num_layers), each a decoder layer named as the model's, plus its own norms and projection."""
     bridge = get_bridge(_config(tiny_models, "DeepseekV3ForCausalLM") | {"num_nextn_predict_layers": 1})
-    assert bridge.ignores("model.layers.4.enorm.weight")
-    assert not bridge.ignores("model.layers.3.mlp.gate.weight")
+    assert not bridge.ignores("model.layers.4.enorm.weight")
     config = bridge.transformer_config(ParallelConfig())
+    assert config.mtp_num_layers == 1
     assert config.moe_layer_freq == [0, 1, 1, 1] and config.moe_router_score_function == "sigmoid"
+    table = MappingTable(bridge.mappings())
+    mapping, captures = table.resolve("mtp.layers.0.transformer_layer.mlp.experts.local_experts.3.linear_fc2.weight")
+    assert mapping.hf_names(captures) == ("model.layers.4.mlp.experts.3.down_proj.weight",)
+    mapping, captures = table.resolve("mtp.layers.0.eh_proj.weight")
+    assert mapping.hf_names(captures) == ("model.layers.4.eh_proj.weight",) and mapping.tp_axis == 0
+    embedding, _ = table.resolve("embedding.word_embeddings.weight")
+    assert embedding.hf == ("model.embed_tokens.weight", "model.layers.4.embed_tokens.weight")
+    head, _ = table.resolve("output_layer.weight")
+    assert head.hf == ("lm_head.weight", "model.layers.4.shared_head.head.weight")
+    plain = get_bridge(_config(tiny_models, "DeepseekV3ForCausalLM") | {"num_nextn_predict_layers": 0})
+    assert plain.transformer_config(ParallelConfig()).mtp_num_layers is None

@@ -499,3 +499,26 @@ def test_lora_keys_are_checked_and_replace_the_reference_role(run_yaml, tmp_path
             load_run_config(
                 run_yaml, [f"models.policy_trainer.load={model}", "models.policy_trainer.lora.rank=8", *layout]
             )
+
+
+def test_an_mtp_loss_needs_mtp_layers_and_trains_them_without_lora_or_shared_prompts(run_yaml, tiny_models):
+    """mtp_loss_coef is refused by key with the fix: on a model without MTP layers, negative or not finite, with
+    LoRA (the MTP layers stay frozen) or shared-prompt rows (responses back to back); on DeepSeek-V3 it loads."""
+    deepseek = [
+        f"models.policy_trainer.load={tiny_models['DeepseekV3ForCausalLM']}",
+        "models.policy_trainer.parallel.tp=1",
+        "models.ref_policy.parallel.tp=1",
+        "runtime_args.num_devices=1",
+    ]
+    coef = "models.policy_trainer.mtp_loss_coef"
+    bad = [
+        ([f"{coef}=0.1"], r"mtp_loss_coef=0.1: .* \(LlamaForCausalLM\) has no multi-token-prediction layers"),
+        ([*deepseek, f"{coef}=-1"], r"mtp_loss_coef=-1.0: expected a finite weight >= 0"),
+        ([*deepseek, f"{coef}=.nan"], r"mtp_loss_coef=nan: expected a finite weight >= 0"),
+        ([*deepseek, f"{coef}=0.1", "models.policy_trainer.lora.rank=8"], r"not with models.policy_trainer.lora"),
+        ([*deepseek, f"{coef}=0.1", "models.policy_trainer.share_prompts=true"], r"not with .*share_prompts"),
+    ]
+    for overrides, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            load_run_config(run_yaml, overrides)
+    assert load_run_config(run_yaml, [*deepseek, f"{coef}=0.1"]).models.policy_trainer.mtp_loss_coef == 0.1
