@@ -33,7 +33,7 @@ def trained_parameters() -> dict[str, int]:
     from parallel.config import ParallelConfig
 
     a = Architecture.from_bridge(get_bridge(str(default_model_dir())))
-    adapters = sum(lora_params(a, False, ParallelConfig(), LoRAConfig(rank=RANK)) for _ in range(a.layers))
+    adapters = sum(lora_params(a, False, ParallelConfig(), LoRAConfig(rank=RANK))[0] for _ in range(a.layers))
     return {"full": a.hf_params(), "lora": adapters}
 
 

@@ -161,6 +161,12 @@ def _source(command: Command, args: argparse.Namespace):
         )
     if getattr(args, "merge", False) and not source.adapters:
         raise ConversionError(f"{checkpoint}: --merge merges LoRA adapters, and this checkpoint holds none")
+    experts = [k for k in (source.adapters.keys if source.adapters else ()) if ".local_experts." in k]
+    if experts and command.target == "hf" and not getattr(args, "merge", False):
+        raise ConversionError(
+            f"{checkpoint}: holds adapters on routed experts (e.g. {experts[0]}), which PEFT cannot place on "
+            "transformers' fused experts; export the merged model with --merge"
+        )
     return source, bridge, files, info
 
 

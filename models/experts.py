@@ -4,7 +4,8 @@
 modules, so parameter names, TP/EP sharding, dist-checkpoint keys and HF mappings are the sequential experts'
 (checkpoints and the rollout sync do not care which one ran). The forward stacks the local experts' weights
 (one copy per step, the size of the local expert weights) and runs ``fc1`` and ``fc2`` as one grouped GEMM each
-over the tokens sorted by expert, instead of a Python loop of ``2 * num_local_experts`` small GEMMs.
+over the tokens sorted by expert, instead of a Python loop of ``2 * num_local_experts`` small GEMMs. The
+experts' LoRA adapters, where a run trains them, add theirs per expert.
 """
 
 from __future__ import annotations
@@ -68,11 +69,21 @@ class GroupedExperts(SequentialMLP):
         offsets = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)
         fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
         fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
-        intermediate = grouped_linear(hidden, fc1, offsets)
+        intermediate = self._with_lora("linear_fc1", hidden, grouped_linear(hidden, fc1, offsets), tokens_per_expert)
         if self.config.gated_linear_unit:
             gate, linear = intermediate.chunk(2, dim=-1)
             intermediate = self.config.activation_func(gate) * linear
         else:
             intermediate = self.config.activation_func(intermediate)
         intermediate = (intermediate * probs.unsqueeze(-1)).to(hidden.dtype)
-        return grouped_linear(intermediate, fc2, offsets), None
+        out = grouped_linear(intermediate, fc2, offsets)
+        return self._with_lora("linear_fc2", intermediate, out, tokens_per_expert), None
+
+    def _with_lora(self, name: str, x: torch.Tensor, out: torch.Tensor, tokens_per_expert: torch.Tensor):
+        """``out`` of projection ``name`` plus its experts' LoRA adapters' (models/lora.py: the hooks they put on
+        the expert linears never run here), each over its expert's rows of ``x``."""
+        adapters = [getattr(getattr(e, name), "lora_adapter", [None])[0] for e in self.local_experts]
+        if adapters[0] is None or not adapters[0].enabled:
+            return out
+        parts = x.split(tokens_per_expert.tolist())
+        return out + torch.cat([a.delta(part) for a, part in zip(adapters, parts, strict=True)])

@@ -40,12 +40,14 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from converters.plan import adapter_key, local_params
+from converters.plan import adapter_key, global_expert_name, local_params
 from converters.transforms import shard
 from models.mtp import MTP
 
 KEY = "models.policy_trainer.lora"
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # attention and MLP projections
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # attention, MLP (dense or shared experts)
+TARGETS = (*LINEARS, "experts.linear_fc1", "experts.linear_fc2")  # and the routed experts' projections
+EXPERTS = "experts."  # a routed expert's linear is targeted as experts.<its name>
 
 
 @dataclass
@@ -53,8 +55,9 @@ class LoRAConfig:
     rank: int = 0  # 0: full fine-tuning
     alpha: float = 32.0  # the adapters' scale is alpha / rank
     # Megatron linears to adapt, by the last part of their name: linear_qkv, linear_proj (attention), linear_fc1,
-    # linear_fc2 (MLP); experts and the MLA projections are not adapted yet
-    targets: list[str] = field(default_factory=lambda: list(TARGETS))
+    # linear_fc2 (the MLP, an MoE layer's shared experts); experts.linear_fc1, experts.linear_fc2 (every routed
+    # expert's, with expert tensor parallelism 1); the MLA projections are not adapted yet
+    targets: list[str] = field(default_factory=lambda: list(LINEARS))
 
     @property
     def scale(self) -> float:
@@ -73,10 +76,15 @@ class Adapter(torch.nn.Module):
     """The adapter of one base linear (see the module docstring for the sharding)."""
 
     def __init__(self, base, slot: str, rank: int, scale: float, seed: int, tp_group, gated: bool = False):
-        """``gated``: the base is a gated MLP's ``linear_fc1``, whose rows hold [gate_t; up_t] on TP rank t."""
+        """``slot``: the base weight's global name (a routed expert's by its global index); ``gated``: the base is a
+        gated MLP's ``linear_fc1``, whose rows hold [gate_t; up_t] on TP rank t. A routed expert's adapter
+        (``tp_group``: expert-TP, of size 1) sees its expert's tokens alone, never sequence-parallel, and its
+        gradients are reduced over the expert-data-parallel ranks, as its expert's are."""
         super().__init__()
         self.column, self.gated = isinstance(base, ColumnParallelLinear), gated
-        self.slot, self.scale, self.tp_group, self.sequence_parallel = slot, scale, tp_group, base.sequence_parallel
+        self.expert = bool(getattr(base, "is_expert", False))
+        self.sequence_parallel = base.sequence_parallel and not self.expert
+        self.slot, self.scale, self.tp_group = slot, scale, tp_group
         self._base = [base.weight]  # not registered: the base model owns it
         tp, tp_rank = tp_group.size(), tp_group.rank()
         weight = base.weight
@@ -94,6 +102,9 @@ class Adapter(torch.nn.Module):
         set_tensor_model_parallel_attributes(sharded, True, 0 if self.column else 1, 1)
         if self.column and self.sequence_parallel:  # A's gradient: partial per TP rank, summed by Megatron
             self.a.sequence_parallel = True
+        if self.expert:  # Megatron's DDP and optimizer: an expert-parallel parameter
+            for param in (self.a, self.b):
+                param.allreduce = False
         self.enabled = True
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
@@ -124,9 +135,12 @@ class Adapter(torch.nn.Module):
         ``linear_fc1``'s B is stored as its weight is, gate and up apart, so any TP size loads it."""
         axis = {"b": 0} if self.column else {"a": 1}
         state = self.state_dict(prefix="", keep_vars=True)
-        dp_cp = (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(
-            with_context_parallel=True
-        )
+        if self.expert:
+            dp_cp = parallel_state.get_expert_data_parallel_group()
+        else:
+            dp_cp = (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(
+                with_context_parallel=True
+            )
         out = make_sharded_tensors_for_checkpoint(
             state, prefix, axis, sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp
         )
@@ -160,7 +174,14 @@ def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp
     """Freeze every parameter of ``chunks`` and adapt the ``config.targets`` linears: each chunk's GPTModel gains a
     ``lora`` module holding its adapters (keyed by the base weights' global names). Returns the adapted count;
     a target that matches no linear of the model is a ``ValueError`` naming it."""
-    slots = {id(lp.param): lp.slot for lp in local_params(chunks)}
+    params = local_params(chunks)
+    slots = {id(lp.param): lp.slot for lp in params}
+    num_local = (
+        chunks[0].config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
+        if any(lp.is_expert for lp in params)
+        else 0
+    )
+    ep_rank = parallel_state.get_expert_model_parallel_rank()
     found = set()
     for chunk in chunks:
         for param in chunk.parameters():
@@ -168,17 +189,27 @@ def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp
         gpt = next(m for m in chunk.modules() if isinstance(m, GPTModel))
         adapters = Adapters()
         for name, module in gpt.named_modules():
-            leaf = name.rsplit(".", 1)[-1]
+            expert = getattr(module, "is_expert", False)
+            target = EXPERTS * expert + name.rsplit(".", 1)[-1]
             linear = isinstance(module, ColumnParallelLinear | RowParallelLinear)
             # the MTP layers (models/mtp.py) stay the checkpoint's under LoRA: they do not run in its steps
-            if leaf not in config.targets or not linear or getattr(module, "is_expert", False) or name.startswith(MTP):
+            if target not in config.targets or not linear or name.startswith(MTP):
                 continue
             slot = slots[id(module.weight)].removesuffix(".weight")
-            gated = leaf == "linear_fc1" and module.config.gated_linear_unit
-            adapter = Adapter(module, slot, config.rank, config.scale, seed, tp_group, gated)
-            module.register_forward_hook(_hook(adapter))
+            group = tp_group
+            if expert:
+                slot, group = (
+                    global_expert_name(slot, ep_rank, num_local),
+                    parallel_state.get_expert_tensor_parallel_group(),
+                )
+                if group.size() > 1:
+                    raise ValueError(f"{KEY}.targets: {target} needs expert tensor parallelism 1 (parallel.etp)")
+            gated = target.endswith("linear_fc1") and module.config.gated_linear_unit
+            adapter = Adapter(module, slot, config.rank, config.scale, seed, group, gated)
+            module.register_forward_hook(_hook(adapter))  # GroupedExperts adds expert adapters in its own forward
+            module.lora_adapter = [adapter]  # a list: not a submodule of the base
             adapters[adapter_key(slot)] = adapter
-            found.add(leaf)
+            found.add(target)
         gpt.lora = adapters
     if missing := sorted(set(config.targets) - found):
         raise ValueError(f"{KEY}.targets: {missing} match no linear of this model; remove them")

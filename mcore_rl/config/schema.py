@@ -493,8 +493,15 @@ class RunConfig:
             if missing := sorted(set(lora.targets) - present):
                 raise ConfigError(
                     f"models.policy_trainer.lora.targets: {missing} match no linear of "
-                    f"{m.policy_trainer.load!r} (multi-latent attention has no linear_qkv, an MoE layer adapts only "
-                    f"its shared experts' MLP, the routed experts are not adapted yet); adapt {sorted(present)}"
+                    f"{m.policy_trainer.load!r} (multi-latent attention has no linear_qkv; an MoE layer's linear_fc1 "
+                    f"and linear_fc2 are its shared experts', its routed experts' are experts.linear_fc1 and "
+                    f"experts.linear_fc2); adapt {sorted(present)}"
+                )
+            etp = m.policy_trainer.parallel.expert_tp
+            if etp > 1 and (experts := sorted(t for t in lora.targets if t.startswith("experts."))):
+                raise ConfigError(
+                    f"models.policy_trainer.lora.targets: {experts} need expert tensor parallelism 1 (each expert's "
+                    f"adapter whole on its rank), here {etp}; set models.policy_trainer.parallel.etp: 1"
                 )
         if m.uses("reward_model"):
             path, bridge = m.reward_model.load, get_bridge(m.reward_model.load)

@@ -154,17 +154,19 @@ def layer_params(a: Architecture, moe: bool, parallel: ParallelConfig) -> tuple[
 
 
 def adaptable_linears(a: Architecture, moe: bool) -> set[str]:
-    """The LoRA targets (models/lora.py) a layer has: MLA has no ``linear_qkv``; an MoE layer's MLP linears are its
-    shared experts' (the routed experts are not adapted)."""
+    """The LoRA targets (models/lora.py) a layer has: MLA has no ``linear_qkv``; an MoE layer's ``linear_fc1`` and
+    ``linear_fc2`` are its shared experts', ``experts.linear_fc1`` and ``experts.linear_fc2`` its routed experts'."""
     mlp = {"linear_fc1", "linear_fc2"} if a.shared_ffn or not moe else set()
-    return {"linear_proj"} | (set() if a.mla else {"linear_qkv"}) | mlp
+    experts = {"experts.linear_fc1", "experts.linear_fc2"} if moe else set()
+    return {"linear_proj"} | (set() if a.mla else {"linear_qkv"}) | mlp | experts
 
 
-def lora_params(a: Architecture, moe: bool, parallel: ParallelConfig, lora) -> int:
-    """LoRA adapter parameters of one layer on one device (models/lora.py): a column-parallel linear's A [r, in]
-    whole and B [out/tp, r], a row-parallel one's A [r, in/tp] and B [out, r] whole."""
+def lora_params(a: Architecture, moe: bool, parallel: ParallelConfig, lora) -> tuple[int, int]:
+    """(LoRA adapter parameters, of which routed experts') of one layer on one device (models/lora.py): a
+    column-parallel linear's A [r, in] whole and B [out/tp, r], a row-parallel one's A [r, in/tp] and B [out, r]
+    whole; each local routed expert's A and B whole (expert-TP 1)."""
     if not lora.rank:
-        return 0
+        return 0, 0
     tp, h, r = parallel.tp, a.hidden, lora.rank
     ffn = a.shared_ffn if moe else a.ffn
     shapes = {
@@ -173,8 +175,12 @@ def lora_params(a: Architecture, moe: bool, parallel: ParallelConfig, lora) -> i
         "linear_fc1": (h, 2 * ffn // tp),
         "linear_fc2": (ffn // tp, h),
     }
+    local = a.experts // parallel.ep
+    experts = {"experts.linear_fc1": (h, 2 * a.moe_ffn), "experts.linear_fc2": (a.moe_ffn, h)}
     targets = adaptable_linears(a, moe) & set(lora.targets)
-    return sum(r * (inp + out) for name, (inp, out) in shapes.items() if name in targets)
+    dense = sum(r * (inp + out) for name, (inp, out) in shapes.items() if name in targets)
+    routed = sum(local * r * (inp + out) for name, (inp, out) in experts.items() if name in targets)
+    return dense + routed, routed
 
 
 def mtp_params(a: Architecture, parallel: ParallelConfig) -> tuple[int, int]:
@@ -375,8 +381,9 @@ def trainer_memory(
             elif a.mtp_layers:
                 frozen = mtp_params(a, parallel)
         if lora is not None and lora.rank:
-            adapters = sum(lora_params(a, a.moe_layers[i], parallel, lora) for i in layers)
-            params, trained, trained_experts = params + adapters, adapters, 0
+            counts = [lora_params(a, a.moe_layers[i], parallel, lora) for i in layers]
+            adapters, expert_adapters = sum(c for c, _ in counts), sum(e for _, e in counts)
+            params, trained, trained_experts = params + adapters, adapters, expert_adapters
         else:
             trained, trained_experts = params - frozen[0], experts - frozen[1]
         memory = TrainerMemory(

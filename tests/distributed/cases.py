@@ -25,11 +25,11 @@ from parallel.device import Device
 from parallel.groups import init_parallel
 
 
-def _load(hf_dir: str, layout: dict):
+def _load(hf_dir: str, layout: dict, **overrides):
     parallel = ParallelConfig(**layout)
     groups = init_parallel(parallel)
     bridge = get_bridge(hf_dir)
-    config = bridge.transformer_config(parallel)
+    config = bridge.transformer_config(parallel, **overrides)
     chunks = bridge.build_model(config)
     load_weights(chunks, bridge, hf_dir, groups)
     return bridge, config, chunks, groups
@@ -735,31 +735,33 @@ def _full(tensor: torch.Tensor, axis: int | None, group) -> torch.Tensor:
     return torch.cat(shards, dim=axis)
 
 
-def lora_sgd_step(hf_dir: str, layout: dict, tokens: torch.Tensor, rank: int, targets: list[str]) -> dict:
+def lora_sgd_step(
+    hf_dir: str, layout: dict, tokens: torch.Tensor, rank: int, targets: list[str], grouped: bool = True
+) -> dict:
     """One SGD step (lr 1, no clipping) of LoRA adapters on a frozen model, B set to the base weight's first columns:
     the loss, the log-probs of ``tokens`` with the adapters and without them (the base model), each adapter's whole
     gradient (A's and B's, from the update) and how far each merged shard is from ``W + scale B A`` computed whole;
-    on every rank, all pipeline stages merged."""
+    on every rank, all pipeline stages merged. ``grouped``: an MoE model's experts as grouped GEMMs, or Megatron's
+    sequential experts."""
     from models.lora import LoRAConfig, adapters, adapters_off, attach_lora, merged
     from parallel.comm import all_gather_objects
 
-    bridge, config, chunks, groups = _load(hf_dir, layout)
+    bridge, config, chunks, groups = _load(hf_dir, layout, **({} if grouped else {"moe_grouped_gemm": False}))
     lora = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets)
     attach_lora(chunks, lora, seed=7, tp_group=groups.tp)
-    mine = adapters(chunks)
-    tp, tp_rank = groups.tp.size(), groups.tp.rank()
+    mine = adapters(chunks)  # a routed expert's over expert-TP (its adapter's tp_group), the others over TP
     for adapter in mine.values():  # B from the base weight (its rows, as each layout lays them out): not zero
         weight = adapter.base_weight.detach()
         with torch.no_grad():
-            adapter.b.copy_((weight if adapter.column else _full(weight, 1, groups.tp))[:, :rank])
+            adapter.b.copy_((weight if adapter.column else _full(weight, 1, adapter.tp_group))[:, :rank])
     read = merged(chunks)
     merge_error = 0.0
     for adapter in mine.values():  # the merge against W + scale B A from whole tensors
-        column = adapter.column
-        whole_w = _full(adapter.base_weight.detach(), 0 if column else 1, groups.tp)
-        whole_a = _full(adapter.a.detach(), None if column else 1, groups.tp)
-        whole_b = _full(adapter.b.detach(), 0 if column else None, groups.tp)
-        want = shard(whole_w + lora.scale * whole_b @ whole_a, 0 if column else 1, tp_rank, tp)
+        column, group = adapter.column, adapter.tp_group
+        whole_w = _full(adapter.base_weight.detach(), 0 if column else 1, group)
+        whole_a = _full(adapter.a.detach(), None if column else 1, group)
+        whole_b = _full(adapter.b.detach(), 0 if column else None, group)
+        want = shard(whole_w + lora.scale * whole_b @ whole_a, 0 if column else 1, group.rank(), group.size())
         merge_error = max(merge_error, (read(adapter.base_weight) - want).abs().max().item())
     before = {slot: (a.a.detach().clone(), a.b.detach().clone()) for slot, a in mine.items()}
     optimizer = OptimizerConfig(optimizer="sgd", lr=1.0, clip_grad=0.0, use_distributed_optimizer=False)
@@ -781,17 +783,17 @@ def lora_sgd_step(hf_dir: str, layout: dict, tokens: torch.Tensor, rank: int, ta
     result = step.step(microbatches, loss_fn)
     grads, table = {}, MappingTable(bridge.mappings())
     for slot, adapter in mine.items():  # SGD at lr 1: the gradient is what the step took away
-        a_old, b_old = before[slot]
-        grad_a = _full(a_old - adapter.a.detach(), None if adapter.column else 1, groups.tp)
-        grad_b = _full(b_old - adapter.b.detach(), 0 if adapter.column else None, groups.tp)
+        a_old, b_old, group = *before[slot], adapter.tp_group
+        grad_a = _full(a_old - adapter.a.detach(), None if adapter.column else 1, group)
+        grad_b = _full(b_old - adapter.b.detach(), 0 if adapter.column else None, group)
         if adapter.column:  # B's rows are laid out as W's (gate/up per TP rank): compared in HF's order
             mapping, _ = table.resolve(f"{slot}.weight")
-            grad_b = torch.cat(mapping.to_hf(grad_b, tp))
+            grad_b = torch.cat(mapping.to_hf(grad_b, group.size()))
         grads[slot] = (grad_a, grad_b)
-    merged_grads = {}
-    for part in all_gather_objects(grads, groups.pp):
+    merged_grads = {}  # every stage's, every EP rank's experts
+    for part in all_gather_objects(grads, torch.distributed.group.WORLD):
         merged_grads |= part
-    errors = all_gather_objects(merge_error, groups.pp)
+    errors = all_gather_objects(merge_error, torch.distributed.group.WORLD)
     return {
         "loss": result.loss,
         "base_logp": base_logp,
@@ -802,23 +804,25 @@ def lora_sgd_step(hf_dir: str, layout: dict, tokens: torch.Tensor, rank: int, ta
     }
 
 
-def lora_checkpoint_export(hf_dir: str, layout: dict, directory: str, load: bool) -> dict[str, torch.Tensor]:
-    """Adapters (rank 4) on the model under ``layout``: with B from the base weights, saved to ``directory``
-    (``load`` False), or loaded from it; the merged HF tensors exported either way."""
+def lora_checkpoint_export(
+    hf_dir: str, layout: dict, directory: str, load: bool, targets: list[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Adapters (rank 4, on ``targets``; default LoRA's) on the model under ``layout``: with B from the base
+    weights, saved to ``directory`` (``load`` False), or loaded from it; the merged HF tensors exported either way."""
     from megatron.core import dist_checkpointing
 
     from converters.torch_dist import load_model, model_state
     from models.lora import LoRAConfig, adapters, attach_lora, merged
 
     bridge, _, chunks, groups = _load(hf_dir, layout)
-    attach_lora(chunks, LoRAConfig(rank=4, alpha=8.0), seed=7, tp_group=groups.tp)
+    attach_lora(chunks, LoRAConfig(rank=4, alpha=8.0, **({"targets": targets} if targets else {})), 7, groups.tp)
     if load:
         load_model(chunks, directory)
     else:
         for adapter in adapters(chunks).values():
             weight = adapter.base_weight.detach()
             with torch.no_grad():
-                adapter.b.copy_((weight if adapter.column else _full(weight, 1, groups.tp))[:, :4])
+                adapter.b.copy_((weight if adapter.column else _full(weight, 1, adapter.tp_group))[:, :4])
         dist_checkpointing.save(model_state(chunks), directory)
     return {name: t.clone() for name, t in export_hf(chunks, bridge, groups, read=merged(chunks))}
 

@@ -5,6 +5,8 @@ under other layouts; the converter exports a PEFT adapter and a merged model tha
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -17,28 +19,33 @@ from tests.tiny import make_tiny
 
 LAYOUTS = [dict(tp=2), dict(tp=2, sequence_parallel=True), dict(pp=2), dict(tp=2, pp=2, sequence_parallel=True)]
 MOE_LAYOUTS = [dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)]
+EXPERT_LAYOUTS = [dict(ep=2), dict(tp=2, ep=2, etp=1, sequence_parallel=True), dict(pp=2, ep=2)]
 ATTENTION, MLP = ["linear_qkv", "linear_proj"], ["linear_fc1", "linear_fc2"]
+EXPERTS = ["experts.linear_fc1", "experts.linear_fc2"]
 
 
 @pytest.mark.parametrize(
-    ("arch", "targets", "layouts"),
+    ("arch", "targets", "layouts", "grouped"),
     [
-        ("LlamaForCausalLM", ATTENTION + MLP, LAYOUTS),
-        ("Qwen3ForCausalLM", ATTENTION + MLP, LAYOUTS),
-        ("Qwen3MoeForCausalLM", ATTENTION, MOE_LAYOUTS),  # routed experts only: the attention is adapted
-        ("DeepseekV3ForCausalLM", ["linear_proj", *MLP], MOE_LAYOUTS),  # MLA's output, the dense and shared MLPs
+        ("LlamaForCausalLM", ATTENTION + MLP, LAYOUTS, True),
+        ("Qwen3ForCausalLM", ATTENTION + MLP, LAYOUTS, True),
+        ("Qwen3MoeForCausalLM", ATTENTION, MOE_LAYOUTS, True),
+        ("DeepseekV3ForCausalLM", ["linear_proj", *MLP], MOE_LAYOUTS, True),  # MLA's output, dense and shared MLPs
+        # the routed experts: as grouped GEMMs (adapters in their forward) and sequential (forward hooks)
+        ("Qwen3MoeForCausalLM", ATTENTION + EXPERTS, EXPERT_LAYOUTS, False),
+        ("DeepseekV3ForCausalLM", EXPERTS, EXPERT_LAYOUTS, True),
     ],
 )
-def test_lora_step_matches_one_rank_under_every_layout(ranks, tiny_models, arch, targets, layouts):
+def test_lora_step_matches_one_rank_under_every_layout(ranks, tiny_models, arch, targets, layouts, grouped):
     tokens = torch.randint(0, 100, (4, 17), generator=torch.Generator().manual_seed(3))
-    step = dict(hf_dir=tiny_models[arch], tokens=tokens, rank=4, targets=targets)
+    step = dict(hf_dir=tiny_models[arch], tokens=tokens, rank=4, targets=targets, grouped=grouped)
     # the model whole on every rank (data parallel only): the reference the model-parallel layouts must equal
     reference = ranks.run(cases.lora_sgd_step, layout={}, **step)[0]
     assert reference["merge_error"] < 1e-6
     assert (reference["lora_logp"] - reference["base_logp"]).abs().max() > 1e-3  # B is not zero: the adapters act
     assert all("lora." in n for n in reference["trained"]), reference["trained"][:4]  # only the adapters train
     slots = sorted(reference["grads"])
-    assert {s.rsplit(".", 1)[1] for s in slots} == set(targets)
+    assert {"experts." * ("local_experts" in s) + s.rsplit(".", 1)[1] for s in slots} == set(targets)
     assert all(g.abs().max() > 0 for pair in reference["grads"].values() for g in pair)
     for layout in layouts:
         for got in ranks.run(cases.lora_sgd_step, layout=layout, **step):
@@ -75,6 +82,39 @@ def test_lora_checkpoints_and_merged_exports_are_layout_free(ranks, tmp_path):
             assert (loaded[0][name] - tensor).abs().max() < 1e-6, (layout, name)
     with pytest.raises(Exception, match="holds LoRA adapters .* and this model has none"):
         ranks.run(cases.load_plain, hf_dir=hf_dir, layout=dict(), directory=str(directory))
+
+
+def test_expert_adapters_checkpoint_under_their_global_experts(ranks, tmp_path):
+    """DeepSeek-V3's routed experts' adapters saved under EP 2 (TP 2, expert-TP 1, SP) load under one rank and under
+    PP 2 x EP 2: each expert's adapter is stored under its global expert, and the merged export is the same."""
+    # a vocabulary that TP 1 and TP 2 pad alike
+    hf_dir = str(make_tiny("DeepseekV3ForCausalLM", tmp_path / "deepseek", vocab_size=256))
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    targets = ["linear_proj", "experts.linear_fc1", "experts.linear_fc2"]
+    run = lambda layout, load: ranks.run(  # noqa: E731
+        cases.lora_checkpoint_export, hf_dir=hf_dir, layout=layout, directory=str(directory), load=load, targets=targets
+    )[0]
+    saved = run(dict(tp=2, ep=2, etp=1, sequence_parallel=True), False)
+    base = HFCheckpoint(hf_dir)
+    changed = {n for n, t in saved.items() if not torch.equal(t, base.get(n))}
+    assert {n for n in changed if ".mlp.experts." in n} == {
+        n for n in saved if ".mlp.experts." in n and not n.startswith("model.layers.4.")
+    }  # every routed expert of the decoder's MoE layers (the MTP layer is not adapted)
+    for layout in (dict(), dict(pp=2, ep=2)):
+        loaded = run(layout, True)
+        assert loaded.keys() == saved.keys()
+        for name, tensor in saved.items():
+            assert (loaded[name] - tensor).abs().max() < 1e-6, (layout, name)
+    # mcore-rl-mcore2hf: the merged model, the trainer's; no PEFT adapter (PEFT has no place for them on
+    # transformers' fused experts)
+    (directory / "lora.json").write_text(json.dumps({"rank": 4, "alpha": 8.0}))
+    refused = cli("mcore2hf", directory, tmp_path / "peft", "--hf-config", hf_dir)
+    assert refused.returncode == 2 and "adapters on routed experts" in refused.stderr and "--merge" in refused.stderr
+    assert cli("mcore2hf", directory, tmp_path / "merged", "--hf-config", hf_dir, "--merge").returncode == 0
+    exported = HFCheckpoint(tmp_path / "merged")
+    for name, tensor in saved.items():
+        assert (exported.get(name) - tensor).abs().max() < 1e-6, name
 
 
 def test_a_smollm2_lora_checkpoint_exports_a_peft_adapter_and_a_merged_model_as_the_trainer_computes(ranks3, tmp_path):

@@ -64,11 +64,13 @@ def params_per_rank(hf_dir: str, layout: dict) -> tuple[int, int, int]:
     return torch.distributed.get_rank(groups.pp), sum(p.numel() for p in params), experts
 
 
-def lora_params_per_rank(hf_dir: str, layout: dict, targets: list[str]) -> tuple[int, int]:
-    """(pipeline rank, LoRA adapter parameters of rank 8 on ``targets``) this rank's Megatron model holds."""
+def lora_params_per_rank(hf_dir: str, layout: dict, targets: list[str]) -> tuple[int, tuple[int, int]]:
+    """(pipeline rank, (LoRA adapter parameters of rank 8 on ``targets``, of which expert-parallel)) this rank's
+    Megatron model holds."""
     from models.lora import LoRAConfig, adapters, attach_lora
 
     _, _, chunks, groups = _load(hf_dir, layout)
     attach_lora(chunks, LoRAConfig(rank=8, targets=targets), seed=0, tp_group=groups.tp)
-    count = sum(p.numel() for a in adapters(chunks).values() for p in a.parameters())
-    return torch.distributed.get_rank(groups.pp), count
+    params = [p for a in adapters(chunks).values() for p in a.parameters()]
+    experts = sum(p.numel() for p in params if not getattr(p, "allreduce", True))
+    return torch.distributed.get_rank(groups.pp), (sum(p.numel() for p in params), experts)

@@ -29,7 +29,7 @@ from mcore_rl.planner.memory import (
 )
 from mcore_rl.planner.meta import hf_tensors
 from mcore_rl.rollout.engine import RolloutConfig
-from models.lora import TARGETS, LoRAConfig
+from models.lora import LINEARS, LoRAConfig
 from models.registry import get_bridge
 from parallel.config import ParallelConfig
 from tests.planner import activations
@@ -99,24 +99,26 @@ def test_stage_params_equal_megatron_models(ranks, tiny_models, moonlight, arch,
 @pytest.mark.parametrize(
     ("arch", "layout", "targets"),
     [
-        ("LlamaForCausalLM", dict(pp=2, tp=2), list(TARGETS)),
+        ("LlamaForCausalLM", dict(pp=2, tp=2), list(LINEARS)),
         (
             "DeepseekV3ForCausalLM",
             dict(pp=2, ep=2, tp=2, etp=1, sequence_parallel=True, last_stage_layers=1),
-            ["linear_proj", "linear_fc1"],
+            ["linear_proj", "linear_fc1", "experts.linear_fc1", "experts.linear_fc2"],
         ),
     ],
 )
 def test_lora_params_equal_the_adapters_megatron_models_hold(ranks, tiny_models, arch, layout, targets):
-    """Dense layers and DeepSeek's MoE layers (MLA's output projection, the shared experts' MLP)."""
+    """Dense layers and DeepSeek's MoE layers (MLA's output projection, the shared experts' MLP, the routed
+    experts' linears: expert-parallel parameters, as the model's experts)."""
     a = Architecture.from_bridge(get_bridge(tiny_models[arch]))
     parallel, lora = ParallelConfig(**layout), LoRAConfig(rank=8, targets=targets)
     stages = [
-        sum(lora_params(a, a.moe_layers[i], parallel, lora) for i in ls) for ls in rank_layers(parallel, a.layers)
+        tuple(map(sum, zip(*(lora_params(a, a.moe_layers[i], parallel, lora) for i in ls), strict=True)))
+        for ls in rank_layers(parallel, a.layers)
     ]
     results = ranks.run(activations.lora_params_per_rank, hf_dir=tiny_models[arch], layout=layout, targets=targets)
     for stage, count in results:
-        assert count == stages[stage] > 0, (stage, count, stages)
+        assert count == stages[stage] and count[0] > 0, (stage, count, stages)
 
 
 @pytest.mark.parametrize(
@@ -304,7 +306,7 @@ def test_a_lora_plan_trains_the_adapters_alone():
     full = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b"), 80 * GiB)
     plan = plan_memory(_config("qwen3_8b_grpo", "qwen3_8b", "models.policy_trainer.lora.rank=16"), 80 * GiB)
     a, parallel = Architecture.from_bridge(get_bridge(str(PUBLIC / "qwen3_8b"))), ParallelConfig(tp=2)
-    adapters = sum(lora_params(a, False, parallel, LoRAConfig(rank=16)) for _ in range(a.layers))
+    adapters = sum(lora_params(a, False, parallel, LoRAConfig(rank=16))[0] for _ in range(a.layers))
     assert plan.trainer.weights == full.trainer.weights + 2 * adapters
     assert plan.trainer.grads == 4 * adapters and plan.trainer.optimizer == 12 * adapters // 4  # DP 4
     assert plan.trainer.static < full.trainer.static / 2

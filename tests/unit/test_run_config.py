@@ -499,6 +499,19 @@ def test_lora_keys_are_checked_and_replace_the_reference_role(run_yaml, tmp_path
             load_run_config(
                 run_yaml, [f"models.policy_trainer.load={model}", "models.policy_trainer.lora.rank=8", *layout]
             )
+    # the routed experts' adapters: whole per expert, so expert tensor parallelism 1
+    experts = [
+        f"models.policy_trainer.load={tmp_path / 'Qwen3MoeForCausalLM'}",
+        "models.policy_trainer.lora.rank=8",
+        "models.policy_trainer.lora.targets=[linear_qkv,experts.linear_fc1,experts.linear_fc2]",
+        "models.policy_trainer.parallel.tp=2",
+        "models.policy_trainer.parallel.sequence_parallel=true",
+        "models.ref_policy.parallel.tp=1",
+        "runtime_args.num_devices=2",
+    ]
+    with pytest.raises(ConfigError, match=r"\['experts.linear_fc1', 'experts.linear_fc2'\] need expert tensor .* 2;"):
+        load_run_config(run_yaml, experts)
+    assert load_run_config(run_yaml, [*experts, "models.policy_trainer.parallel.etp=1"]).models.policy_trainer.lora.rank
 
 
 def test_an_mtp_loss_needs_mtp_layers_and_trains_them_without_lora_or_shared_prompts(run_yaml, tiny_models):
