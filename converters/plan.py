@@ -40,6 +40,7 @@ def global_expert_name(slot: str, ep_rank: int, num_local_experts: int) -> str:
 
 
 ADAPTERS = "lora."  # the module of a chunk's LoRA adapters (their parameters' and checkpoint keys' prefix)
+MTP = "mtp."  # Megatron's multi-token-prediction block (its parameters' and checkpoint keys' prefix; models/mtp.py)
 
 
 def adapter_key(slot: str) -> str:

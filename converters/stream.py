@@ -16,10 +16,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from converters.hf_io import HFCheckpoint
 from converters.mapping import Mapping, MappingTable, Target, check_tensors, unexpected_tensors
-from converters.plan import LocalParam, global_expert_name, local_params
+from converters.plan import MTP, LocalParam, global_expert_name, local_params
 from converters.torch_dist import find_megatron, load_model
 from converters.transforms import full_shape, shard
-from models.mtp import MTP
 from parallel.comm import all_gather_bucket, all_gather_objects, broadcast_bucket
 
 DEFAULT_BUCKET_BYTES = 512 << 20

@@ -69,7 +69,7 @@ class GroupedExperts(SequentialMLP):
         offsets = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)
         fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
         fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
-        intermediate = self._with_lora("linear_fc1", hidden, grouped_linear(hidden, fc1, offsets), tokens_per_expert)
+        intermediate = _with_lora(self, "linear_fc1", hidden, grouped_linear(hidden, fc1, offsets), tokens_per_expert)
         if self.config.gated_linear_unit:
             gate, linear = intermediate.chunk(2, dim=-1)
             intermediate = self.config.activation_func(gate) * linear
@@ -77,13 +77,14 @@ class GroupedExperts(SequentialMLP):
             intermediate = self.config.activation_func(intermediate)
         intermediate = (intermediate * probs.unsqueeze(-1)).to(hidden.dtype)
         out = grouped_linear(intermediate, fc2, offsets)
-        return self._with_lora("linear_fc2", intermediate, out, tokens_per_expert), None
+        return _with_lora(self, "linear_fc2", intermediate, out, tokens_per_expert), None
 
-    def _with_lora(self, name: str, x: torch.Tensor, out: torch.Tensor, tokens_per_expert: torch.Tensor):
-        """``out`` of projection ``name`` plus its experts' LoRA adapters' (models/lora.py: the hooks they put on
-        the expert linears never run here), each over its expert's rows of ``x``."""
-        adapters = [getattr(getattr(e, name), "lora_adapter", [None])[0] for e in self.local_experts]
-        if adapters[0] is None or not adapters[0].enabled:
-            return out
-        parts = x.split(tokens_per_expert.tolist())
-        return out + torch.cat([a.delta(part) for a, part in zip(adapters, parts, strict=True)])
+
+def _with_lora(experts: SequentialMLP, name: str, x: torch.Tensor, out: torch.Tensor, tokens_per_expert: torch.Tensor):
+    """``out`` of the experts' projection ``name`` plus their LoRA adapters' (models/lora.py: the hooks they put on
+    the expert linears never run in a grouped forward), each over its expert's rows of ``x``."""
+    adapters = [getattr(getattr(e, name), "lora_adapter", [None])[0] for e in experts.local_experts]
+    if adapters[0] is None or not adapters[0].enabled:
+        return out
+    parts = x.split(tokens_per_expert.tolist())
+    return out + torch.cat([a.delta(part) for a, part in zip(adapters, parts, strict=True)])

@@ -40,9 +40,8 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from converters.plan import adapter_key, global_expert_name, local_params
+from converters.plan import MTP, adapter_key, global_expert_name, local_params
 from converters.transforms import shard
-from models.mtp import MTP
 
 KEY = "models.policy_trainer.lora"
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # attention, MLP (dense or shared experts)

@@ -2,8 +2,8 @@
 
 Megatron's ``GPTModel`` runs its MTP block only to add its own LM loss when given ``labels``; mcore-rl scores and
 trains from logits. :class:`MTPModel` runs the block only while :func:`mtp_active` (a policy step with
-``mtp_loss_coef``; its loss: :mod:`mcore_rl.algorithms.mtp`) and then returns each depth's logits beside the model's (:class:`MTPOutput`); otherwise it is
-the plain model, whose MTP weights still load, save and sync.
+``mtp_loss_coef``; its loss: :mod:`mcore_rl.algorithms.mtp`) and then returns each depth's logits beside the
+model's (:class:`MTPOutput`); otherwise it is the plain model, whose MTP weights still load and save.
 
 Depth k (1..D) at position i combines the main model's final (normed) hidden state of token i with the embedding
 of token i + k and predicts token i + k + 1 (DeepSeek-V3 technical report, section 2.2). The released checkpoints'
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from megatron.core.models.gpt import GPTModel
 
-MTP = "mtp."  # the MTP block's parameter names (Megatron's)
+from converters.plan import MTP
 
 
 class MTPOutput(NamedTuple):

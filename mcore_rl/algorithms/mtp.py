@@ -22,9 +22,9 @@ def mtp_logprobs(batch: dict, depths: tuple[torch.Tensor, ...], vocab_size: int,
 
 
 def mtp_loss(logps: list[torch.Tensor], mask: torch.Tensor, share: Share | None = None) -> torch.Tensor:
-    """DeepSeek-V3's MTP loss on the response tokens, from :func:`mtp_logprobs` in rows: per depth k the cross-entropy of the response tokens it
-    predicts (position i predicts token i + k + 1, a response token where ``mask[i + k]``) over the response's
-    token count (the report's 1/T), averaged over the depths. ``share``: the micro-batch's part of the batch mean
+    """DeepSeek-V3's MTP loss on the response tokens, from :func:`mtp_logprobs` in rows: per depth k the
+    cross-entropy of the response tokens it predicts (position i predicts token i + k + 1, a response token where
+    ``mask[i + k]``) over the response's token count (the report's 1/T), averaged over the depths. ``share``: the micro-batch's part of the batch mean
     (:class:`mcore_rl.algorithms.grpo.Share`)."""
     losses = []
     for k, logp in enumerate(logps, start=1):

@@ -26,7 +26,10 @@ def value_loss(
     mask = mask.to(values.dtype)
     error = (values - returns) ** 2
     if clip:
-        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        # V itself where it is within the clip (V_old + (V - V_old) may round away from V: the clipped term would
+        # then count as larger for an unclipped token)
+        delta = values - old_values
+        clipped = torch.where(delta.abs() > clip, old_values + delta.clamp(-clip, clip), values)
         clipped_error = (clipped - returns) ** 2
         per_token = 0.5 * torch.maximum(error, clipped_error)
         clip_fraction = aggregate((clipped_error > error).to(values.dtype), mask, "token-mean", share)

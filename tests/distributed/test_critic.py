@@ -66,7 +66,9 @@ def test_critic_resumes_exactly_from_its_checkpoint(ranks, tiny_models, tmp_path
     digest = ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout=dict(pp=2))[0]["digest"]
     for result in resumed:
         for key, value in digest.items():
-            assert result["digest"][key] == pytest.approx(value, rel=1e-6), key
+            # the first episode ran under TP 2 there and PP 2 here: fp32 rounding, which the sum of the signed first
+            # moments (about 0.05 from cancelling terms) turns into about 1e-7 absolute
+            assert result["digest"][key] == pytest.approx(value, rel=1e-6, abs=1e-6), key
 
 
 def _hf_values(hf_dir: str, tokens: torch.Tensor, head: torch.Tensor | None = None) -> torch.Tensor:

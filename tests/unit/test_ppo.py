@@ -40,6 +40,21 @@ def test_value_loss_is_the_clipped_squared_error(clip):
     assert (halves[0][0] + halves[1][0]).item() / 2 == pytest.approx(loss.item(), rel=1e-6)
 
 
+def test_an_unclipped_token_never_counts_as_clipped():
+    """Within the clip, V_old + (V - V_old) may round away from V: such a token is not clipped, and its loss and
+    gradient are the plain squared error's."""
+    generator = torch.Generator().manual_seed(0)
+    old = 0.1 * (2 * torch.rand(64, 32, generator=generator) - 1)
+    values = (0.1 * (2 * torch.rand(64, 32, generator=generator) - 1)).requires_grad_()  # within clip 0.2 of old
+    returns = torch.randn(64, 32, generator=generator)
+    assert ((old + (values.detach() - old)) != values.detach()).any()  # rounding is there to be caught
+    loss, metrics = value_loss(values, old, returns, torch.ones(64, 32), clip=0.2)
+    assert metrics["value_clip_fraction"].item() == 0.0
+    assert loss.item() == 0.5 * ((values.detach() - returns) ** 2).mean().item()
+    loss.backward()
+    assert torch.equal(values.grad, (values.detach() - returns) / values.numel())
+
+
 def test_explained_variance():
     mask = MASK.bool()
     assert explained_variance(RETURNS, RETURNS, MASK) == 1.0
