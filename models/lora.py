@@ -11,6 +11,10 @@
   [r, in/tp] splits like ``W`` on its columns, ``B`` is replicated: ``h = sum_t A_t x_t`` (all-reduced), ``B h``
   on every rank, scattered to the sequence shards under sequence parallelism.
 
+* A routed expert's linear (``experts.linear_fc1``/``experts.linear_fc2``; expert-TP 1): ``A`` and ``B`` whole on
+  the expert's EP rank, applied to that expert's tokens (by a hook, or by :class:`models.experts.GroupedExperts`'
+  own forward), reduced over the expert-data-parallel ranks and checkpointed under the global expert's name.
+
 Merged weights are ``W_t + scale * B_t A`` (column) or ``W_t + scale * B A_t`` (row): local, no communication.
 Adapters start as PEFT's (``A`` uniform in +-1/sqrt(in), ``B`` zero), each drawn whole from a generator seeded by
 its layer's global name and then sharded, so every layout starts from the same adapters. They live in one
@@ -173,13 +177,8 @@ def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp
     """Freeze every parameter of ``chunks`` and adapt the ``config.targets`` linears: each chunk's GPTModel gains a
     ``lora`` module holding its adapters (keyed by the base weights' global names). Returns the adapted count;
     a target that matches no linear of the model is a ``ValueError`` naming it."""
-    params = local_params(chunks)
-    slots = {id(lp.param): lp.slot for lp in params}
-    num_local = (
-        chunks[0].config.num_moe_experts // parallel_state.get_expert_model_parallel_world_size()
-        if any(lp.is_expert for lp in params)
-        else 0
-    )
+    slots = {id(lp.param): lp.slot for lp in local_params(chunks)}
+    num_local = (chunks[0].config.num_moe_experts or 0) // parallel_state.get_expert_model_parallel_world_size()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     found = set()
     for chunk in chunks:
