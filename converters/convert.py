@@ -21,8 +21,10 @@ import torch
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from converters import peft
 from converters.hf_io import HFCheckpoint, SafetensorsWriter, TensorEntry
 from converters.mapping import MappingTable, Target, check_tensors, unexpected_tensors
+from converters.peft import peft_config, peft_tensors, target_modules
 from converters.plan import ADAPTERS, adapted_slot
 from converters.torch_dist import LORA_FILE, Reader, Schema, Slot, Writer, model_schema
 
@@ -201,30 +203,19 @@ def write_hf(
     return Report(len(entries), sum(e.nbytes for e in entries), len(writer.shards))
 
 
-PEFT_CONFIG = "adapter_config.json"
-PEFT_WEIGHTS = "adapter_model.safetensors"
-
-
 def write_peft(source: MegatronSource, out: Path, base: str, dtype: torch.dtype | None) -> Report:
-    """The checkpoint's LoRA adapters as a PEFT adapter directory over the HF model ``base``: each adapted weight's
-    HF tensors (q/k/v, gate/up) get the adapter's A, shared, and their rows of B, split by the weight's own mapping."""
-    tensors, modules = {}, set()
+    """The checkpoint's LoRA adapters as a PEFT adapter directory over the HF model ``base``
+    (:mod:`converters.peft`)."""
+    tensors = {}
     for name in source.adapters.keys:
         a, b = source.adapter(name)
         mapping, captures = source.table.resolve(name)
-        for hf_name, rows in zip(mapping.hf_names(captures), mapping.to_hf(b, 1), strict=True):
-            module = hf_name.removesuffix(".weight")
-            modules.add(module.rsplit(".", 1)[-1])
-            for part, tensor in (("lora_A", a), ("lora_B", rows)):
-                tensors[f"base_model.model.{module}.{part}.weight"] = tensor.to(dtype or torch.float32).clone()
-    save_file(tensors, out / PEFT_WEIGHTS)  # adapters are small: one file
+        for peft_name, tensor in peft_tensors(mapping, captures, a, b, 1):
+            tensors[peft_name] = tensor.to(dtype or torch.float32).clone()
+    save_file(tensors, out / peft.WEIGHTS)  # adapters are small: one file
     lora = source.adapters
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": lora.rank,
-        "lora_alpha": lora.alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "target_modules": sorted(modules), "use_rslora": False, "init_lora_weights": True,
-    }  # fmt: skip
-    (out / PEFT_CONFIG).write_text(json.dumps(config, indent=1) + "\n")
+    config = peft_config(lora.rank, lora.alpha, target_modules(tensors), base)
+    (out / peft.CONFIG).write_text(json.dumps(config, indent=1) + "\n")
     return Report(len(tensors), sum(t.numel() * t.element_size() for t in tensors.values()), 1)
 
 

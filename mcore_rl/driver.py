@@ -292,7 +292,11 @@ class System:
             for role in megatron_roles:
                 if role not in self.resident:
                     role.offload()
-        rollout = dataclasses.replace(m.policy.rollout, return_routed_experts=trainer.moe.routing_replay)
+        rollout = dataclasses.replace(
+            m.policy.rollout,
+            return_routed_experts=trainer.moe.routing_replay,
+            lora_rank=trainer.lora.rank if m.policy.sync.lora == "adapter" else 0,
+        )
         self.rollout = RolloutGroup.launch(
             m.policy.load, rollout, self.placement, rt.devices("rollout"), f"{name}/policy", rt.colocated, cores
         )

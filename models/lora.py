@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -44,8 +45,11 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from converters.mapping import MappingTable
+from converters.peft import peft_tensors
 from converters.plan import MTP, adapter_key, global_expert_name, local_params
 from converters.transforms import shard
+from parallel.comm import all_gather_bucket, all_gather_objects, broadcast_bucket
 
 KEY = "models.policy_trainer.lora"
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # attention, MLP (dense or shared experts)
@@ -246,3 +250,52 @@ def merged(chunks: list[torch.nn.Module]):
         return param.detach() if adapter is None else adapter.merged()
 
     return read
+
+
+def export_peft(chunks: list[torch.nn.Module], bridge, groups, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every adapter as PEFT tensors (:mod:`converters.peft`), whole on every rank, stage by stage: per bucket of
+    at most ``bucket_bytes``, one all_gather of the TP-split factors (B of a column-parallel weight, A of a
+    row-parallel one) and one broadcast over PP. Yielded tensors may alias the adapters: copy them before the
+    model moves on. Routed experts' adapters have no PEFT form (refused by name)."""
+    mine = adapters(chunks)
+    if experts := sorted(slot for slot, a in mine.items() if a.expert):
+        raise ValueError(f"{KEY}.targets: adapters of routed experts ({experts[0]}, ...) have no PEFT form")
+    table, tp = MappingTable(bridge.mappings()), groups.tp.size()
+    layout = [(slot, a.column, tuple(a.a.shape), tuple(a.b.shape), a.a.dtype) for slot, a in sorted(mine.items())]
+    device = next(chunks[0].parameters()).device
+    for owner, stage in enumerate(all_gather_objects(layout, groups.pp)):
+        for bucket in _byte_buckets(stage, bucket_bytes, tp):
+            # whole shapes: the split factor (B's rows of a column-parallel weight, A's columns of a row one) * tp
+            shapes = [
+                torch.Size(s)
+                for _, column, a, b, _ in bucket
+                for s in ((a, (b[0] * tp, b[1])) if column else ((a[0], a[1] * tp), b))
+            ]
+            tensors = None
+            if groups.pp.rank() == owner:
+                split = [mine[slot].b if column else mine[slot].a for slot, column, *_ in bucket]
+                gathered = all_gather_bucket([t.detach() for t in split], groups.tp)
+                tensors = []
+                for i, (slot, column, *_) in enumerate(bucket):
+                    whole = torch.cat([shards[i] for shards in gathered], dim=0 if column else 1)
+                    a, b = mine[slot].a.detach(), mine[slot].b.detach()
+                    tensors += [a, whole] if column else [whole, b]
+            tensors = broadcast_bucket(tensors, shapes, bucket[0][4], owner, groups.pp, device)
+            for i, (slot, *_) in enumerate(bucket):
+                mapping, captures = table.resolve(f"{slot}.weight")
+                yield from peft_tensors(mapping, captures, tensors[2 * i], tensors[2 * i + 1], tp)
+
+
+def _byte_buckets(stage: list, budget: int, tp: int) -> Iterator[list]:
+    """Consecutive adapters of one stage, up to ``budget`` bytes of whole factors each (at least one)."""
+    bucket, size = [], 0
+    for entry in stage:
+        _, _, a, b, dtype = entry
+        nbytes = (math.prod(a) + math.prod(b)) * tp * dtype.itemsize  # a bound: one factor is whole already
+        if bucket and size + nbytes > budget:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(entry)
+        size += nbytes
+    if bucket:
+        yield bucket

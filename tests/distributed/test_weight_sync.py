@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,44 @@ def test_bf16_engine_casts_fp32_trainer_weights_at_the_receiver(ranks, tiny_mode
     assert report["stale_rejected"]
     # bf16 rounding of fp32 weights (8 mantissa bits): measured max 8.5e-3, mean 1.6e-3 on this model
     assert report["probe_max_abs_diff"] <= 0.05 and report["probe_mean_abs_diff"] <= 5e-3, report
+
+
+# (architecture, rollout TP, training layouts, sync.lora)
+LORA_CASES = [
+    ("Qwen3ForCausalLM", 1, [dict(tp=2, sequence_parallel=True), dict(pp=2)], "adapter"),  # tied, qk-norm
+    ("LlamaForCausalLM", 2, [dict(tp=2)], "adapter"),  # each engine worker loads its shard of every adapter
+    ("Qwen3ForCausalLM", 1, [dict(tp=2, sequence_parallel=True)], "merged"),
+]
+
+
+@pytest.mark.parametrize(
+    "arch,rollout_tp,layouts,mode", LORA_CASES, ids=[f"{c[0]}-rollout_tp{c[1]}-{c[3]}" for c in LORA_CASES]
+)
+def test_lora_policies_sync_adapters_alone_or_merged(ranks, tiny_models, ray_address, arch, rollout_tp, layouts, mode):
+    """sync.lora: adapter: after each LoRA step only the adapters travel (as PEFT tensors), the engine replaces its
+    adapter in place, and its log-probs (base weights from its own start + adapter) equal the trainer's; merged:
+    W + scale B A travels, to an engine without LoRA."""
+    adapter = mode == "adapter"
+    config = dataclasses.replace(ENGINE, tensor_parallel_size=rollout_tp, lora_rank=8 * adapter, sleep_level=1)
+    model_bytes = sum(f.stat().st_size for f in Path(tiny_models[arch]).glob("*.safetensors"))
+    actor = launch_engine(tiny_models[arch], config, name=f"rollout-lora-{arch}")
+    try:
+        for layout in layouts:
+            reports = ranks.run(
+                cases.train_and_sync,
+                hf_dir=tiny_models[arch],
+                layout=layout,
+                ray_address=ray_address,
+                engines={0: f"rollout-lora-{arch}"},
+                steps=2,
+                bucket_bytes=64 << 10,  # several buckets
+                engine_tp=rollout_tp,
+                lora_rank=8,
+                sync_lora=mode,
+            )
+            for r in reports[0]:
+                assert r["stale_rejected"], (layout, "the probe did not notice that the engine's policy was behind")
+                assert r["probe_max_abs_diff"] <= 1e-4, (layout, r)
+                assert r["buckets"] > 1 and (r["bytes"] < model_bytes / 4 if adapter else r["bytes"] > model_bytes / 2)
+    finally:
+        stop_engine(actor)

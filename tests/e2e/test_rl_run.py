@@ -287,15 +287,15 @@ def test_a_reward_model_and_a_judge_with_devices_and_engines_of_their_own(tiny_m
         assert s["reward"] == pytest.approx(parts["vowel_reward"] + 0.1 * parts["rm"] + 0.5 * parts["judge"], abs=1e-6)
 
 
-def test_a_lora_run_trains_adapters_syncs_merged_weights_and_resumes_exactly(
-    tiny_models, ray_address, tmp_path, capsys
-):
+def test_a_lora_run_trains_adapters_syncs_them_alone_and_resumes_exactly(tiny_models, ray_address, tmp_path, capsys):
     """LoRA adapters (TP 2 with sequence parallelism) on the frozen policy: the reference is the same model with
-    the adapters off (no reference role: KL 0 and ratio 1 at the first step), the engines get the merged weights
-    (the probe agrees after adapters have trained), and a run continued from its checkpoint resumes Adam's state
-    of the adapters exactly."""
+    the adapters off (no reference role: KL 0 and ratio 1 at the first step), the engines get the adapters alone
+    and serve them with vLLM's LoRA (the probe agrees after they have trained; merged weights: test_weight_sync.py),
+    and a run continued from its checkpoint resumes Adam's state of the adapters exactly."""
     overrides = [
         "models.policy_trainer.lora.rank=8",
+        "models.policy.sync.lora=adapter",
+        "models.policy.rollout.sleep_level=1",
         "models.policy_trainer.parallel.sequence_parallel=true",
         "runtime_args.num_episode=2",
         "runtime_args.save_episode_interval=1",
@@ -310,7 +310,7 @@ def test_a_lora_run_trains_adapters_syncs_merged_weights_and_resumes_exactly(
     assert first["train/first_step_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert first["train/first_step_kl"] == pytest.approx(0.0, abs=1e-6)  # B starts at zero: the base model
     assert second["train/first_step_kl"] > 0  # the adapters trained: the policy left its reference
-    for record in (first, second):  # the merged weights reach the engines as the trainer computes with them
+    for record in (first, second):  # the engines' policy is the trainer's
         assert record["sync/probe_max_abs_diff"] < 1e-4 and record["train/grad_norm"] > 0
     run(load_run_config(path, [*overrides, "runtime_args.num_episode=3"]))
     (resume,) = events(out, "resume")

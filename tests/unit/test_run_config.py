@@ -514,6 +514,42 @@ def test_lora_keys_are_checked_and_replace_the_reference_role(run_yaml, tmp_path
     assert load_run_config(run_yaml, [*experts, "models.policy_trainer.parallel.etp=1"]).models.policy_trainer.lora.rank
 
 
+def test_adapter_sync_needs_adapters_vllm_can_serve_and_engines_that_keep_their_base(run_yaml, tmp_path):
+    """models.policy.sync.lora: adapter is refused by key with the fix: without LoRA, with routed experts'
+    adapters (no PEFT form), above vLLM's largest LoRA rank, or with engines that drop their weights when they sleep;
+    the engines' LoRA rank is the driver's to set."""
+    from tests.tiny import make_tiny
+
+    adapter = ["models.policy.sync.lora=adapter", "models.policy.rollout.sleep_level=1"]
+    rank = "models.policy_trainer.lora.rank"
+    moe = make_tiny("Qwen3MoeForCausalLM", tmp_path / "moe")
+    moe_layout = [
+        "models.policy_trainer.parallel.tp=1",
+        "models.ref_policy.parallel.tp=1",
+        "runtime_args.num_devices=1",
+    ]
+    experts = [
+        f"models.policy_trainer.load={moe}",
+        *moe_layout,
+        "models.policy_trainer.lora.targets=[experts.linear_fc1]",
+    ]
+    bad = [
+        (["models.policy.sync.lora=both"], r"models.policy.sync.lora='both': expected 'merged' or 'adapter'"),
+        (adapter, r"sync.lora='adapter' syncs LoRA adapters, but models.policy_trainer.lora.rank is 0"),
+        ([*adapter, f"{rank}=8", *experts], r"routed experts' adapters \(\['experts.linear_fc1'\]\) have no PEFT form"),
+        ([*adapter, f"{rank}=1024"], r"vLLM serves LoRA ranks up to 512, models.policy_trainer.lora.rank is 1024"),
+        (
+            [adapter[0], f"{rank}=8"],
+            r"keep their base weights across sleeps .* set models.policy.rollout.sleep_level: 1",
+        ),
+        (["models.policy.rollout.lora_rank=8"], r"models.policy.rollout.lora_rank: set from .*; remove it"),
+    ]
+    for overrides, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            load_run_config(run_yaml, overrides)
+    assert load_run_config(run_yaml, [*adapter, f"{rank}=8"]).models.policy.sync.lora == "adapter"
+
+
 def test_an_mtp_loss_needs_mtp_layers_and_trains_them_without_lora_or_shared_prompts(run_yaml, tiny_models):
     """mtp_loss_coef is refused by key with the fix: on a model without MTP layers, negative or not finite, with
     LoRA (the MTP layers stay frozen) or shared-prompt rows (responses back to back); on DeepSeek-V3 it loads."""
