@@ -24,7 +24,7 @@ from tqdm import tqdm
 from converters import peft
 from converters.hf_io import HFCheckpoint, SafetensorsWriter, TensorEntry
 from converters.mapping import MappingTable, Target, check_tensors, unexpected_tensors
-from converters.peft import peft_config, peft_tensors, target_modules
+from converters.peft import PeftAdapter, peft_config, peft_tensors, target_modules
 from converters.plan import ADAPTERS, adapted_slot
 from converters.torch_dist import LORA_FILE, Reader, Schema, Slot, Writer, model_schema
 
@@ -41,26 +41,48 @@ def _fail(source, problems: list[str]) -> None:
 
 # ---- the two sides of a slot ----------------------------------------------------------------------------------
 class HFSource:
-    """Full Megatron tensors made from an HF directory's tensors through the bridge's mappings."""
+    """Full Megatron tensors made from an HF directory's tensors through the bridge's mappings; with ``peft``, a
+    PEFT adapter over them gives the slots of the LoRA adapters (``lora.<key>.a``/``.b``)."""
 
-    def __init__(self, hf_dir: Path, bridge, table: MappingTable):
+    def __init__(self, hf_dir: Path, bridge, table: MappingTable, peft: PeftAdapter | None = None):
         try:
             self.ckpt = HFCheckpoint(hf_dir)
         except ValueError as err:  # a quantization it cannot read
             raise ConversionError(str(err)) from None
-        self.bridge, self.table = bridge, table
+        self.bridge, self.table, self.peft = bridge, table, peft
+
+    @staticmethod
+    def _adapter(slot: Slot) -> tuple[str, str] | None:
+        """(the adapted weight, "a" or "b") of an adapter's slot; None for the model's own."""
+        if not slot.name.startswith(ADAPTERS):
+            return None
+        key, factor = slot.name.removeprefix(ADAPTERS).rsplit(".", 1)
+        return adapted_slot(key) + ".weight", factor
 
     def check(self, schema: Schema) -> None:
-        """Every tensor present with shapes that form the model's, and none left over (on metadata only)."""
+        """Every tensor present with shapes that form the model's, and none left over (on metadata only); every
+        adapter of the schema in the PEFT adapter."""
         shapes = self.ckpt.shapes
-        check = check_tensors(self.table, [Target(slot.name, slot.shape) for slot in schema.slots], shapes)
-        _fail(self.ckpt.dir, check.problems + unexpected_tensors(shapes, check.consumed, self.bridge.ignores))
+        own = [Target(slot.name, slot.shape) for slot in schema.slots if self._adapter(slot) is None]
+        check = check_tensors(self.table, own, shapes)
+        problems = check.problems + unexpected_tensors(shapes, check.consumed, self.bridge.ignores)
+        adapted = self.peft.adapted if self.peft else {}
+        wanted = {w for w, _ in filter(None, map(self._adapter, schema.slots))}
+        problems += [
+            f"{w}: not adapted by {self.peft.dir}, while others of its kind are" for w in sorted(wanted - set(adapted))
+        ]
+        _fail(self.ckpt.dir, problems)
 
     def dtype(self, slot: Slot) -> torch.dtype:
+        if adapter := self._adapter(slot):
+            return self.peft.dtype(adapter[0])
         mapping, captures = self.table.resolve(slot.name)
         return self.ckpt.dtype(mapping.hf_names(captures)[0])
 
     def full(self, slot: Slot, dtype: torch.dtype | None) -> torch.Tensor:
+        if adapter := self._adapter(slot):
+            full = self.peft.factor(*adapter, torch.Size(slot.shape))
+            return full if dtype is None else full.to(dtype)
         mapping, captures = self.table.resolve(slot.name)
         hf = [self.ckpt.get(n) for n in mapping.hf_names(captures)]
         try:

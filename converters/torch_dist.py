@@ -112,8 +112,9 @@ class Schema:
         return {p.key: p.global_shape for s in self.slots for p in s.pieces}
 
 
-def model_schema(bridge, padded_vocab_size: int) -> Schema:
-    """The schema of ``bridge``'s model, from Megatron's sharded state dict of one rank holding all of it (meta).
+def model_schema(bridge, padded_vocab_size: int, adapt=None) -> Schema:
+    """The schema of ``bridge``'s model, from Megatron's sharded state dict of one rank holding all of it (meta);
+    ``adapt(chunks)`` attaches LoRA adapters to it (slots ``lora.<key>.a``/``.b``, named as their parameters).
 
     Needs a process without torch.distributed (it builds under a fake world of one rank)."""
     parallel = ParallelConfig()
@@ -121,7 +122,10 @@ def model_schema(bridge, padded_vocab_size: int) -> Schema:
         init_parallel(parallel)
         config = bridge.transformer_config(parallel, params_dtype=torch.bfloat16)
         chunks = bridge.build_model(config, backend="local", meta=True, padded_vocab_size=padded_vocab_size)
+        if adapt is not None:
+            adapt(chunks)
         names = {id(lp.param): lp.slot for lp in local_params(chunks)}
+        names |= {id(p): n for c in chunks for n, p in c.named_parameters() if n.startswith(ADAPTERS)}
         state = model_state(chunks)
         apply_factories(state)
         extract_nonpersistent(state)
@@ -354,7 +358,15 @@ def load_model(chunks: list[torch.nn.Module], directory: str | Path) -> None:
             "model has none: starting from it would drop them; export the merged model with mcore-rl-mcore2hf "
             "--merge and start from that, or resume the LoRA run itself"
         )
-    kept = _unrequest_absent_extra_state(request, set(reader.metadata.state_dict_metadata))
+    # TransformerEngine's modules checkpoint an ``_extra_state`` (FP8 scaling metadata) that Megatron's local
+    # modules lack: a checkpoint converted with the local layout (hf2mcore's) has none for TransformerEngine's core
+    # attention. Such a module keeps its initial state, which is what it starts from in any run without FP8 history.
+    keys = set(reader.metadata.state_dict_metadata)
+    kept = _unrequest(
+        request, lambda k, v: isinstance(v, ShardedObject) and k.endswith("_extra_state") and v.unique_key not in keys
+    )
+    if not stored_adapters:  # a LoRA run starting from a model: its adapters start fresh
+        kept |= _unrequest(request, lambda k, v: getattr(v, "key", "").startswith(ADAPTERS))
     state = dist_checkpointing.load(request, str(directory))
     for path, value in kept.items():
         _put(state, path, value)
@@ -362,22 +374,17 @@ def load_model(chunks: list[torch.nn.Module], directory: str | Path) -> None:
         chunk.load_state_dict(state[f"model{i}"])
 
 
-def _unrequest_absent_extra_state(state: dict, stored: set[str]) -> dict[tuple, object]:
-    """Take the ``_extra_state`` objects the checkpoint does not hold out of the load request ``state``; returns
-    them (path -> the module's current value) for the caller to put back after the load.
-
-    TransformerEngine's modules checkpoint an ``_extra_state`` (FP8 scaling metadata) that Megatron's local modules
-    lack: a checkpoint converted with the local layout (hf2mcore's) has none for TransformerEngine's core attention,
-    and Megatron's load fails on every key it requests and does not find. Such a module keeps its initial state,
-    which is what it starts from in any run without FP8 history.
-    """
+def _unrequest(state: dict, absent) -> dict[tuple, object]:
+    """Take the entries the checkpoint does not hold (``absent(key, entry)``) out of the load request ``state``;
+    returns them (path -> the module's current value) for the caller to put back after the load, so that their
+    modules keep what they hold (Megatron's load fails on every key it requests and does not find)."""
     kept = {}
 
     def walk(node: dict, path: tuple) -> None:
         for key, value in list(node.items()):
             if isinstance(value, dict):
                 walk(value, (*path, key))
-            elif isinstance(value, ShardedObject) and key.endswith("_extra_state") and value.unique_key not in stored:
+            elif absent(key, value):
                 kept[(*path, key)] = value.data
                 del node[key]
 

@@ -25,11 +25,15 @@ DTYPES = ("keep", "bfloat16", "float16", "float32")
 
 HF2MCORE = """HF directory -> Megatron distributed checkpoint (torch_dist), streamed one parameter at a time.
 
-    mcore-rl-hf2mcore HF_DIR OUTPUT [--tp N --pp N --vpp N --ep N --etp N] [--dtype bfloat16] [--dry-run]
+    mcore-rl-hf2mcore HF_DIR OUTPUT [--tp N --pp N --vpp N --ep N --etp N] [--peft ADAPTER_DIR] [--dtype bfloat16]
+                      [--dry-run]
 
 OUTPUT gets the model's config.json and tokenizer files, ``mcore_rl_convert.json`` (provenance) and ``model/``,
 the checkpoint (model weights only). Point ``models.policy_trainer.load`` / ``models.ref_policy.load`` at OUTPUT
-to start training from it; the rollout engine keeps loading HF weights (``models.policy.load``).
+to start training from it; the rollout engine keeps loading HF weights (``models.policy.load``). ``--peft`` adds a
+PEFT LoRA adapter over HF_DIR (plain LoRA on the attention and MLP projections, q/k/v and gate/up sharing their
+A, as ``mcore-rl-mcore2hf`` writes them) for a LoRA run to continue from: its rank, alpha and targets are written
+to ``model/lora.json``, and the run's ``models.policy_trainer.lora`` must give the same.
 """
 
 MCORE2HF = """Megatron distributed checkpoint (any layout) -> HF safetensors shards with an index, one parameter at a time.
@@ -74,6 +78,8 @@ class Command:
         p.add_argument("output", type=Path, help="output directory (created; must be empty unless --force)")
         if self.source == "megatron":
             p.add_argument("--hf-config", type=Path, help="HF directory with the model's config.json and tokenizer")
+        if self.source == "hf":
+            p.add_argument("--peft", type=Path, help="a PEFT LoRA adapter over HF_DIR, converted with the model")
         if self.target == "megatron":
             _add_layout_args(p)
             p.add_argument("--bucket-size", type=parse_bytes, default="1GB", help="bytes per checkpoint file")
@@ -183,11 +189,14 @@ def _to_megatron(args, source, bridge, dtype) -> Plan:
     """hf2mcore, mcore2mcore: the layout checked against the model and the source against its schema; the output is
     a torch_dist checkpoint under ``OUTPUT/model``."""
     from converters.convert import write_megatron
-    from converters.torch_dist import MODEL_SUBDIR, model_schema
+    from converters.torch_dist import LORA_FILE, MODEL_SUBDIR, model_schema
 
     parallel = _layout(args, bridge)
     vocab = bridge.padded_vocab_size(parallel.tp)
     schema = model_schema(bridge, vocab)
+    lora = None
+    if getattr(args, "peft", None):
+        lora, schema = _with_peft(args.peft, source, bridge, schema, vocab)
     source.check(schema)
     total = sum(s.numel * (dtype or source.dtype(s)).itemsize for s in schema.slots)
     listing = [f"{key} {list(shape)}" for key, shape in schema.keys().items()]
@@ -195,11 +204,44 @@ def _to_megatron(args, source, bridge, dtype) -> Plan:
         f"would write {len(schema.keys())} tensors ({len(schema.slots)} parameters, vocabulary padded to {vocab} "
         f"for TP={parallel.tp}), {total / 1e9:.3f} GB, to {args.output / MODEL_SUBDIR}"
     )
-    return Plan(
-        listing,
-        lambda out: write_megatron(source, schema, out / MODEL_SUBDIR, dtype, args.bucket_size, not args.quiet),
-        {"format": "torch_dist", "layout": vars(parallel), "padded_vocab_size": vocab},
-    )
+
+    def write(out: Path):
+        report = write_megatron(source, schema, out / MODEL_SUBDIR, dtype, args.bucket_size, not args.quiet)
+        if lora is not None:  # what a run needs to continue from the adapters (the checkpoints of LoRA runs have it)
+            (out / MODEL_SUBDIR / LORA_FILE).write_text(json.dumps({"rank": lora.rank, "alpha": lora.alpha}) + "\n")
+        return report
+
+    info = {"format": "torch_dist", "layout": vars(parallel), "padded_vocab_size": vocab}
+    return Plan(listing, write, info | ({"lora": asdict(lora)} if lora else {}))
+
+
+def _with_peft(directory: Path, source, bridge, schema, vocab: int):
+    """(the LoRA settings of the PEFT adapter at ``directory``, the model's schema with those adapters), the
+    adapter read into ``source``."""
+    from megatron.core import parallel_state
+
+    from converters.convert import ConversionError
+    from converters.peft import PeftAdapter
+    from converters.plan import MTP
+    from converters.torch_dist import model_schema
+    from models.lora import LINEARS, LoRAConfig, attach_lora
+
+    # the weights mcore-rl adapts: the attention and MLP linears (a dense MLP's or shared experts'), no MTP layer's
+    weights = [
+        s.name for s in schema.slots
+        if s.name.rsplit(".", 2)[-2] in LINEARS and ".experts." not in s.name and not s.name.startswith(MTP)
+    ]  # fmt: skip
+    try:
+        source.peft = PeftAdapter(directory, source.table, weights)
+    except ValueError as err:
+        raise ConversionError(str(err)) from None
+    peft = source.peft
+    lora = LoRAConfig(peft.rank, peft.alpha, sorted({w.rsplit(".", 2)[-2] for w in peft.adapted}))
+
+    def adapt(chunks):
+        attach_lora(chunks, lora, 0, parallel_state.get_tensor_model_parallel_group())
+
+    return lora, model_schema(bridge, vocab, adapt)
 
 
 def _to_hf(args, source, bridge, dtype, files) -> Plan:
@@ -250,7 +292,8 @@ def convert(command: Command, args: argparse.Namespace):
     if args.dry_run:
         print("\n".join(plan.listing))
         return None
-    inputs = tuple(p for p in (getattr(args, "hf_dir", None), getattr(args, "checkpoint", None), files) if p)
+    given = (getattr(args, "hf_dir", None), getattr(args, "checkpoint", None), getattr(args, "peft", None), files)
+    inputs = tuple(p for p in given if p)
     with output_dir(args.output, args.force, inputs) as out:
         report = plan.write(out)
         if plan.info["format"] != "peft":  # an adapter directory holds the adapter alone

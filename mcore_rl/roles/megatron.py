@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from converters.stream import load_weights
-from converters.torch_dist import LORA_FILE, model_state
+from converters.torch_dist import LORA_FILE, find_megatron, model_state
 from mcore_rl.algorithms.grpo import PolicyLossConfig, Share, policy_loss
 from mcore_rl.algorithms.mtp import mtp_logprobs, mtp_loss
 from mcore_rl.algorithms.ppo import value_loss
@@ -86,10 +86,14 @@ class MegatronRank:
         return self.share_prompts
 
     def _build(self, hf_dir: str) -> list[torch.nn.Module]:
-        """This rank's model chunks, loaded from ``hf_dir``."""
+        """This rank's model chunks, adapted (:meth:`_adapt`) and loaded from ``hf_dir``."""
         chunks = self.bridge.build_model(self.config, **({"backend": "local"} if self._local_layers() else {}))
+        self._adapt(chunks, hf_dir)
         load_weights(chunks, self.bridge, hf_dir, self.groups)
         return chunks
+
+    def _adapt(self, chunks: list[torch.nn.Module], hf_dir: str) -> None:
+        """What a role changes on its model before the weights load from ``hf_dir`` (which may hold it)."""
 
     def _routing(self, batch: dict) -> tuple[str, ...]:
         """The rollout's routing, as a batch key to pass to the model, where this model replays it."""
@@ -369,15 +373,17 @@ class PolicyTrainer(TrainableRank):
         linear, whose hook would then see the input before the norm."""
         return super()._local_layers() or bool(self.lora.rank)
 
-    def _build(self, hf_dir: str) -> list[torch.nn.Module]:
-        """The model, frozen with LoRA adapters on it where the run trains adapters (the optimizer then holds
-        theirs only: Megatron's DDP and optimizer take the parameters that require gradients)."""
-        chunks = super()._build(hf_dir)
+    def _adapt(self, chunks: list[torch.nn.Module], hf_dir: str) -> None:
+        """Frozen with LoRA adapters on it where the run trains adapters (the optimizer then holds theirs only:
+        Megatron's DDP and optimizer take the parameters that require gradients). They start fresh, or as the
+        Megatron checkpoint it loads holds them (``hf2mcore --peft``), which must be of this run's rank and alpha."""
         if self.lora.rank:
+            megatron = find_megatron(hf_dir)
+            if megatron is not None and (megatron / LORA_FILE).is_file():
+                self._check_lora(megatron / LORA_FILE, "to continue from its adapters")
             attach_lora(chunks, self.lora, self.seed, self.groups.tp)
         elif not self.mtp_loss_coef:
             freeze_mtp(chunks)
-        return chunks
 
     def base_logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         """:meth:`logprobs` of the model without its LoRA adapters: the reference policy of a LoRA run."""
@@ -485,7 +491,10 @@ class PolicyTrainer(TrainableRank):
     def load(self, directory: str) -> None:
         from megatron.core import tensor_parallel
 
-        self._check_lora(Path(directory) / self.checkpoint_dir / LORA_FILE)
+        self._check_lora(
+            Path(directory) / self.checkpoint_dir / LORA_FILE,
+            "to resume, or give the run a new runtime_args.output_dir",
+        )
         super().load(directory)
         rng = torch.load(Path(directory) / f"rng_rank{self.rank}.pt", weights_only=True)  # tensors only, no code
         torch.set_rng_state(rng["cpu"])
@@ -493,7 +502,7 @@ class PolicyTrainer(TrainableRank):
         if "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"])
 
-    def _check_lora(self, settings: Path) -> None:
+    def _check_lora(self, settings: Path, purpose: str) -> None:
         """The checkpoint's adapters (``settings``: their rank and alpha, where it has any) are this run's."""
 
         def text(lora: dict | None) -> str:
@@ -504,7 +513,7 @@ class PolicyTrainer(TrainableRank):
         if saved != ours:
             raise ValueError(
                 f"{settings.parent}: holds {text(saved)}, but models.policy_trainer.lora gives {text(ours)}; set it "
-                "as the checkpoint's to resume, or give the run a new runtime_args.output_dir"
+                f"as the checkpoint's {purpose}"
             )
 
 

@@ -859,6 +859,20 @@ def lora_checkpoint_logprobs(hf_dir: str, layout: dict, directory: str, tokens: 
     return model.logprobs(tokens, bridge.vocab_size, micro_batch_size=2), base
 
 
+def lora_logprobs_from(hf_dir: str, layout: dict, directory: str, tokens: torch.Tensor) -> torch.Tensor:
+    """As a LoRA run starts from ``directory``: adapters (rank 8, alpha 16) attached, then the weights loaded (the
+    adapters too, where it holds them); the log-probs of ``tokens``."""
+    from models.lora import LoRAConfig, attach_lora
+
+    parallel = ParallelConfig(**layout)
+    groups = init_parallel(parallel)
+    bridge = get_bridge(hf_dir)
+    chunks = bridge.build_model(bridge.transformer_config(parallel))
+    attach_lora(chunks, LoRAConfig(rank=8, alpha=16.0), seed=3, tp_group=groups.tp)
+    load_weights(chunks, bridge, directory, groups)
+    return MegatronModel(chunks, groups).logprobs(tokens, bridge.vocab_size, micro_batch_size=2)
+
+
 def load_plain(hf_dir: str, layout: dict, directory: str) -> None:
     """The model without adapters loaded from the Megatron checkpoint ``directory``."""
     bridge, _, chunks, groups = _load(hf_dir, layout)

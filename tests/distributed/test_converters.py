@@ -331,3 +331,40 @@ def test_a_reward_models_score_head_converts_both_ways_bit_exact(ranks, tiny_mod
             cases.roundtrip, hf_dir=str(tmp_path / "mcore"), layout=layout, bucket_bytes=1 << 20, reference=rm
         )
         assert len(set(counts)) == 1 and counts[0] > 0, (layout, counts)
+
+
+def test_peft_adapters_that_are_not_mcore_rl_adapters_are_refused_by_name(tmp_path, tiny_models):
+    """hf2mcore --peft takes plain LoRA whose q/k/v (and gate/up) are adapted together with one A, in every layer;
+    anything else is named before a byte is written (its numerics: test_lora.py's SmolLM2 round trip)."""
+    from converters.peft import CONFIG, WEIGHTS, peft_config
+
+    llama = Path(tiny_models["LlamaForCausalLM"])
+    shapes = HFCheckpoint(llama).shapes
+    layers = json.loads((llama / "config.json").read_text())["num_hidden_layers"]
+
+    def adapter(name: str, modules: list[str], layers_=range(layers), shared: bool = True, **config) -> Path:
+        tensors, generator = {}, torch.Generator().manual_seed(0)
+        for i in layers_:
+            a = torch.randn(4, shapes[f"model.layers.{i}.{modules[0]}.weight"][1], generator=generator)
+            for module in modules:
+                out = shapes[f"model.layers.{i}.{module}.weight"][0]
+                prefix = f"base_model.model.model.layers.{i}.{module}"
+                tensors[f"{prefix}.lora_A.weight"] = a.clone() if shared else torch.randn(a.shape, generator=generator)
+                tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, 4, generator=generator)
+        directory = tmp_path / name
+        directory.mkdir()
+        save_file(tensors, directory / WEIGHTS)
+        settings = peft_config(4, 8.0, sorted({m.rsplit(".", 1)[-1] for m in modules}), str(llama)) | config
+        (directory / CONFIG).write_text(json.dumps(settings))
+        return directory
+
+    qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    assert ok(cli("hf2mcore", llama, tmp_path / "ok", "--peft", adapter("ok", qkv), "--dry-run"))
+    for peft, message in [
+        (adapter("q_only", qkv[:1]), "linear_qkv.weight: adapts ['model.layers.0.self_attn.q_proj'] but not"),
+        (adapter("two_a", qkv, shared=False), "the lora_A of ['model.layers.0.self_attn.q_proj', "),
+        (adapter("rslora", qkv, use_rslora=True), "use_rslora=True, expected False (mcore-rl's adapters are plain"),
+        (adapter("one_layer", qkv, layers_=[0]), "decoder.layers.1.self_attention.linear_qkv.weight: not adapted by"),
+        (tmp_path / "missing", "not a readable PEFT adapter"),
+    ]:
+        _refused(cli("hf2mcore", llama, tmp_path / "out", "--peft", peft), message, tmp_path / "out")

@@ -13,6 +13,8 @@ import transformers
 
 from converters.gguf2hf import default_model_dir
 from converters.hf_io import HFCheckpoint
+from converters.plan import ADAPTERS
+from converters.torch_dist import LORA_FILE, MODEL_SUBDIR, Reader
 from tests.distributed import cases
 from tests.distributed.test_converters import cli
 from tests.tiny import make_tiny
@@ -157,3 +159,24 @@ def test_a_smollm2_lora_checkpoint_exports_a_peft_adapter_and_a_merged_model_as_
             ]  # fmt: skip
         diff = (logprobs(model) - trainer).abs()  # measured 0.9e-5 / 1.0e-5 mean, 2.1e-5 max
         assert diff.max() < 1e-4 and diff.mean() < 1.5 * base_diff.mean(), (args, diff.mean(), base_diff.mean())
+    # hf2mcore --peft brings the adapter back: the same tensors, and a LoRA run starting from the conversion
+    # computes what the trainer did
+    converted = tmp_path / "converted"
+    assert cli("hf2mcore", model_dir, converted, "--peft", tmp_path / "peft", "--tp", "3").returncode == 0
+    original, back = Reader(checkpoint), Reader(converted / MODEL_SUBDIR)
+    keys = sorted(k for k in original.tensors if k.startswith(ADAPTERS))
+    assert keys and keys == sorted(k for k in back.tensors if k.startswith(ADAPTERS))
+    for key in keys:
+        assert torch.equal(original.whole(key), back.whole(key)), key
+    assert json.loads((converted / MODEL_SUBDIR / LORA_FILE).read_text()) == {"rank": 8, "alpha": 16.0}
+    resumed = ranks3.run(
+        cases.lora_logprobs_from, hf_dir=str(model_dir), layout=dict(tp=3), directory=str(converted), tokens=ids
+    )[0]
+    assert torch.equal(resumed, trainer)
+    # from a model without adapters (plain hf2mcore), the adapters start fresh: the base model's log-probs
+    plain = tmp_path / "plain"
+    assert cli("hf2mcore", model_dir, plain, "--tp", "3").returncode == 0
+    fresh = ranks3.run(
+        cases.lora_logprobs_from, hf_dir=str(model_dir), layout=dict(tp=3), directory=str(plain), tokens=ids
+    )[0]
+    assert torch.equal(fresh, trainer_base)

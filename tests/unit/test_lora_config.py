@@ -1,4 +1,5 @@
-"""A LoRA run resumes only from a checkpoint with its own adapters' settings: any other is named with the fix."""
+"""A LoRA run resumes (or continues from converted adapters) only from a checkpoint with its own adapters'
+settings: any other is named with the fix."""
 
 import json
 import types
@@ -25,8 +26,8 @@ def test_a_checkpoint_with_other_adapters_is_refused(tmp_path, saved, ours, mess
     settings = tmp_path / "lora.json"
     if saved:
         settings.write_text(json.dumps(saved))
-    with pytest.raises(ValueError, match=message + r".*; set it as the checkpoint's to resume, or give the run a new"):
-        PolicyTrainer._check_lora(types.SimpleNamespace(lora=ours), settings)
+    with pytest.raises(ValueError, match=message + r".*; set it as the checkpoint's to resume"):
+        PolicyTrainer._check_lora(types.SimpleNamespace(lora=ours), settings, "to resume")
     if saved:
-        PolicyTrainer._check_lora(types.SimpleNamespace(lora=LoRAConfig(**saved)), settings)  # its own: fine
-    PolicyTrainer._check_lora(types.SimpleNamespace(lora=LoRAConfig()), tmp_path / "none.json")  # neither has any
+        PolicyTrainer._check_lora(types.SimpleNamespace(lora=LoRAConfig(**saved)), settings, "")  # its own: fine
+    PolicyTrainer._check_lora(types.SimpleNamespace(lora=LoRAConfig()), tmp_path / "none.json", "")  # neither has any
