@@ -180,7 +180,7 @@ def test_the_engine_acknowledges_a_bucket_only_after_its_stream_read_it(monkeypa
             assert update.load(sender.pack([(name, tensor)])) == 64
             log.append("acknowledged")
         assert log == ["load", "synchronize", "acknowledged"] * len(weights)
-        assert update.finish(model_config=None) == []
+        assert update.finish(types.SimpleNamespace(model_config=None)) == []
     finally:
         sender.close()
     assert log[-1] == "empty_cache"
