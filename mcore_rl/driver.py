@@ -329,7 +329,8 @@ class System:
             self._stops.append(self.rewards.stop)
         # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
         dtype = Device("cuda" if gpu else "cpu").engine_dtype(m.policy.rollout.dtype)
-        self.trainer.connect_engines(self.rollout.engines, rt.colocated, self.rollout.tp, m.policy.sync, dtype)
+        drafts = bool(m.policy.rollout.speculative_tokens)
+        self.trainer.connect_engines(self.rollout.engines, rt.colocated, self.rollout.tp, m.policy.sync, dtype, drafts)
 
     def trained_roles(self) -> list[tuple[str, object]]:
         """(checkpoint metadata key of its optimizer digest, role) of each trained role, the policy first."""
@@ -465,6 +466,10 @@ class Run:
             metrics["time/reward_wait"] = self.sampler.take_reward_wait()
             if self.sampler.judge is not None:
                 metrics[f"reward/{self.sampler.judge.name}_failures"] = float(self.sampler.judge.take_failures())
+        if self.config.models.policy.rollout.speculative_tokens:  # drafts since the last episode (evals included)
+            drafts = self.system.rollout.take_speculative_stats()
+            metrics["rollout/draft_tokens"] = drafts["draft_tokens"]
+            metrics["rollout/draft_acceptance"] = drafts["accepted_tokens"] / max(drafts["draft_tokens"], 1.0)
         metrics |= process_metrics(self.system) | {"data/position": self.progress.position}
         self.logger.log(episode, metrics)
         write_samples(self.out / "rollouts" / f"episode_{episode}.jsonl", samples, rewards)

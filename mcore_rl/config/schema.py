@@ -490,6 +490,7 @@ class RunConfig:
                 raise ConfigError(f"{key}.parallel: {err}") from None
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
         self._check_mtp()
+        self._check_speculative()
         lora = m.policy_trainer.lora
         lora.validate()
         if lora.rank:
@@ -916,6 +917,24 @@ class RunConfig:
             raise ConfigError(
                 f"{key}: the engines keep their base weights across sleeps (the sync sends adapters only); set "
                 "models.policy.rollout.sleep_level: 1"
+            )
+
+    def _check_speculative(self) -> None:
+        """``models.policy.rollout.speculative_tokens``: the engines draft with the model's MTP layers."""
+        m = self.models
+        tokens, key = m.policy.rollout.speculative_tokens, "models.policy.rollout.speculative_tokens"
+        if not tokens:
+            return
+        bridge = get_bridge(m.policy.load)
+        if not bridge.num_mtp_layers:
+            raise ConfigError(
+                f"{key}={tokens}: {m.policy.load!r} ({bridge.architecture}) has no multi-token-prediction layers "
+                "(num_nextn_predict_layers) to draft with; set it to 0"
+            )
+        if m.policy.sync.lora == "adapter":
+            raise ConfigError(
+                f"{key}={tokens}: not with models.policy.sync.lora='adapter' (vLLM's LoRA beside an MTP drafter is "
+                "untested here); sync the adapters merged or set it to 0"
             )
 
     def _check_mtp(self) -> None:

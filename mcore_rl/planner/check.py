@@ -22,7 +22,7 @@ from parallel.config import ParallelConfig
 @dataclass(frozen=True)
 class MappingReport:
     hf_params: int  # elements of every HF tensor (tied copies once)
-    engine_params: int  # of which the rollout engines receive (not the MTP layers')
+    engine_params: int  # of which the rollout engines receive without drafting (not the MTP layers')
     exported_params: int  # elements of the HF tensors the Megatron model exports (equals hf_params when complete)
     stage_params: list[int]  # elements one device of each pipeline stage holds (its shards, tied copies included)
     stage_expert_params: list[int]  # of which expert weights (sharded over EP x expert-TP)
@@ -90,12 +90,15 @@ def _is_param(lp: LocalParam) -> bool:
     return isinstance(lp.param, torch.nn.Parameter)
 
 
-def sync_plan(bridge, parallel: ParallelConfig, stages: list[list[LocalParam]], bucket_bytes: int) -> SyncPlan:
-    """How the rollout sync moves this model: the export's buckets and the engine loads, on meta tensors."""
+def sync_plan(
+    bridge, parallel: ParallelConfig, stages: list[list[LocalParam]], bucket_bytes: int, mtp: bool = False
+) -> SyncPlan:
+    """How the rollout sync moves this model: the export's buckets and the engine loads, on meta tensors; ``mtp``:
+    the MTP layers too (engines that draft with them), as :func:`converters.stream.export_hf` sends them."""
     table = MappingTable(bridge.mappings())
     num_local = _num_local(bridge, parallel)
     stage_metas = [stage_meta({lp.slot: lp for lp in stage}) for stage in stages]
-    tasks = export_plan(stage_metas, table, num_local, mtp=False)  # the engines do not draft with MTP layers
+    tasks = export_plan(stage_metas, table, num_local, mtp)
     gathers = list(buckets(tasks, bucket_bytes, parallel.tp, parallel.expert_tp, parallel.ep))
 
     exports: dict[tuple, list[torch.Tensor]] = {}  # one export per mapping and shape: layers and experts repeat
@@ -109,7 +112,7 @@ def sync_plan(bridge, parallel: ParallelConfig, stages: list[list[LocalParam]], 
                 if key not in exports:
                     exports[key] = mapping.to_hf(torch.empty(shape, dtype=bucket[0].dtype, device="meta"), split_over)
                 for hf_name, tensor in zip(mapping.hf_names(captures), exports[key], strict=True):
-                    if not bridge.is_mtp_tensor(hf_name):
+                    if mtp or not bridge.is_mtp_tensor(hf_name):
                         yield hf_name, tensor
 
     sends = [[t.numel() * t.element_size() for _, t in b] for b in send_buckets(exported(), bucket_bytes)]

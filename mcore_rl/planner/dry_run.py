@@ -28,13 +28,14 @@ from parallel.config import ParallelConfig
 GB = 1e9
 
 
-def plan_role(bridge, parallel, world: int, bucket_bytes: int, hf: dict[str, torch.Size]) -> dict:
+def plan_role(bridge, parallel, world: int, bucket_bytes: int, hf: dict[str, torch.Size], drafts: bool = False) -> dict:
     """Mapping check and sync plan of one Megatron role's layout (bf16 weights, as trained on GPUs), and the memory
-    planner's parameter counts checked against the built stages."""
+    planner's parameter counts checked against the built stages; ``drafts``: the engines draft with the MTP
+    layers, which the sync sends too."""
     start = time.perf_counter()
     stages = pipeline_stages(bridge, parallel, world)
     report = check_mappings(bridge, parallel, stages, hf)
-    sync = sync_plan(bridge, parallel, stages, bucket_bytes)
+    sync = sync_plan(bridge, parallel, stages, bucket_bytes, mtp=drafts)
     built = list(zip(report.stage_params, report.stage_expert_params, strict=True))
     counted = stage_params(Architecture.from_bridge(bridge), parallel)
     for i, (params, (megatron, megatron_experts)) in enumerate(zip(counted, built, strict=True)):
@@ -51,7 +52,7 @@ def plan_role(bridge, parallel, world: int, bucket_bytes: int, hf: dict[str, tor
         "stage_params": report.stage_params,
         "stage_expert_params": report.stage_expert_params,
         "hf_params": report.hf_params,
-        "engine_params": report.engine_params,
+        "engine_params": report.hf_params if drafts else report.engine_params,
         "exported_params": report.exported_params,
         "errors": report.errors,
         "sync": dataclasses.asdict(sync),
@@ -96,7 +97,8 @@ def dry_run(config, device_memory_gb: float | None, json_path: Path | None) -> i
     print(f"{rt.num_devices} devices ({pools}), rollout tensor parallel {m.policy.rollout.tensor_parallel_size}")
     report = {"model": m.policy_trainer.load, "devices": world, "hf_tensors": len(hf), "roles": {}}
     bucket = m.policy.sync.bucket_bytes
-    report["roles"]["policy_trainer"] = plan_role(bridge, m.policy_trainer.parallel, world, bucket, hf)
+    drafts = bool(m.policy.rollout.speculative_tokens)
+    report["roles"]["policy_trainer"] = plan_role(bridge, m.policy_trainer.parallel, world, bucket, hf, drafts)
     for role in SCORING_ROLES:  # the other Megatron roles, where their model or layout differs from the trainer's
         section, same_model = getattr(m, role), getattr(m, role).load == m.policy_trainer.load
         same_layout = section.parallel == m.policy_trainer.parallel and rt.world(role) == world

@@ -111,11 +111,12 @@ class Architecture:
         copies = 2 * self.mtp_layers * self.vocab * self.hidden
         return total - padding + copies + (self.experts * moe_layers if self.expert_bias else 0)
 
-    def engine_params(self) -> int:
-        """Parameters a rollout engine holds: the checkpoint's but the MTP layers (vLLM leaves them to a drafter)."""
+    def engine_params(self, drafts: bool = False) -> int:
+        """Parameters a rollout engine holds: the checkpoint's but the MTP layers, which only an engine that drafts
+        with them holds (``drafts``; their copies of the embedding and head are the model's)."""
         mtp, _ = mtp_params(self, ParallelConfig())
         bias = self.experts * self.mtp_layers if self.expert_bias and self.moe_layers[-1] else 0
-        return self.hf_params() - mtp - bias - 2 * self.mtp_layers * self.vocab * self.hidden
+        return self.hf_params() - (0 if drafts else mtp + bias) - 2 * self.mtp_layers * self.vocab * self.hidden
 
 
 # ---- parameters ----------------------------------------------------------------------------------------------
@@ -415,7 +416,7 @@ def engine_memory(a: Architecture, rollout, device_bytes: int, max_num_seqs: int
     logits), and the KV cache in the rest."""
     tp = rollout.tensor_parallel_size
     share = int(rollout.gpu_memory_utilization * device_bytes)
-    weights = a.engine_params() * 2 // tp
+    weights = a.engine_params(bool(rollout.speculative_tokens)) * 2 // tp
     batched = max(8192, rollout.max_model_len)
     mlp = a.topk * a.moe_ffn if a.experts else a.ffn
     working = batched * (16 * a.hidden + 6 * mlp // tp) + max_num_seqs * a.vocab * 12

@@ -444,16 +444,21 @@ class PolicyTrainer(TrainableRank):
         return self.router_load.collect() if self.router_load is not None else {}
 
     # ---- weight sync --------------------------------------------------------------------------------------
-    def connect_engines(self, engines: list, colocated: bool, engine_tp: int, sync: SyncConfig, dtype: str) -> None:
+    def connect_engines(
+        self, engines: list, colocated: bool, engine_tp: int, sync: SyncConfig, dtype: str, drafts: bool = False
+    ) -> None:
         """Attach the rollout engines: colocated, the engine on this rank's devices (one per block of ``engine_tp``
-        ranks); on other devices, all of them, fed by rank 0 over a weight-transfer group."""
+        ranks); on other devices, all of them, fed by rank 0 over a weight-transfer group. ``drafts``: they draft
+        with the model's MTP layers, which the sync then sends."""
         device = next(self.chunks[0].parameters()).device
         if colocated:
             route = ColocatedRoute(engines[self.rank // engine_tp], device, sync.bucket_bytes, engine_tp)
         else:
             route = BroadcastRoute(engines, device, sync.bucket_bytes, engine_tp)
         engine_dtype = getattr(torch, dtype)
-        self.sync = WeightSync(self.chunks, self.bridge, self.groups, route, self.model, sync, engine_dtype, self.lora)
+        self.sync = WeightSync(
+            self.chunks, self.bridge, self.groups, route, self.model, sync, engine_dtype, self.lora, drafts
+        )
 
     def push_weights(self, version: int) -> None:
         """Load the weights into the engines as policy ``version`` (a colocated engine's KV cache stays asleep);

@@ -31,6 +31,7 @@ class RolloutGroup:
 
     def __init__(self, engines: list, tp: int):
         self.engines, self.tp = engines, tp
+        self._speculative: dict[str, float] = {}  # the engines' draft counters at the last take_speculative_stats
 
     @classmethod
     def launch(
@@ -94,6 +95,14 @@ class RolloutGroup:
 
     def process_stats(self) -> list[dict[str, float]]:
         return ray.get([e.process_stats.remote() for e in self.engines])
+
+    def take_speculative_stats(self) -> dict[str, float]:
+        """Draft tokens proposed and accepted by all engines since the last call (speculative decoding)."""
+        stats = ray.get([e.speculative_stats.remote() for e in self.engines])
+        totals = {key: sum(s[key] for s in stats) for key in stats[0]}
+        since = {key: value - self._speculative.get(key, 0.0) for key, value in totals.items()}
+        self._speculative = totals
+        return since
 
     def stop(self) -> None:
         for engine in self.engines:

@@ -64,8 +64,10 @@ class CriticGroup(TrainedGroup):
 class TrainerGroup(TrainedGroup):
     """The policy trainer's ranks (:class:`mcore_rl.roles.megatron.PolicyTrainer`)."""
 
-    def connect_engines(self, engines: list, colocated: bool, engine_tp: int, sync: SyncConfig, dtype: str) -> None:
-        self.call("connect_engines", engines, colocated, engine_tp, sync, dtype)
+    def connect_engines(
+        self, engines: list, colocated: bool, engine_tp: int, sync: SyncConfig, dtype: str, drafts: bool = False
+    ) -> None:
+        self.call("connect_engines", engines, colocated, engine_tp, sync, dtype, drafts)
 
     def push_weights(self, version: int) -> None:
         """Stream the weights into the engines as policy ``version``; :meth:`verify_sync` completes the sync."""

@@ -112,6 +112,10 @@ class RolloutConfig:
     # The rank of the LoRA adapters the engine serves (the RL driver sets it from models.policy_trainer.lora when
     # models.policy.sync.lora is "adapter"); 0: plain weights, merged with any adapters by the sync.
     lora_rank: int = 0
+    # Speculative decoding with the model's multi-token-prediction layers (DeepSeek-V3's): they draft this many
+    # tokens per step and the model verifies them (samples and log-probs stay the model's own); the sync keeps the
+    # drafter's weights the trainer's. 0: off.
+    speculative_tokens: int = 0
     train: SamplingConfig = field(default_factory=SamplingConfig)  # max_new_tokens: per turn when multi-turn
     eval: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -122,6 +126,8 @@ class RolloutConfig:
             raise ValueError(f"{prefix}.tensor_parallel_size={self.tensor_parallel_size}: expected at least 1")
         if self.sleep_level not in (1, 2):
             raise ValueError(f"{prefix}.sleep_level={self.sleep_level}: expected 1 or 2")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"{prefix}.speculative_tokens={self.speculative_tokens}: expected 0 (off) or more")
         if self.lora_rank and self.sleep_level != 1:
             raise ValueError(
                 f"{prefix}.sleep_level={self.sleep_level}: an engine serving LoRA adapters keeps its base weights "
@@ -164,6 +170,14 @@ def lora_engine_args(rank: int) -> dict:
     return dict(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in vllm_lora_ranks() if r >= rank))
 
 
+def speculative_engine_args(tokens: int) -> dict:
+    """``vllm.LLM`` arguments to draft ``tokens`` tokens per step with the model's MTP layers, with the statistics
+    that count accepted drafts."""
+    if not tokens:
+        return {}
+    return dict(speculative_config={"method": "mtp", "num_speculative_tokens": tokens}, disable_log_stats=False)
+
+
 def thread_binding(cores: list[list[int]]) -> str:
     """Each CPU worker's cores, "|"-separated, in vLLM's VLLM_CPU_OMP_THREADS_BIND syntax."""
     return "|".join(",".join(map(str, worker)) for worker in cores)
@@ -187,6 +201,12 @@ class RolloutEngine:
         os.environ.update(self.machine.engine_env(config, cpu_thread_binding(config)))
         from vllm import LLM
 
+        bridge = get_bridge(model_dir)
+        if config.speculative_tokens and not bridge.num_mtp_layers:
+            raise ValueError(
+                f"rollout.speculative_tokens={config.speculative_tokens}: {model_dir} ({bridge.architecture}) has no "
+                "multi-token-prediction layers to draft with; set it to 0"
+            )
         routing = {}
         if config.return_routed_experts:
             if not self.machine.cuda:
@@ -208,7 +228,8 @@ class RolloutEngine:
             **self.machine.engine_args(config, colocated),
             **routing,
             **lora_engine_args(config.lora_rank),
-            **get_bridge(model_dir).rollout_engine_args(self.machine.cuda),
+            **speculative_engine_args(config.speculative_tokens),
+            **bridge.rollout_engine_args(self.machine.cuda),
         )
         self.llm.collective_rpc("mcore_rl_check_reloadable")
         self.asleep = False  # KV cache released (and, on CUDA, weights offloaded until wake_weights)
@@ -392,6 +413,16 @@ class RolloutEngine:
         self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
         self._updating = False
         return repairs
+
+    def speculative_stats(self) -> dict[str, float]:
+        """Draft tokens proposed and accepted so far (vLLM's counters; zeros without speculative decoding)."""
+        if not self.config.speculative_tokens:
+            return {"draft_tokens": 0.0, "accepted_tokens": 0.0}
+        counters = {m.name: m.value for m in self.llm.get_metrics() if hasattr(m, "value")}
+        return {
+            "draft_tokens": float(counters.get("vllm:spec_decode_num_draft_tokens", 0)),
+            "accepted_tokens": float(counters.get("vllm:spec_decode_num_accepted_tokens", 0)),
+        }
 
     def process_stats(self) -> dict[str, float]:
         """Threads and resident memory of the engine's process (its worker's, when it runs in process)."""

@@ -25,6 +25,7 @@ from compat.vllm import (
     detach_pending,
     finish_reload,
     is_derived,
+    load_bucket,
     repair_after_reload,
 )
 from converters import peft
@@ -35,24 +36,32 @@ from parallel.transfer import TransferGroup
 
 
 class WeightUpdate:
-    """One streamed update of a worker's model (vLLM's layer-wise reload, open from construction to
-    :meth:`finish`), tracking which parameters received tensors."""
+    """One streamed update of a worker's models (vLLM's layer-wise reload, open from construction to
+    :meth:`finish`), tracking which parameters received tensors. ``models``: the model, and the drafter of
+    speculative decoding (its MTP layers) where the engine drafts; each takes the tensors it knows from every
+    bucket, and the parameters a drafter shares with the model (its embedding and head) are the model's."""
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        models: list[torch.nn.Module],
         device: torch.device,
         dtype: torch.dtype,
         rank: int,
         machine: Device,
         transfer: TransferGroup | None = None,
     ):
-        self.model, self.device, self.dtype, self.machine = model, device, dtype, machine
+        self.models, self.device, self.dtype, self.machine = models, device, dtype, machine
         receive = transfer.receive if transfer is not None else None
         self.receiver = BucketReceiver(device, rank, receive)
-        self.expected = {name for name, _ in model.named_parameters() if not is_derived(name)}
-        self.loaded: set[str] = set()
-        begin_reload(model)
+        seen, self.expected = set(), set()
+        for i, model in enumerate(models):
+            for name, param in model.named_parameters():
+                if id(param) not in seen and not is_derived(name):
+                    self.expected.add((i, name))
+                seen.add(id(param))
+        self.loaded: set[tuple[int, str]] = set()
+        for model in models:
+            begin_reload(model)
 
     def load(self, handle: BucketHandle) -> int:
         """Load one bucket of HF-named full tensors into this worker's shard, cast to the engine's dtype.
@@ -62,7 +71,9 @@ class WeightUpdate:
         still be reading it.
         """
         buffer, tensors = self.receiver.open(handle)
-        self.loaded |= self.model.load_weights((n, t.to(device=self.device, dtype=self.dtype)) for n, t in tensors)
+        tensors = [(n, t.to(device=self.device, dtype=self.dtype)) for n, t in tensors]
+        for i, model in enumerate(self.models):
+            self.loaded |= {(i, name) for name in load_bucket(model, tensors)}
         detach_pending(buffer)
         stream = self.machine.stream(self.device)
         if stream is not None:
@@ -76,17 +87,23 @@ class WeightUpdate:
         Raises if some parameter received nothing: it would silently keep its old value.
         """
         self.receiver.close()
-        stale = finish_reload(self.model, runner.model_config)
-        repairs = repair_after_reload(self.model)
+        configs = [
+            runner.model_config,
+            getattr(getattr(runner, "speculative_config", None), "draft_model_config", None),
+        ]
+        stale, repairs = [], []
+        for model, model_config in zip(self.models, configs, strict=False):
+            stale += finish_reload(model, model_config)
+            repairs += repair_after_reload(model)
         self.machine.release_cached_memory()
-        missing = self.expected - self.loaded
-        if getattr(self.model.config, "tie_word_embeddings", False):
+        missing = {name for i, name in self.expected - self.loaded}
+        if getattr(self.models[0].config, "tie_word_embeddings", False):
             missing.discard("lm_head.weight")  # it is the embedding
         if missing:
             raise RuntimeError(f"weight update left {len(missing)} parameter(s) stale: {sorted(missing)[:10]}")
         if stale:
             raise RuntimeError(f"weight update loaded nothing into {len(stale)} layer(s): {stale[:10]}")
-        return repairs
+        return sorted(set(repairs))
 
 
 class AdapterUpdate:
@@ -136,8 +153,9 @@ class WeightUpdateExtension:
 
     def mcore_rl_begin_update(self) -> None:
         runner = self.model_runner
+        drafter = getattr(getattr(runner, "drafter", None), "model", None)  # speculative decoding's MTP layers
         self._mcore_rl_update = WeightUpdate(
-            runner.get_model(),
+            [runner.get_model(), *([drafter] if drafter is not None else [])],
             runner.device,
             runner.model_config.dtype,
             self.rank,

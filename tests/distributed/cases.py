@@ -268,13 +268,15 @@ def train_and_sync(
     engine_tp: int = 1,
     lora_rank: int = 0,
     sync_lora: str = "adapter",
+    drafts: bool = False,
 ) -> list[dict]:
     """Alternate Adam steps and weight syncs into the named rollout engines (``engines``: owner rank -> name; the
-    ``engine_tp`` ranks from the owner on feed it). ``lora_rank``: train LoRA adapters of that rank on the frozen
-    model, synced as ``sync_lora`` says (alone, the engines serving them with vLLM's LoRA, or merged).
+        ``engine_tp`` ranks from the owner on feed it). ``lora_rank``: train LoRA adapters of that rank on the frozen
+        model, synced as ``sync_lora`` says (alone, the engines serving them with vLLM's LoRA, or merged). ``drafts``: the
+    engines draft with the model's MTP layers, which the sync sends too.
 
-    Each engine sleeps while the trainer steps, as in the RL loop; before each sync it still holds the previous
-    weights, which the probe must reject. The sync's reports (with that verdict) are returned per step.
+        Each engine sleeps while the trainer steps, as in the RL loop; before each sync it still holds the previous
+        weights, which the probe must reject. The sync's reports (with that verdict) are returned per step.
     """
     import ray
 
@@ -292,7 +294,7 @@ def train_and_sync(
     step = MegatronTrainStep(chunks, config, optimizer, groups)
     route = ColocatedRoute(engine, next(chunks[0].parameters()).device, bucket_bytes, engine_tp)
     sync_config = SyncConfig(bucket_bytes=bucket_bytes, lora=sync_lora if lora_rank else "merged")
-    sync = WeightSync(chunks, bridge, groups, route, step, sync_config, getattr(torch, engine_dtype), lora)
+    sync = WeightSync(chunks, bridge, groups, route, step, sync_config, getattr(torch, engine_dtype), lora, drafts)
     tokens = torch.randint(0, bridge.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     mine = tokens.chunk(dp)[dp_rank]

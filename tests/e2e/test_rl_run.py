@@ -410,8 +410,9 @@ def test_a_reward_function_failing_mid_run_stops_it_with_the_sample_named(
 def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models, ray_address, tmp_path, monkeypatch):
     """scripts/configs/tiny_deepseek_v3_grpo.yaml as shipped (EP=2, packing, grouped experts, vLLM's CPU MLA
     kernel, expert-bias updates), shortened to two episodes, its rewards scored after each whole batch, its MTP layer
-    trained beside the policy: the rollout matches the trainer (the moved expert bias included; the MTP layer is
-    not sent), the packs are nearly full, and the router load and the MTP loss are logged."""
+    trained beside the policy and drafting for the engine (speculative decoding, the layer synced with the rest):
+    the rollout's log-probs match the trainer's (the moved expert bias included; drafted tokens are the model's),
+    the packs are nearly full, and the router load, the MTP loss and the drafts' acceptance are logged."""
     monkeypatch.setenv("MCORE_RL_MODEL", tiny_models["DeepseekV3ForCausalLM"])
     overrides = [
         f"runtime_args.output_dir={tmp_path}/run",
@@ -421,6 +422,7 @@ def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models,
         f"models.reward.fn={REPO}/scripts/rewards/vowel_fraction.py",
         "models.reward.overlap_rollout=false",  # scored after the whole batch (the other runs overlap)
         "models.policy_trainer.mtp_loss_coef=0.3",
+        "models.policy.rollout.speculative_tokens=1",
     ]
     out = run(load_run_config(REPO / "scripts/configs/tiny_deepseek_v3_grpo.yaml", overrides))
     records = read_metrics(out / "metrics.jsonl")
@@ -436,6 +438,7 @@ def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models,
         loads = [record[f"moe/layer{n:03d}/tokens_per_expert"] for n in (2, 3, 4)]
         assert all(len(load) == 8 and sum(load) % 4 == 0 for load in loads) and record["moe/max_over_mean"] >= 1
         assert 0 < record["train/mtp/loss"] < 20  # the MTP layer's cross-entropy, near ln(100) at random
+        assert record["rollout/draft_tokens"] > 0 and 0 <= record["rollout/draft_acceptance"] <= 1
     assert checkpoint.latest_complete(out / "checkpoints")[0] == 2
 
 

@@ -96,6 +96,30 @@ def test_a_broken_mapping_is_reported_by_name():
     )
 
 
+def test_the_sync_plan_counts_the_mtp_layers_for_engines_that_draft_with_them():
+    """DeepSeek-V3 at full size as its train script lays it out (TP 8, PP 8, EP 32 on 256 devices): without drafting the sync leaves the MTP layer
+    out, with it (speculative decoding) every checkpoint tensor is sent once."""
+    script = textwrap.dedent("""
+        import json
+        from converters.hf_io import read_config
+        from mcore_rl.planner.dry_run import plan_role
+        from mcore_rl.planner.meta import hf_tensors
+        from models.registry import get_bridge
+        from parallel.config import ParallelConfig
+
+        bridge = get_bridge("models/configs/deepseek_v3")
+        hf = hf_tensors(bridge.hf)
+        parallel = ParallelConfig(tp=8, pp=8, ep=32, etp=1, sequence_parallel=True, last_stage_layers=5)
+        plans = [plan_role(bridge, parallel, 256, 1 << 30, hf, drafts) for drafts in (False, True)]
+        print(json.dumps([(p["sync"]["total_bytes"], p["engine_params"], p["hf_params"]) for p in plans]))
+    """)
+    run = _python(["-c", script])
+    assert run.returncode == 0, run.stderr
+    (plain, engine_plain, hf), (drafting, engine_drafting, _) = json.loads(run.stdout.strip().splitlines()[-1])
+    assert plain == 2 * engine_plain and round(engine_plain / 1e9, 2) == 671.03
+    assert drafting == 2 * engine_drafting == 2 * hf and round(hf / 1e9, 2) == 684.49
+
+
 def test_every_train_script_is_dry_run_here():
     scripts = {p.name for p in (REPO / "scripts").glob("train_*.sh")}
     tested = {f"train_{c}.sh" for c, _, _ in CONFIGS} | {"train_smollm2_135m_grpo.sh", "train_tiny_deepseek_v3_grpo.sh"}

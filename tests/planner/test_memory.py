@@ -139,6 +139,9 @@ def test_checkpoint_parameter_counts_of_the_public_configs(model, billions):
     counted = a.hf_params()
     assert counted / 1e9 == pytest.approx(billions, abs=0.005)
     assert a.engine_params() / 1e9 == pytest.approx(671.03 if model == "deepseek_v3" else billions, abs=0.005)
+    # an engine drafting with the MTP layer holds it too, its copies of the embedding and head the model's own
+    drafting = 684.49 - 2 * 129280 * 7168 / 1e9 if model == "deepseek_v3" else billions
+    assert a.engine_params(drafts=True) / 1e9 == pytest.approx(drafting, abs=0.005)
     if billions < 100:  # exactly what transformers' own model of the config holds (on meta; the large ones are slow)
         assert counted == sum(shape.numel() for shape in hf_tensors(bridge.hf).values())
 

@@ -175,7 +175,7 @@ def test_the_engine_acknowledges_a_bucket_only_after_its_stream_read_it(monkeypa
     weights = {n: torch.full_like(p, i + 2.0) for i, (n, p) in enumerate(model.named_parameters())}
     sender = BucketSender(torch.device("cpu"))
     try:
-        update = WeightUpdate(model, torch.device("cpu"), torch.float32, 0, machine)
+        update = WeightUpdate([model], torch.device("cpu"), torch.float32, 0, machine)
         for name, tensor in weights.items():
             assert update.load(sender.pack([(name, tensor)])) == 64
             log.append("acknowledged")

@@ -550,6 +550,29 @@ def test_adapter_sync_needs_adapters_vllm_can_serve_and_engines_that_keep_their_
     assert load_run_config(run_yaml, [*adapter, f"{rank}=8"]).models.policy.sync.lora == "adapter"
 
 
+def test_speculative_decoding_needs_mtp_layers_in_the_engines_model(run_yaml, tiny_models):
+    """models.policy.rollout.speculative_tokens is refused by key with the fix: negative, on a model without MTP
+    layers, or beside adapter-only sync; on DeepSeek-V3 it loads."""
+    key = "models.policy.rollout.speculative_tokens"
+    deepseek = [
+        f"models.policy_trainer.load={tiny_models['DeepseekV3ForCausalLM']}",
+        "models.policy_trainer.parallel.tp=1",
+        "models.ref_policy.parallel.tp=1",
+        "runtime_args.num_devices=1",
+    ]
+    adapter = ["models.policy.sync.lora=adapter", "models.policy.rollout.sleep_level=1"]
+    adapter += ["models.policy_trainer.lora.rank=8", "models.policy_trainer.lora.targets=[linear_proj]"]
+    bad = [
+        ([f"{key}=-1"], rf"{key}=-1: expected 0 \(off\) or more"),
+        ([f"{key}=2"], rf"{key}=2: .* \(LlamaForCausalLM\) has no multi-token-prediction layers .* set it to 0"),
+        ([*deepseek, f"{key}=1", *adapter], rf"{key}=1: not with models.policy.sync.lora='adapter'"),
+    ]
+    for overrides, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            load_run_config(run_yaml, overrides)
+    assert load_run_config(run_yaml, [*deepseek, f"{key}=2"]).models.policy.rollout.speculative_tokens == 2
+
+
 def test_an_mtp_loss_needs_mtp_layers_and_trains_them_without_lora_or_shared_prompts(run_yaml, tiny_models):
     """mtp_loss_coef is refused by key with the fix: on a model without MTP layers, negative or not finite, with
     LoRA (the MTP layers stay frozen) or shared-prompt rows (responses back to back); on DeepSeek-V3 it loads."""
