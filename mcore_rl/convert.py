@@ -236,7 +236,7 @@ def _with_peft(directory: Path, source, bridge, schema, vocab: int):
     except ValueError as err:
         raise ConversionError(str(err)) from None
     peft = source.peft
-    lora = LoRAConfig(peft.rank, peft.alpha, sorted({w.rsplit(".", 2)[-2] for w in peft.adapted}))
+    lora = LoRAConfig(rank=peft.rank, alpha=peft.alpha, targets=sorted({w.rsplit(".", 2)[-2] for w in peft.adapted}))
 
     def adapt(chunks):
         attach_lora(chunks, lora, 0, parallel_state.get_tensor_model_parallel_group())

@@ -38,6 +38,9 @@ from megatron.core.tensor_parallel import (
     RowParallelLinear,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
+    get_cuda_rng_tracker,
+    get_data_parallel_rng_tracker_name,
+    get_expert_parallel_rng_tracker_name,
     reduce_from_tensor_model_parallel_region,
     scatter_to_sequence_parallel_region,
 )
@@ -65,6 +68,7 @@ class LoRAConfig:
     # linear_fc2 (the MLP, an MoE layer's shared experts); experts.linear_fc1, experts.linear_fc2 (every routed
     # expert's, with expert tensor parallelism 1); the MLA projections are not adapted yet
     targets: list[str] = field(default_factory=lambda: list(LINEARS))
+    dropout: float = 0.0  # PEFT's lora_dropout: of the adapters' input, while training (log-probs are scored without)
 
     @property
     def scale(self) -> float:
@@ -73,6 +77,8 @@ class LoRAConfig:
     def validate(self, prefix: str = KEY) -> None:
         if self.rank < 0 or (self.rank and not (math.isfinite(self.alpha) and self.alpha > 0)):
             raise ValueError(f"{prefix}: expected rank >= 0 and alpha > 0 (got rank {self.rank}, alpha {self.alpha})")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"{prefix}.dropout={self.dropout}: expected a probability in [0, 1)")
         if unknown := sorted(set(self.targets) - set(TARGETS)):
             raise ValueError(f"{prefix}.targets: {unknown} are no adaptable linears; expected some of {list(TARGETS)}")
         if self.rank and not self.targets:
@@ -82,12 +88,16 @@ class LoRAConfig:
 class Adapter(torch.nn.Module):
     """The adapter of one base linear (see the module docstring for the sharding)."""
 
-    def __init__(self, base, slot: str, rank: int, scale: float, seed: int, tp_group, gated: bool = False):
+    def __init__(
+        self, base, slot: str, rank: int, scale: float, seed: int, tp_group, gated: bool = False, dropout: float = 0.0
+    ):
         """``slot``: the base weight's global name (a routed expert's by its global index); ``gated``: the base is a
         gated MLP's ``linear_fc1``, whose rows hold [gate_t; up_t] on TP rank t. A routed expert's adapter
         (``tp_group``: expert-TP, of size 1) sees its expert's tokens alone, never sequence-parallel, and its
-        gradients are reduced over the expert-data-parallel ranks, as its expert's are."""
+        gradients are reduced over the expert-data-parallel ranks, as its expert's are. ``dropout``: of the input,
+        while training (:meth:`_drop`)."""
         super().__init__()
+        self.dropout = dropout
         self.column, self.gated = isinstance(base, ColumnParallelLinear), gated
         self.expert = bool(getattr(base, "is_expert", False))
         self.sequence_parallel = base.sequence_parallel and not self.expert
@@ -120,13 +130,32 @@ class Adapter(torch.nn.Module):
         if self.column:
             if self.sequence_parallel:
                 x = gather_from_sequence_parallel_region(x, group=group)
-            h = torch.nn.functional.linear(x, self.a)
+            h = torch.nn.functional.linear(self._drop(x), self.a)
             if not self.sequence_parallel:
                 h = copy_to_tensor_model_parallel_region(h, group=group)
             return self.scale * torch.nn.functional.linear(h, self.b)
-        h = reduce_from_tensor_model_parallel_region(torch.nn.functional.linear(x, self.a), group=group)
+        h = reduce_from_tensor_model_parallel_region(torch.nn.functional.linear(self._drop(x), self.a), group=group)
         y = self.scale * torch.nn.functional.linear(h, self.b)
         return scatter_to_sequence_parallel_region(y, group=group) if self.sequence_parallel else y
+
+    def _drop(self, x: torch.Tensor) -> torch.Tensor:
+        """PEFT's dropout of the adapter's input, while training, drawn from Megatron's RNG trackers (activation
+        recompute restores their states, so it redraws the same mask): an input every TP rank holds whole (a
+        column-parallel linear's, gathered from the sequence shards) from the data-parallel stream, seeded alike
+        over TP, so the TP ranks agree whatever stream is current where the hook runs (under sequence parallelism
+        Megatron forks the tensor-parallel one around it); a row-parallel linear's TP shard from the
+        tensor-parallel stream, one per rank; a routed expert's tokens from the expert-parallel one."""
+        if not (self.dropout and self.training):
+            return x
+        tracker = get_cuda_rng_tracker()
+        if self.expert:
+            draw = tracker.fork(get_expert_parallel_rng_tracker_name())
+        elif self.column:
+            draw = tracker.fork(get_data_parallel_rng_tracker_name())
+        else:
+            draw = tracker.fork()  # the tensor-parallel stream
+        with draw:
+            return torch.nn.functional.dropout(x, self.dropout, training=True)
 
     @property
     def base_weight(self) -> torch.nn.Parameter:
@@ -207,7 +236,7 @@ def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp
                 if group.size() > 1:
                     raise ValueError(f"{KEY}.targets: {target} needs expert tensor parallelism 1 (parallel.etp)")
             gated = target.endswith("linear_fc1") and module.config.gated_linear_unit
-            adapter = Adapter(module, slot, config.rank, config.scale, seed, group, gated)
+            adapter = Adapter(module, slot, config.rank, config.scale, seed, group, gated, config.dropout)
             module.register_forward_hook(_hook(adapter))  # GroupedExperts adds expert adapters in its own forward
             module.lora_adapter = [adapter]  # a list: not a submodule of the base
             adapters[adapter_key(slot)] = adapter

@@ -744,18 +744,25 @@ def _full(tensor: torch.Tensor, axis: int | None, group) -> torch.Tensor:
 
 
 def lora_sgd_step(
-    hf_dir: str, layout: dict, tokens: torch.Tensor, rank: int, targets: list[str], grouped: bool = True
+    hf_dir: str,
+    layout: dict,
+    tokens: torch.Tensor,
+    rank: int,
+    targets: list[str],
+    grouped: bool = True,
+    dropout: float = 0.0,
 ) -> dict:
     """One SGD step (lr 1, no clipping) of LoRA adapters on a frozen model, B set to the base weight's first columns:
     the loss, the log-probs of ``tokens`` with the adapters and without them (the base model), each adapter's whole
     gradient (A's and B's, from the update) and how far each merged shard is from ``W + scale B A`` computed whole;
     on every rank, all pipeline stages merged. ``grouped``: an MoE model's experts as grouped GEMMs, or Megatron's
-    sequential experts."""
+    sequential experts. ``dropout``: the adapters' (then also whether the TP ranks drew the same masks for the
+    inputs they all hold whole, after the step)."""
     from models.lora import LoRAConfig, adapters, adapters_off, attach_lora, merged
     from parallel.comm import all_gather_objects
 
     bridge, config, chunks, groups = _load(hf_dir, layout, **({} if grouped else {"moe_grouped_gemm": False}))
-    lora = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets)
+    lora = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets, dropout=dropout)
     attach_lora(chunks, lora, seed=7, tp_group=groups.tp)
     mine = adapters(chunks)  # a routed expert's over expert-TP (its adapter's tp_group), the others over TP
     for adapter in mine.values():  # B from the base weight (its rows, as each layout lays them out): not zero
@@ -801,6 +808,10 @@ def lora_sgd_step(
     merged_grads = {}  # every stage's, every EP rank's experts
     for part in all_gather_objects(grads, torch.distributed.group.WORLD):
         merged_grads |= part
+    masks_agree = True
+    for adapter in (a for a in mine.values() if a.column and not a.expert):  # in training mode, as after a step
+        masks = all_gather_objects(adapter._drop(torch.ones(3, adapter.a.shape[1])), adapter.tp_group)
+        masks_agree &= all(torch.equal(m, masks[0]) for m in masks)
     errors = all_gather_objects(merge_error, torch.distributed.group.WORLD)
     return {
         "loss": result.loss,
@@ -809,6 +820,7 @@ def lora_sgd_step(
         "grads": merged_grads,
         "merge_error": max(errors),
         "trained": sorted(n for c in step.model for n, p in c.named_parameters() if p.requires_grad),
+        "masks_agree": masks_agree,
     }
 
 

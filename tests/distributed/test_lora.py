@@ -61,6 +61,26 @@ def test_lora_step_matches_one_rank_under_every_layout(ranks, tiny_models, arch,
                     assert (have - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), (layout, slot)
 
 
+def test_lora_dropout_acts_in_training_only_with_masks_the_tp_ranks_agree_on(ranks, tiny_models):
+    """PEFT's lora_dropout: the step differs from one without it, the log-probs (scored in eval mode) do not; the
+    TP ranks draw the same mask for an input they all hold, so sequence parallelism (which gathers that input
+    first) takes the same step, gradient for gradient."""
+    tokens = torch.randint(0, 100, (4, 17), generator=torch.Generator().manual_seed(3))
+    step = dict(hf_dir=tiny_models["LlamaForCausalLM"], tokens=tokens, rank=4, targets=ATTENTION + MLP)
+    plain = ranks.run(cases.lora_sgd_step, layout=dict(tp=2), **step)[0]
+    dropped, sp = (
+        ranks.run(cases.lora_sgd_step, layout=layout, dropout=0.3, **step)
+        for layout in (dict(tp=2), dict(tp=2, sequence_parallel=True))
+    )
+    assert all(r["masks_agree"] for r in (*dropped, *sp))
+    dropped, sp = dropped[0], sp[0]
+    assert torch.equal(dropped["lora_logp"], plain["lora_logp"]) and dropped["loss"] != plain["loss"]
+    assert sp["loss"] == pytest.approx(dropped["loss"], rel=1e-6)
+    for slot, pair in dropped["grads"].items():
+        for want, have in zip(pair, sp["grads"][slot], strict=True):
+            assert (have - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), slot
+
+
 def test_lora_checkpoints_and_merged_exports_are_layout_free(ranks, tmp_path):
     """Adapters saved under TP 2 with sequence parallelism load under PP 2 and one rank alike (a gated MLP's B
     stored gate and up apart, as its weight is); the merged HF tensors exported are the same in all three, and

@@ -45,7 +45,7 @@ def test_train_script_dry_run_maps_every_tensor_at_full_size(config, model, tmp_
         assert role["errors"] == [], name
         # Every HF tensor is produced exactly once, at its shape: the export adds up to the checkpoint.
         assert role["exported_params"] == role["hf_params"], name
-        # bf16, each tensor sent once; the MTP layers' are not (the engines do not draft with them)
+        # bf16, each tensor sent once; the MTP layers' are not (these scripts' engines do not draft with them)
         assert role["sync"]["total_bytes"] == 2 * role["engine_params"], name
         mtp = hf_config.get("num_nextn_predict_layers", 0)
         assert role["mtp_layers"] == mtp and (role["engine_params"] < role["hf_params"]) == bool(mtp)

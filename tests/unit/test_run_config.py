@@ -481,6 +481,7 @@ def test_lora_keys_are_checked_and_replace_the_reference_role(run_yaml, tmp_path
         (["models.policy_trainer.lora.rank=8", "models.policy_trainer.lora.alpha=0"], r"alpha > 0 \(got rank 8"),
         (["models.policy_trainer.lora.targets=[q_proj]"], r"lora.targets: \['q_proj'\] are no adaptable linears"),
         (["models.policy_trainer.lora.rank=8", "models.policy_trainer.lora.targets=[]"], r"lora.targets: empty"),
+        (["models.policy_trainer.lora.dropout=1"], r"lora.dropout=1.0: expected a probability in \[0, 1\)"),
     ]
     for overrides, message in bad:
         with pytest.raises(ConfigError, match=message):
