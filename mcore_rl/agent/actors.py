@@ -48,11 +48,29 @@ class EnvPool:
 
     def __init__(self, spec: str, reward_spec: str, sandbox: SandboxConfig, num_actors: int):
         remote = ray.remote(EnvHost).options(num_cpus=0, max_concurrency=ENV_THREADS)  # they mostly wait
-        self._new = lambda: remote.remote(spec, reward_spec, sandbox)
+        self._remote = lambda: remote.remote(spec, reward_spec, sandbox)
+        self._starting: dict = {}  # actor -> the ref that resolves once its process is up
+        self._up: dict = {}  # actor -> when it was first seen up
         self.actors = [self._new() for _ in range(num_actors)]  # the ones taking new trajectories
         self._open: collections.Counter = collections.Counter()  # actor -> its trajectories not closed yet
         self._draining: set = set()  # actors with a hung step, waiting for their other trajectories to close
         self._opened = 0
+
+    def _new(self):
+        actor = self._remote()
+        self._starting[actor] = actor.__ray_ready__.remote()
+        return actor
+
+    def up_since(self, actor) -> float | None:
+        """When ``actor`` was first seen up (its process started, the environment's file imported): a step's
+        deadline counts from then, not from the start-up of a fresh actor on a busy machine; None before."""
+        if actor not in self._up:
+            ready, _ = ray.wait([self._starting[actor]], timeout=0)
+            if not ready:
+                return None
+            self._up[actor] = time.monotonic()
+            del self._starting[actor]
+        return self._up[actor]
 
     def open(self):
         """The actor of a new trajectory (its reset, steps and close all go there)."""
@@ -66,6 +84,8 @@ class EnvPool:
         if actor in self._draining and not self._open[actor]:
             self._draining.discard(actor)
             del self._open[actor]
+            self._up.pop(actor, None)
+            self._starting.pop(actor, None)
             ray.kill(actor)  # its hung thread with it
         else:
             actor.close.remote(key)

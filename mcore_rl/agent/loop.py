@@ -31,6 +31,10 @@ from mcore_rl.data.prompts import Prompt
 from mcore_rl.rewards.user import RewardError
 from mcore_rl.rollout.engine import Completion, MultiTurnConfig, SamplingConfig
 
+# An environment actor's start-up (a process, the environment's file imported) is not charged to the deadline of
+# the step waiting for it, up to this long; a start-up that takes longer is charged from then on.
+ENV_START_S = 120.0
+
 log = logging.getLogger(__name__)
 
 
@@ -187,7 +191,10 @@ class AgentLoop:
                 continue
             self._opened(live, result) if kind == "reset" else self._stepped(live, *result)
         for ref, (live, kind, start) in list(self._env_steps.items()):
-            if self.env_timeout_s and now - start > self.env_timeout_s:
+            up = self.envs.up_since(live.env)
+            if up is None and now - start < ENV_START_S:  # its actor is still starting: not the step's time yet
+                continue
+            if self.env_timeout_s and now - max(start, up or start) > self.env_timeout_s:
                 del self._env_steps[ref]
                 if kind == "reset":
                     raise EnvError(f"resetting the environment for row {live.group.prompt.row.id!r} timed out")

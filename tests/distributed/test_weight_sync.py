@@ -24,15 +24,19 @@ CASES = [
     ("LlamaForCausalLM", 2, [dict(pp=2)], [0]),
     ("Qwen3MoeForCausalLM", 2, [dict(ep=2)], [0]),
     ("Qwen2ForCausalLM", 1, [dict(tp=2)], [0, 2]),  # two rollout replicas, each synced by its own trainer rank
-    ("DeepseekV3ForCausalLM", 1, MOE_LAYOUTS, [0]),  # MLA (vLLM's CPU MLA kernel), expert bias, shared experts
+    # MLA (vLLM's CPU MLA kernel), expert bias, shared experts; the engine drafts with the MTP layer (speculative
+    # decoding), so the sync sends it too and the update refuses any drafter parameter left stale
+    ("DeepseekV3ForCausalLM", 1, MOE_LAYOUTS, [0]),
 ]
+DRAFTING = {"DeepseekV3ForCausalLM"}
 
 
 @pytest.mark.parametrize(
     "arch,rollout_tp,layouts,owners", CASES, ids=[f"{c[0]}-rollout_tp{c[1]}-replicas{len(c[3])}" for c in CASES]
 )
 def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, arch, rollout_tp, layouts, owners):
-    config = dataclasses.replace(ENGINE, tensor_parallel_size=rollout_tp)
+    drafts = arch in DRAFTING
+    config = dataclasses.replace(ENGINE, tensor_parallel_size=rollout_tp, speculative_tokens=int(drafts))
     engines = {rank: f"rollout-{arch}-{rank}" for rank in owners}
     actors = launch_engines(tiny_models[arch], config, [(name, {}) for name in engines.values()])
     try:
@@ -46,6 +50,7 @@ def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, 
                 steps=2,
                 bucket_bytes=256 << 10,  # several buckets; layers straddle bucket boundaries
                 engine_tp=rollout_tp,
+                drafts=drafts,
             )
             for rank in owners:
                 assert [r["index"] for r in reports[rank]] == [0, 1]
@@ -58,30 +63,12 @@ def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, 
                     assert r["stale_rejected"], (layout, "the probe did not notice that the engine was behind")
                     assert r["unpushed_verify_refused"], "verify without a push must be refused"
                     assert r["probe_max_abs_diff"] == owner_r["probe_max_abs_diff"]
+        if drafts:  # with the synced drafter
+            ray.get(actors[0].generate.remote([list(range(3, 20))], SamplingConfig(temperature=0.0, max_new_tokens=8)))
+            assert ray.get(actors[0].speculative_stats.remote())["draft_tokens"] > 0
     finally:
         for actor in actors:
             stop_engine(actor)
-
-
-def test_an_engine_that_drafts_with_mtp_layers_gets_them_with_every_sync(ranks, tiny_models, ray_address):
-    """Speculative decoding with DeepSeek-V3's MTP layer: the sync sends the layer too (from the last pipeline
-    stage under PP 2; TP-split with sequence parallelism), the engine's update refuses any drafter parameter left
-    stale, and the probe agrees after every step."""
-    arch = "DeepseekV3ForCausalLM"
-    config = dataclasses.replace(ENGINE, speculative_tokens=1)
-    actor = launch_engine(tiny_models[arch], config, name="rollout-drafts")
-    try:
-        for layout in (dict(pp=2), dict(tp=2, sequence_parallel=True)):
-            reports = ranks.run(
-                cases.train_and_sync, hf_dir=tiny_models[arch], layout=layout, ray_address=ray_address,
-                engines={0: "rollout-drafts"}, steps=2, bucket_bytes=256 << 10, drafts=True,
-            )  # fmt: skip
-            for r in reports[0]:
-                assert r["stale_rejected"] and r["probe_max_abs_diff"] <= 1e-4, (layout, r)
-        ray.get(actor.generate.remote([list(range(3, 20))], SamplingConfig(temperature=0.0, max_new_tokens=8)))
-        assert ray.get(actor.speculative_stats.remote())["draft_tokens"] > 0  # with the synced drafter
-    finally:
-        stop_engine(actor)
 
 
 def test_bf16_engine_casts_fp32_trainer_weights_at_the_receiver(ranks, tiny_models, ray_address):
@@ -106,42 +93,30 @@ def test_bf16_engine_casts_fp32_trainer_weights_at_the_receiver(ranks, tiny_mode
     assert report["probe_max_abs_diff"] <= 0.05 and report["probe_mean_abs_diff"] <= 5e-3, report
 
 
-# (architecture, rollout TP, training layouts, sync.lora)
-LORA_CASES = [
-    ("Qwen3ForCausalLM", 1, [dict(tp=2, sequence_parallel=True), dict(pp=2)], "adapter"),  # tied, qk-norm
-    ("LlamaForCausalLM", 2, [dict(tp=2)], "adapter"),  # each engine worker loads its shard of every adapter
-    ("Qwen3ForCausalLM", 1, [dict(tp=2, sequence_parallel=True)], "merged"),
-]
-
-
-@pytest.mark.parametrize(
-    "arch,rollout_tp,layouts,mode", LORA_CASES, ids=[f"{c[0]}-rollout_tp{c[1]}-{c[3]}" for c in LORA_CASES]
-)
-def test_lora_policies_sync_adapters_alone_or_merged(ranks, tiny_models, ray_address, arch, rollout_tp, layouts, mode):
-    """sync.lora: adapter: after each LoRA step only the adapters travel (as PEFT tensors), the engine replaces its
-    adapter in place, and its log-probs (base weights from its own start + adapter) equal the trainer's; merged:
-    W + scale B A travels, to an engine without LoRA."""
-    adapter = mode == "adapter"
-    config = dataclasses.replace(ENGINE, tensor_parallel_size=rollout_tp, lora_rank=8 * adapter, sleep_level=1)
+def test_lora_policies_sync_merged_or_adapters_alone(ranks, tiny_models, ray_address):
+    """A LoRA policy (tiny Qwen3: tied embeddings, qk-norm) synced merged (W + scale B A travels, as plain weights),
+    then with sync.lora: adapter: after each step only the adapters travel (as PEFT tensors), the engine replaces its
+    adapter in place, and its log-probs (base weights from its own start + adapter) equal the trainer's."""
+    arch = "Qwen3ForCausalLM"
+    configs = [ENGINE, dataclasses.replace(ENGINE, lora_rank=8, sleep_level=1)]  # merged: an engine without LoRA
     model_bytes = sum(f.stat().st_size for f in Path(tiny_models[arch]).glob("*.safetensors"))
-    actor = launch_engine(tiny_models[arch], config, name=f"rollout-lora-{arch}")
+    actors = launch_engines(tiny_models[arch], configs, [("rollout-merged", {}), ("rollout-lora", {})])
     try:
-        for layout in layouts:
+        for mode, layout in (
+            ("merged", dict(tp=2, sequence_parallel=True)),
+            ("adapter", dict(tp=2, sequence_parallel=True)),
+            ("adapter", dict(pp=2)),
+        ):
             reports = ranks.run(
-                cases.train_and_sync,
-                hf_dir=tiny_models[arch],
-                layout=layout,
-                ray_address=ray_address,
-                engines={0: f"rollout-lora-{arch}"},
-                steps=2,
-                bucket_bytes=64 << 10,  # several buckets
-                engine_tp=rollout_tp,
-                lora_rank=8,
-                sync_lora=mode,
-            )
+                cases.train_and_sync, hf_dir=tiny_models[arch], layout=layout, ray_address=ray_address,
+                engines={0: f"rollout-{'lora' if mode == 'adapter' else mode}"}, steps=2, bucket_bytes=64 << 10,
+                lora_rank=8, sync_lora=mode,
+            )  # fmt: skip
             for r in reports[0]:
-                assert r["stale_rejected"], (layout, "the probe did not notice that the engine's policy was behind")
-                assert r["probe_max_abs_diff"] <= 1e-4, (layout, r)
-                assert r["buckets"] > 1 and (r["bytes"] < model_bytes / 4 if adapter else r["bytes"] > model_bytes / 2)
+                assert r["stale_rejected"], (mode, layout, "the probe did not notice that the engine was behind")
+                assert r["probe_max_abs_diff"] <= 1e-4, (mode, layout, r)
+                sent = r["bytes"] < model_bytes / 4 if mode == "adapter" else r["bytes"] > model_bytes / 2
+                assert r["buckets"] > 1 and sent, (mode, layout, r)
     finally:
-        stop_engine(actor)
+        for actor in actors:
+            stop_engine(actor)
