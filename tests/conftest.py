@@ -20,16 +20,30 @@ os.environ.update(SINGLE_MACHINE)
 
 # Longest first, so the two workers finish together: end-to-end runs, then multi-rank tests, then the rest.
 ORDER = ("tests/e2e/", "tests/distributed/", "tests/planner/", "tests/unit/")
+RANK_POOLS = {"ranks", "ranks3"}
+QUICK = "tests/unit/test_advantages.py"  # a unit test of pure functions: milliseconds
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the test's id
 def pytest_collection_modifyitems(items) -> None:
     """Under ``-n 2 --dist loadgroup`` (scripts/test.sh) every test of the rank pools runs in one worker, so one set
-    of ranks exists, and the other worker takes the remaining tests beside it, longest first."""
+    of ranks exists, and the other worker takes the remaining tests beside it, longest first.
+
+    xdist hands out the groups largest first (the rank pools' tests, to one worker) and queues a second unit on
+    each worker at once: the one queued behind the rank pools waits for all of them, so it is a quick unit test,
+    not an end-to-end run."""
+
+    def pooled(item) -> bool:
+        return bool(RANK_POOLS & set(getattr(item, "fixturenames", ())))
+
     items.sort(key=lambda item: next((i for i, d in enumerate(ORDER) if item.nodeid.startswith(d)), len(ORDER)))
-    for item in items:
-        if {"ranks", "ranks3"} & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("ranks"))
+    alone = [item for item in items if not pooled(item)]
+    quick = next((item for item in alone if item.nodeid.startswith(QUICK)), None)
+    if quick is not None and len(alone) > 2:  # the third unit handed out: second after the longest single test
+        items.remove(quick)
+        items.insert(items.index(alone[1]), quick)
+    for item in filter(pooled, items):
+        item.add_marker(pytest.mark.xdist_group("ranks"))
 
 
 @pytest.fixture(scope="session")
