@@ -19,7 +19,7 @@ from converters.mapping import Mapping, MappingTable, Target, check_tensors, une
 from converters.plan import MTP, LocalParam, global_expert_name, local_params
 from converters.torch_dist import find_megatron, load_model
 from converters.transforms import full_shape, shard
-from parallel.comm import all_gather_bucket, all_gather_objects, broadcast_bucket
+from parallel.comm import all_gather_bucket, all_gather_objects, broadcast_bucket, byte_buckets
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -122,16 +122,11 @@ def export_plan(stages: list[StageMeta], table: MappingTable, num_local: int, mt
 
 def buckets(tasks: list[_Task], budget: int, tp: int, etp: int, ep: int) -> Iterator[list[_Task]]:
     """Consecutive tasks of one pipeline owner and dtype, up to ``budget`` bytes of full tensors each."""
-    bucket, size = [], 0
-    for task in tasks:
-        nbytes = task.nbytes(etp, ep) if task.is_expert else task.nbytes(tp, 1)
-        if bucket and (size + nbytes > budget or (task.owner, task.dtype) != (bucket[0].owner, bucket[0].dtype)):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(task)
-        size += nbytes
-    if bucket:
-        yield bucket
+
+    def nbytes(task: _Task) -> int:
+        return task.nbytes(etp, ep) if task.is_expert else task.nbytes(tp, 1)
+
+    return byte_buckets(tasks, nbytes, budget, key=lambda task: (task.owner, task.dtype))
 
 
 def bucket_layout(

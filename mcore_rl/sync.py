@@ -26,7 +26,7 @@ from converters.stream import export_hf
 from mcore_rl.rollout.transport import BucketSender
 from mcore_rl.training import MegatronModel
 from models.lora import LoRAConfig, export_peft, merged
-from parallel.comm import all_gather_objects, all_reduce_scalar
+from parallel.comm import all_gather_objects, all_reduce_scalar, byte_buckets
 from parallel.groups import block_group
 from parallel.transfer import TransferGroup, free_addresses
 
@@ -92,16 +92,7 @@ def probe_tokens(vocab_size: int, config: SyncConfig) -> torch.Tensor:
 
 def send_buckets(named: Iterator[tuple[str, torch.Tensor]], budget: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The exported HF tensors grouped into what the engine loads at once: at most ``budget`` bytes (or one)."""
-    bucket, size = [], 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > budget:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+    return byte_buckets(named, lambda item: item[1].numel() * item[1].element_size(), budget)
 
 
 def _get(refs):

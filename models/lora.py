@@ -52,7 +52,7 @@ from converters.mapping import MappingTable
 from converters.peft import peft_tensors
 from converters.plan import MTP, adapter_key, global_expert_name, local_params
 from converters.transforms import shard
-from parallel.comm import all_gather_bucket, all_gather_objects, broadcast_bucket
+from parallel.comm import all_gather_bucket, all_gather_objects, broadcast_bucket, byte_buckets
 
 KEY = "models.policy_trainer.lora"
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # attention, MLP (dense or shared experts)
@@ -293,7 +293,10 @@ def export_peft(chunks: list[torch.nn.Module], bridge, groups, bucket_bytes: int
     layout = [(slot, a.column, tuple(a.a.shape), tuple(a.b.shape), a.a.dtype) for slot, a in sorted(mine.items())]
     device = next(chunks[0].parameters()).device
     for owner, stage in enumerate(all_gather_objects(layout, groups.pp)):
-        for bucket in _byte_buckets(stage, bucket_bytes, tp):
+        # consecutive adapters up to ``bucket_bytes`` of whole factors (a bound: one factor is whole already)
+        for bucket in byte_buckets(
+            stage, lambda e: (math.prod(e[2]) + math.prod(e[3])) * tp * e[4].itemsize, bucket_bytes
+        ):
             # whole shapes: the split factor (B's rows of a column-parallel weight, A's columns of a row one) * tp
             shapes = [
                 torch.Size(s)
@@ -313,18 +316,3 @@ def export_peft(chunks: list[torch.nn.Module], bridge, groups, bucket_bytes: int
             for i, (slot, *_) in enumerate(bucket):
                 mapping, captures = table.resolve(f"{slot}.weight")
                 yield from peft_tensors(mapping, captures, tensors[2 * i], tensors[2 * i + 1], tp)
-
-
-def _byte_buckets(stage: list, budget: int, tp: int) -> Iterator[list]:
-    """Consecutive adapters of one stage, up to ``budget`` bytes of whole factors each (at least one)."""
-    bucket, size = [], 0
-    for entry in stage:
-        _, _, a, b, dtype = entry
-        nbytes = (math.prod(a) + math.prod(b)) * tp * dtype.itemsize  # a bound: one factor is whole already
-        if bucket and size + nbytes > budget:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(entry)
-        size += nbytes
-    if bucket:
-        yield bucket

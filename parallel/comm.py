@@ -6,12 +6,27 @@ collective and hand back views shaped like the inputs. Nothing here knows about 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
+
+
+def byte_buckets(items: Iterable, nbytes: Callable, budget: int, key: Callable | None = None) -> Iterator[list]:
+    """Consecutive ``items`` grouped into buckets of at most ``budget`` bytes (``nbytes(item)``; an item larger than
+    the budget is a bucket of its own), a new one wherever ``key(item)`` changes."""
+    bucket, size = [], 0
+    for item in items:
+        n = nbytes(item)
+        if bucket and (size + n > budget or (key is not None and key(item) != key(bucket[0]))):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(item)
+        size += n
+    if bucket:
+        yield bucket
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
