@@ -53,13 +53,15 @@ class WeightUpdate:
         self.models, self.device, self.dtype, self.machine = models, device, dtype, machine
         receive = transfer.receive if transfer is not None else None
         self.receiver = BucketReceiver(device, rank, receive)
+        # parameter names as the errors give them: the drafter's prefixed (``drafter.``), the model's as they are
+        self.prefixes = ["", *(["drafter."] * (len(models) - 1))]
         seen, self.expected = set(), set()
-        for i, model in enumerate(models):
+        for prefix, model in zip(self.prefixes, models, strict=True):
             for name, param in model.named_parameters():
                 if id(param) not in seen and not is_derived(name):
-                    self.expected.add((i, name))
+                    self.expected.add(prefix + name)
                 seen.add(id(param))
-        self.loaded: set[tuple[int, str]] = set()
+        self.loaded: set[str] = set()
         for model in models:
             begin_reload(model)
 
@@ -72,8 +74,8 @@ class WeightUpdate:
         """
         buffer, tensors = self.receiver.open(handle)
         tensors = [(n, t.to(device=self.device, dtype=self.dtype)) for n, t in tensors]
-        for i, model in enumerate(self.models):
-            self.loaded |= {(i, name) for name in load_bucket(model, tensors)}
+        for prefix, model in zip(self.prefixes, self.models, strict=True):
+            self.loaded |= {prefix + name for name in load_bucket(model, tensors)}
         detach_pending(buffer)
         stream = self.machine.stream(self.device)
         if stream is not None:
@@ -96,7 +98,7 @@ class WeightUpdate:
             stale += finish_reload(model, model_config)
             repairs += repair_after_reload(model)
         self.machine.release_cached_memory()
-        missing = {name for i, name in self.expected - self.loaded}
+        missing = self.expected - self.loaded
         if getattr(self.models[0].config, "tie_word_embeddings", False):
             missing.discard("lm_head.weight")  # it is the embedding
         if missing:
@@ -111,8 +113,8 @@ class AdapterUpdate:
     :meth:`finish` as an adapter directory that vLLM loads in place of the engine's adapter ``lora``."""
 
     def __init__(self, device: torch.device, rank: int, lora: dict, transfer: TransferGroup | None = None):
-        """``lora``: the engine's :func:`mcore_rl.rollout.engine.lora_request` fields and the adapters' rank and
-        alpha."""
+        """``lora``: the adapter's ``name``, ``id`` and ``path`` (the engine's one adapter, this worker's copy of
+        it) and its ``rank`` and ``alpha``."""
         self.lora = lora
         self.receiver = BucketReceiver(device, rank, transfer.receive if transfer is not None else None)
         self.tensors: dict[str, torch.Tensor] = {}
