@@ -164,6 +164,11 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     optimizer state."""
     reward_model = make_tiny_reward_model(tiny_models["LlamaForCausalLM"], tmp_path / "rm")
     overrides = [
+        # one device: each of the five Megatron roles is one process (layouts: tests/distributed), each start-up
+        # (twice here) being most of what the test costs
+        "runtime_args.num_devices=1",
+        "models.policy_trainer.parallel.tp=1",
+        "models.ref_policy.parallel.tp=1",
         "runtime_args.num_episode=3",
         "runtime_args.save_episode_interval=2",
         "runtime_args.keep_checkpoints=0",
@@ -171,7 +176,6 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
         "models.policy_trainer.reward_kl_coef=0.01",
         "models.policy_trainer.distill_coef=0.1",
         "models.critic.load=${models.policy_trainer.load}",
-        "models.critic.parallel.tp=2",
         "models.teacher.load=${models.policy_trainer.load}",
         f"models.reward_model.load={reward_model}",
         "models.reward_model.weight=0.1",
@@ -287,34 +291,31 @@ def test_a_reward_model_and_a_judge_with_devices_and_engines_of_their_own(tiny_m
         assert s["reward"] == pytest.approx(parts["vowel_reward"] + 0.1 * parts["rm"] + 0.5 * parts["judge"], abs=1e-6)
 
 
-def test_a_lora_run_trains_adapters_syncs_them_alone_and_resumes_exactly(tiny_models, ray_address, tmp_path, capsys):
+def test_a_lora_run_trains_adapters_and_syncs_them_alone(tiny_models, ray_address, tmp_path, capsys):
     """LoRA adapters (TP 2 with sequence parallelism) on the frozen policy: the reference is the same model with
     the adapters off (no reference role: KL 0 and ratio 1 at the first step), the engines get the adapters alone
     and serve them with vLLM's LoRA (the probe agrees after they have trained; merged weights: test_weight_sync.py),
-    and a run continued from its checkpoint resumes Adam's state of the adapters exactly."""
+    and the run's checkpoint exports as a PEFT adapter. (Resuming the adapters' Adam state exactly: the role's
+    check in tests/gpu/checks.py, which CI runs on CPU; a run's resume: the killed run above.)"""
     overrides = [
         "models.policy_trainer.lora.rank=8",
         "models.policy.sync.lora=adapter",
         "models.policy.rollout.sleep_level=1",
         "models.policy_trainer.parallel.sequence_parallel=true",
         "runtime_args.num_episode=2",
-        "runtime_args.save_episode_interval=1",
+        "runtime_args.save_episode_interval=2",
         "runtime_args.eval_episode_interval=0",
     ]
     path = write_config(tmp_path, tiny_models["Qwen3ForCausalLM"], "lora")
     config = load_run_config(path, overrides)
     assert config.models.megatron_roles == ["policy_trainer"]
     out = run(config)
-    saved = checkpoint.read_meta(checkpoint.latest_complete(out / "checkpoints")[1])
     first, second = read_metrics(out / "metrics.jsonl")
     assert first["train/first_step_ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert first["train/first_step_kl"] == pytest.approx(0.0, abs=1e-6)  # B starts at zero: the base model
     assert second["train/first_step_kl"] > 0  # the adapters trained: the policy left its reference
     for record in (first, second):  # the engines' policy is the trainer's
         assert record["sync/probe_max_abs_diff"] < 1e-4 and record["train/grad_norm"] > 0
-    run(load_run_config(path, [*overrides, "runtime_args.num_episode=3"]))
-    (resume,) = events(out, "resume")
-    assert resume["episode"] == 2 and resume["optimizer"] == saved["optimizer"] and saved["optimizer"]["step"] == 2
     # The run's checkpoint exports as a PEFT adapter over the model it started from (its numerics: test_lora.py).
     latest, model = checkpoint.latest_complete(out / "checkpoints")[1], tiny_models["Qwen3ForCausalLM"]
     assert mcore2hf([str(latest), str(tmp_path / "peft"), "--hf-config", model, "--quiet"]) == 0
