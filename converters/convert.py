@@ -25,7 +25,7 @@ from converters import peft
 from converters.hf_io import HFCheckpoint, SafetensorsWriter, TensorEntry
 from converters.mapping import MappingTable, Target, check_tensors, unexpected_tensors
 from converters.peft import PeftAdapter, peft_config, peft_tensors, target_modules
-from converters.plan import ADAPTERS, adapted_slot
+from converters.plan import ADAPTERS, adapted_slot, router_copy
 from converters.torch_dist import LORA_FILE, Reader, Schema, Slot, Writer, model_schema
 
 
@@ -96,11 +96,13 @@ class HFSource:
 class Adapters:
     """The LoRA adapters of a checkpoint (:mod:`models.lora`): ``keys`` maps each adapted weight's slot to its
     adapter's checkpoint key prefix, whose ``a`` [r, in] and ``b`` [out, r] are stored whole in the full Megatron
-    layout of the weight's rows (a gated MLP's B gate and up apart, as its weight)."""
+    layout of the weight's rows (a gated MLP's B gate and up apart, as its weight). ``routers``: the routers the run
+    trained beside them (their copies as loaded are checkpointed with the adapters; the model holds them trained)."""
 
     rank: int
     alpha: float
     keys: dict[str, str]
+    routers: tuple[str, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -108,7 +110,12 @@ class Adapters:
 
     @classmethod
     def of(cls, reader: Reader) -> Adapters | None:
-        prefixes = sorted({k.rsplit(".", 1)[0] for k in reader.tensors if k.startswith(ADAPTERS)})
+        prefixes = sorted(
+            {k.rsplit(".", 1)[0] for k in reader.tensors if k.startswith(ADAPTERS) and not router_copy(k)}
+        )
+        routers = sorted(
+            {adapted_slot(k.rsplit(".", 1)[0].removeprefix(ADAPTERS)) for k in reader.tensors if router_copy(k)}
+        )
         if not prefixes:
             return None
         settings = reader.dir / LORA_FILE
@@ -116,7 +123,7 @@ class Adapters:
             raise ConversionError(f"{reader.dir}: holds LoRA adapters but no {LORA_FILE} (their rank and alpha)")
         lora = json.loads(settings.read_text())
         keys = {adapted_slot(p.removeprefix(ADAPTERS)) + ".weight": p for p in prefixes}
-        return cls(int(lora["rank"]), float(lora["alpha"]), keys)
+        return cls(int(lora["rank"]), float(lora["alpha"]), keys, tuple(routers))
 
 
 class MegatronSource:

@@ -53,6 +53,12 @@ def adapted_slot(key: str) -> str:
     return key.replace("__", ".")
 
 
+def router_copy(key: str) -> bool:
+    """Whether the checkpoint key ``key`` holds a trained router's copy as loaded (``lora.<router key>.weight``, ...:
+    models.lora.RouterCopy) rather than an adapter's factor (``lora.<key>.a``/``.b``)."""
+    return key.startswith(ADAPTERS) and key.rsplit(".", 1)[-1] not in ("a", "b")
+
+
 # Buffers that HF checkpoints hold as weights: the router's expert bias (DeepSeek's e_score_correction_bias).
 _CHECKPOINTED_BUFFERS = ("expert_bias",)
 

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from converters.plan import ADAPTERS, local_params
+from converters.plan import ADAPTERS, local_params, router_copy
 from parallel.config import ParallelConfig
 from parallel.groups import fake_world, init_parallel
 
@@ -365,8 +365,15 @@ def load_model(chunks: list[torch.nn.Module], directory: str | Path) -> None:
     kept = _unrequest(
         request, lambda k, v: isinstance(v, ShardedObject) and k.endswith("_extra_state") and v.unique_key not in keys
     )
-    if not stored_adapters:  # a LoRA run starting from a model: its adapters start fresh
-        kept |= _unrequest(request, lambda k, v: getattr(v, "key", "").startswith(ADAPTERS))
+    # A LoRA run starting from a model: its adapters start fresh; one training the routers of a checkpoint that kept
+    # them frozen: their copies start from the routers it loads (models.lora.keep_routers).
+    kept |= _unrequest(
+        request,
+        lambda k, v: (
+            (key := getattr(v, "key", "")).startswith(ADAPTERS)
+            and (not stored_adapters or (router_copy(key) and key not in reader.tensors))
+        ),
+    )
     state = dist_checkpointing.load(request, str(directory))
     for path, value in kept.items():
         _put(state, path, value)

@@ -173,6 +173,12 @@ def _source(command: Command, args: argparse.Namespace):
             f"{checkpoint}: holds adapters on routed experts (e.g. {experts[0]}), which PEFT cannot place on "
             "transformers' fused experts; export the merged model with --merge"
         )
+    routers = source.adapters.routers if source.adapters else ()
+    if routers and command.target == "hf" and not getattr(args, "merge", False):
+        raise ConversionError(
+            f"{checkpoint}: its routers trained beside the adapters (e.g. {routers[0]}), which a PEFT adapter "
+            "cannot carry to vLLM; export the merged model with --merge"
+        )
     return source, bridge, files, info
 
 

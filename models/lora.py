@@ -15,6 +15,10 @@
   the expert's EP rank, applied to that expert's tokens (by a hook, or by :class:`models.experts.GroupedExperts`'
   own forward), reduced over the expert-data-parallel ranks and checkpointed under the global expert's name.
 
+* An MoE layer's router trains beside the adapters where ``train_router`` is set (its weight, and its expert bias
+  where the balancing moves it): the reference policy then needs the router as loaded, which :class:`RouterCopy`
+  keeps (a replicated copy, checkpointed with the adapters) and puts back while the adapters are off.
+
 Merged weights are ``W_t + scale * B_t A`` (column) or ``W_t + scale * B A_t`` (row): local, no communication.
 Adapters start as PEFT's (``A`` uniform in +-1/sqrt(in), ``B`` zero), each drawn whole from a generator seeded by
 its layer's global name and then sharded, so every layout starts from the same adapters. They live in one
@@ -46,6 +50,7 @@ from megatron.core.tensor_parallel import (
 )
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from converters.mapping import MappingTable
@@ -58,6 +63,7 @@ KEY = "models.policy_trainer.lora"
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # attention, MLP (dense or shared experts)
 TARGETS = (*LINEARS, "experts.linear_fc1", "experts.linear_fc2")  # and the routed experts' projections
 EXPERTS = "experts."  # a routed expert's linear is targeted as experts.<its name>
+ROUTER = "router"
 
 
 @dataclass
@@ -69,10 +75,18 @@ class LoRAConfig:
     # expert's, with expert tensor parallelism 1); the MLA projections are not adapted yet
     targets: list[str] = field(default_factory=lambda: list(LINEARS))
     dropout: float = 0.0  # PEFT's lora_dropout: of the adapters' input, while training (log-probs are scored without)
+    # MoE models: the routers train too (full weights, beside the adapters); the reference keeps them as loaded
+    train_router: bool = False
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    def settings(self) -> dict | None:
+        """What a checkpoint records of its adapters (``lora.json``) and a run must match to continue from them."""
+        if not self.rank:
+            return None
+        return {"rank": self.rank, "alpha": self.alpha} | ({"train_router": True} if self.train_router else {})
 
     def validate(self, prefix: str = KEY) -> None:
         if self.rank < 0 or (self.rank and not (math.isfinite(self.alpha) and self.alpha > 0)):
@@ -83,6 +97,8 @@ class LoRAConfig:
             raise ValueError(f"{prefix}.targets: {unknown} are no adaptable linears; expected some of {list(TARGETS)}")
         if self.rank and not self.targets:
             raise ValueError(f"{prefix}.targets: empty; name the linears to adapt, or set rank: 0")
+        if self.train_router and not self.rank:
+            raise ValueError(f"{prefix}.train_router: LoRA's (rank 0 trains the whole model, routers included)")
 
 
 class Adapter(torch.nn.Module):
@@ -171,12 +187,7 @@ class Adapter(torch.nn.Module):
         ``linear_fc1``'s B is stored as its weight is, gate and up apart, so any TP size loads it."""
         axis = {"b": 0} if self.column else {"a": 1}
         state = self.state_dict(prefix="", keep_vars=True)
-        if self.expert:
-            dp_cp = parallel_state.get_expert_data_parallel_group()
-        else:
-            dp_cp = (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(
-                with_context_parallel=True
-            )
+        dp_cp = parallel_state.get_expert_data_parallel_group() if self.expert else _dp_cp(metadata)
         out = make_sharded_tensors_for_checkpoint(
             state, prefix, axis, sharded_offsets, tp_group=self.tp_group, dp_cp_group=dp_cp
         )
@@ -185,9 +196,62 @@ class Adapter(torch.nn.Module):
         return out
 
 
+def _dp_cp(metadata: dict | None):
+    """The data-parallel group (with context parallelism) a replicated tensor's checkpoint replicas span."""
+    return (metadata or {}).get("dp_cp_group") or parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
+class RouterCopy(torch.nn.Module):
+    """An MoE layer's router as loaded (its tensors that train or move: weight, bias, expert bias), for the reference
+    policy of a run that trains the router (``train_router``): buffers (no optimizer takes them) named
+    ``loaded_<name>``, as Megatron's expert-bias update takes any module with an ``expert_bias`` for a router."""
+
+    TENSORS = ("weight", "bias", "expert_bias")
+
+    def __init__(self, router: torch.nn.Module, slot: str, tp_group):
+        super().__init__()
+        self.slot, self.tp_group, self._router = slot, tp_group, [router]  # a list: not a submodule
+        self.names = [name for name in self.TENSORS if getattr(router, name, None) is not None]
+        for name in self.names:
+            self.register_buffer(f"loaded_{name}", getattr(router, name).detach().clone())
+
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(the router's tensor, its copy as loaded) per name."""
+        return [(getattr(self._router[0], name), getattr(self, f"loaded_{name}")) for name in self.names]
+
+    def keep(self) -> None:
+        """Copy the router as it is now (just loaded from a checkpoint that did not hold a copy)."""
+        with torch.no_grad():
+            for tensor, loaded in self._pairs():
+                loaded.copy_(tensor)
+
+    @contextlib.contextmanager
+    def in_place(self):
+        """The router as loaded for the block; as trained again after it."""
+        pairs = self._pairs()
+        trained = [tensor.detach().clone() for tensor, _ in pairs]
+        with torch.no_grad():
+            for tensor, loaded in pairs:
+                tensor.copy_(loaded)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (tensor, _), saved in zip(pairs, trained, strict=True):
+                    tensor.copy_(saved)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Replicated over TP and DP, as the router is."""
+        state = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(
+            state, prefix, {}, sharded_offsets, tp_group=self.tp_group, dp_cp_group=_dp_cp(metadata)
+        )
+
+
 class Adapters(torch.nn.ModuleDict):
     """A chunk's adapters (the ``lora`` module of its GPTModel), keyed by their base linear's global name
-    (:func:`converters.plan.adapter_key`); checkpointed under the same keys in every layout."""
+    (:func:`converters.plan.adapter_key`), and the copies of its trained routers (keyed by the router's); all
+    checkpointed under the same keys in every layout."""
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         out = {}
@@ -207,9 +271,11 @@ def _hook(adapter: Adapter):
 
 
 def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp_group) -> int:
-    """Freeze every parameter of ``chunks`` and adapt the ``config.targets`` linears: each chunk's GPTModel gains a
-    ``lora`` module holding its adapters (keyed by the base weights' global names). Returns the adapted count;
-    a target that matches no linear of the model is a ``ValueError`` naming it."""
+    """Freeze every parameter of ``chunks`` (but the routers' where ``config.train_router``) and adapt the
+    ``config.targets`` linears: each chunk's GPTModel gains a ``lora`` module holding its adapters (keyed by the
+    base weights' global names) and its trained routers' copies (taken as the model is now: :func:`keep_routers`
+    after loading it). Returns the adapted count; a target that matches no linear of the model, or routers to
+    train in a model without them, is a ``ValueError`` naming it."""
     slots = {id(lp.param): lp.slot for lp in local_params(chunks)}
     num_local = (chunks[0].config.num_moe_experts or 0) // parallel_state.get_expert_model_parallel_world_size()
     ep_rank = parallel_state.get_expert_model_parallel_rank()
@@ -218,13 +284,21 @@ def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp
         for param in chunk.parameters():
             param.requires_grad_(False)
         gpt = next(m for m in chunk.modules() if isinstance(m, GPTModel))
-        adapters = Adapters()
+        held = Adapters()
         for name, module in gpt.named_modules():
             expert = getattr(module, "is_expert", False)
             target = EXPERTS * expert + name.rsplit(".", 1)[-1]
             linear = isinstance(module, ColumnParallelLinear | RowParallelLinear)
             # the MTP layers (models/mtp.py) stay the checkpoint's under LoRA: they do not run in its steps
-            if target not in config.targets or not linear or name.startswith(MTP):
+            if name.startswith(MTP):
+                continue
+            if config.train_router and isinstance(module, TopKRouter):
+                slot = slots[id(module.weight)].removesuffix(".weight")
+                held[adapter_key(slot)] = RouterCopy(module, slot, tp_group)
+                for param in module.parameters(recurse=False):
+                    param.requires_grad_(True)
+                found.add(ROUTER)
+            if target not in config.targets or not linear:
                 continue
             slot = slots[id(module.weight)].removesuffix(".weight")
             group = tp_group
@@ -239,34 +313,55 @@ def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp
             adapter = Adapter(module, slot, config.rank, config.scale, seed, group, gated, config.dropout)
             module.register_forward_hook(_hook(adapter))  # GroupedExperts adds expert adapters in its own forward
             module.lora_adapter = [adapter]  # a list: not a submodule of the base
-            adapters[adapter_key(slot)] = adapter
+            held[adapter_key(slot)] = adapter
             found.add(target)
-        gpt.lora = adapters
+        gpt.lora = held
     if missing := sorted(set(config.targets) - found):
         raise ValueError(f"{KEY}.targets: {missing} match no linear of this model; remove them")
-    return sum(len(c.lora) for c in _gpts(chunks))
+    if config.train_router and ROUTER not in found:
+        raise ValueError(f"{KEY}.train_router: this model has no MoE router to train; set it false")
+    return len(adapters(chunks))
 
 
 def _gpts(chunks: list[torch.nn.Module]) -> list[GPTModel]:
     return [next(m for m in chunk.modules() if isinstance(m, GPTModel)) for chunk in chunks]
 
 
+def _lora_modules(chunks: list[torch.nn.Module], kind: type) -> dict:
+    return {m.slot: m for gpt in _gpts(chunks) for m in getattr(gpt, "lora", {}).values() if isinstance(m, kind)}
+
+
 def adapters(chunks: list[torch.nn.Module]) -> dict[str, Adapter]:
     """This rank's adapters by their base linear's global name."""
-    return {a.slot: a for gpt in _gpts(chunks) for a in getattr(gpt, "lora", {}).values()}
+    return _lora_modules(chunks, Adapter)
+
+
+def router_copies(chunks: list[torch.nn.Module]) -> dict[str, RouterCopy]:
+    """This rank's copies of its trained routers (``train_router``) by the router's global name."""
+    return _lora_modules(chunks, RouterCopy)
+
+
+def keep_routers(chunks: list[torch.nn.Module]) -> None:
+    """Take the trained routers' copies from the model as loaded (a checkpoint without them: they start here)."""
+    for copy in router_copies(chunks).values():
+        copy.keep()
 
 
 @contextlib.contextmanager
 def adapters_off(chunks: list[torch.nn.Module]):
-    """The base model for the block: the reference policy of a LoRA run."""
+    """The base model for the block (its routers as loaded, where they train): the reference policy of a LoRA
+    run."""
     found = adapters(chunks).values()
-    for adapter in found:
-        adapter.enabled = False
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as routers:
+        for copy in router_copies(chunks).values():
+            routers.enter_context(copy.in_place())
         for adapter in found:
-            adapter.enabled = True
+            adapter.enabled = False
+        try:
+            yield
+        finally:
+            for adapter in found:
+                adapter.enabled = True
 
 
 def merged(chunks: list[torch.nn.Module]):

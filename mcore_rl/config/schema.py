@@ -503,6 +503,15 @@ class RunConfig:
                     f"and linear_fc2 are its shared experts', its routed experts' are experts.linear_fc1 and "
                     f"experts.linear_fc2); adapt {sorted(present)}"
                 )
+            if lora.train_router and not a.experts:
+                raise ConfigError(
+                    f"models.policy_trainer.lora.train_router: {m.policy_trainer.load!r} has no MoE router; set it false"
+                )
+            if m.policy_trainer.moe.expert_bias_update_rate and not lora.train_router:
+                raise ConfigError(
+                    "models.policy_trainer.moe.expert_bias_update_rate: moves the routers' expert bias, which LoRA keeps "
+                    "frozen with the routers; set models.policy_trainer.lora.train_router: true, or the rate to 0"
+                )
             etp = m.policy_trainer.parallel.expert_tp
             if etp > 1 and (experts := sorted(t for t in lora.targets if t.startswith("experts."))):
                 raise ConfigError(
@@ -908,6 +917,11 @@ class RunConfig:
             raise ConfigError(
                 f"{key}: the routed experts' adapters ({experts}) have no PEFT form for vLLM's LoRA; sync them "
                 "merged (models.policy.sync.lora: merged) or drop them from models.policy_trainer.lora.targets"
+            )
+        if lora.train_router:
+            raise ConfigError(
+                f"{key}: the routers train beside the adapters (models.policy_trainer.lora.train_router), and vLLM's "
+                "LoRA serves adapters alone; sync them merged (models.policy.sync.lora: merged)"
             )
         if lora.rank > max(ranks := vllm_lora_ranks()):
             raise ConfigError(

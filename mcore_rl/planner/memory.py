@@ -184,6 +184,14 @@ def lora_params(a: Architecture, moe: bool, parallel: ParallelConfig, lora) -> t
     return dense + routed, routed
 
 
+def trained_router(a: Architecture, moe: bool, lora) -> tuple[int, int]:
+    """(the router parameters [experts, hidden] a LoRA run trains in one layer (``train_router``), the elements of
+    the reference's copy of the router as loaded (models.lora.RouterCopy): those and the expert bias)."""
+    if not (moe and lora.train_router):
+        return 0, 0
+    return a.experts * a.hidden, a.experts * a.hidden + (a.experts if a.expert_bias else 0)
+
+
 def mtp_params(a: Architecture, parallel: ParallelConfig) -> tuple[int, int]:
     """(parameters, expert parameters) of the MTP layers on a device of the last pipeline rank: each a decoder layer
     of the last layer's kind, norms of the embedding, the hidden state and the output, and the column-parallel
@@ -384,7 +392,8 @@ def trainer_memory(
         if lora is not None and lora.rank:
             counts = [lora_params(a, a.moe_layers[i], parallel, lora) for i in layers]
             adapters, expert_adapters = sum(c for c, _ in counts), sum(e for _, e in counts)
-            params, trained, trained_experts = params + adapters, adapters, expert_adapters
+            routers, copies = map(sum, zip(*(trained_router(a, a.moe_layers[i], lora) for i in layers), strict=True))
+            params, trained, trained_experts = params + adapters + copies, adapters + routers, expert_adapters
         else:
             trained, trained_experts = params - frozen[0], experts - frozen[1]
         memory = TrainerMemory(

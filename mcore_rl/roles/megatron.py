@@ -28,7 +28,7 @@ from mcore_rl.offload import StorageOffloader
 from mcore_rl.packing import pack_rows, plan_packing, plan_shared_prompts, rows_of, share_prompt_rows
 from mcore_rl.sync import BroadcastRoute, ColocatedRoute, SyncConfig, WeightSync
 from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
-from models.lora import LoRAConfig, adapters_off, attach_lora
+from models.lora import LoRAConfig, adapters_off, attach_lora, keep_routers
 from models.mtp import MTPOutput, freeze_mtp, mtp_active
 from models.registry import get_bridge
 from models.value_head import attach_value_heads
@@ -378,12 +378,26 @@ class PolicyTrainer(TrainableRank):
         Megatron's DDP and optimizer take the parameters that require gradients). They start fresh, or as the
         Megatron checkpoint it loads holds them (``hf2mcore --peft``), which must be of this run's rank and alpha."""
         if self.lora.rank:
-            megatron = find_megatron(hf_dir)
-            if megatron is not None and (megatron / LORA_FILE).is_file():
-                self._check_lora(megatron / LORA_FILE, "to continue from its adapters")
+            if (settings := self._lora_settings(hf_dir)) is not None:
+                self._check_lora(settings, "to continue from its adapters", continuing=True)
             attach_lora(chunks, self.lora, self.seed, self.groups.tp)
         elif not self.mtp_loss_coef:
             freeze_mtp(chunks)
+
+    def _build(self, hf_dir: str) -> list[torch.nn.Module]:
+        """Loaded, a LoRA run that trains the routers copies them for its reference, unless the checkpoint it
+        continues from holds the copies (its routers trained already)."""
+        chunks = super()._build(hf_dir)
+        settings = self._lora_settings(hf_dir)
+        if self.lora.train_router and not (settings and json.loads(settings.read_text()).get("train_router")):
+            keep_routers(chunks)
+        return chunks
+
+    @staticmethod
+    def _lora_settings(hf_dir: str) -> Path | None:
+        """The LoRA settings of the Megatron checkpoint ``hf_dir`` holds, where it holds adapters."""
+        megatron = find_megatron(hf_dir)
+        return megatron / LORA_FILE if megatron is not None and (megatron / LORA_FILE).is_file() else None
 
     def base_logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         """:meth:`logprobs` of the model without its LoRA adapters: the reference policy of a LoRA run."""
@@ -486,8 +500,8 @@ class PolicyTrainer(TrainableRank):
 
         super().save(directory)
         if self.lora.rank and self.rank == 0:  # what the converters need to export the adapters
-            lora = {"rank": self.lora.rank, "alpha": self.lora.alpha}
-            (Path(directory) / self.checkpoint_dir / LORA_FILE).write_text(json.dumps(lora) + "\n")
+            settings = json.dumps(self.lora.settings()) + "\n"
+            (Path(directory) / self.checkpoint_dir / LORA_FILE).write_text(settings)
         rng = {"cpu": torch.get_rng_state(), "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
         if self.machine.cuda:
             rng["cuda"] = torch.cuda.get_rng_state()
@@ -507,14 +521,20 @@ class PolicyTrainer(TrainableRank):
         if "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"])
 
-    def _check_lora(self, settings: Path, purpose: str) -> None:
-        """The checkpoint's adapters (``settings``: their rank and alpha, where it has any) are this run's."""
+    def _check_lora(self, settings: Path, purpose: str, continuing: bool = False) -> None:
+        """The checkpoint's adapters (``settings``: their rank, alpha and whether the routers trained beside them,
+        where it has any) are this run's. A run ``continuing`` from them may train routers they kept frozen."""
 
         def text(lora: dict | None) -> str:
-            return f"LoRA rank {lora['rank']}, alpha {lora['alpha']}" if lora else "no LoRA adapters"
+            if not lora:
+                return "no LoRA adapters"
+            routers = ", trained routers" if lora.get("train_router") else ""
+            return f"LoRA rank {lora['rank']}, alpha {lora['alpha']}{routers}"
 
         saved = json.loads(settings.read_text()) if settings.is_file() else None
-        ours = {"rank": self.lora.rank, "alpha": self.lora.alpha} if self.lora.rank else None
+        ours = self.lora.settings()
+        if continuing and saved and ours and not saved.get("train_router"):
+            ours.pop("train_router", None)
         if saved != ours:
             raise ValueError(
                 f"{settings.parent}: holds {text(saved)}, but models.policy_trainer.lora gives {text(ours)}; set it "

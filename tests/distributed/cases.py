@@ -417,6 +417,17 @@ def _routing(hf_dir: str, tokens: torch.Tensor, how: str) -> torch.Tensor:
     return torch.stack(ids, dim=2).to(torch.int16)
 
 
+def _episode_batch() -> dict:
+    """Eight responses of different lengths after 4-token prompts, with their advantages: a GRPO episode's batch."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([12, 9, 7, 12, 10, 8, 11, 6])
+    tokens = torch.randint(4, 100, (8, 12), generator=generator)
+    tokens[torch.arange(12)[None] >= lengths[:, None]] = 0
+    positions = torch.arange(11)[None]
+    mask = ((positions >= 4) & (positions < lengths[:, None] - 1)).float()
+    return {"tokens": tokens, "lengths": lengths, "mask": mask, "advantages": torch.randn(8, generator=generator)}
+
+
 def policy_trainer_episodes(
     hf_dir: str,
     layout: dict,
@@ -443,18 +454,12 @@ def policy_trainer_episodes(
         max_token_in_packing=max_token_in_packing, moe=MoEConfig(**(moe or {})), recompute=recompute,
         mtp_loss_coef=mtp_loss_coef,
     )  # fmt: skip
-    generator = torch.Generator().manual_seed(0)
-    lengths = torch.tensor([12, 9, 7, 12, 10, 8, 11, 6])
-    tokens = torch.randint(4, 100, (8, 12), generator=generator)
-    tokens[torch.arange(12)[None] >= lengths[:, None]] = 0
-    positions = torch.arange(11)[None]
-    mask = ((positions >= 4) & (positions < lengths[:, None] - 1)).float()  # 4-token prompts
-    batch = {"tokens": tokens, "lengths": lengths, "mask": mask, "advantages": torch.randn(8, generator=generator)}
+    batch = _episode_batch()
     if routing:
-        batch["routed_experts"] = _routing(hf_dir, tokens, routing)
+        batch["routed_experts"] = _routing(hf_dir, batch["tokens"], routing)
     logprobs, steps, freed = [], [], 0
     for _ in range(2):
-        batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=2) * mask
+        batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=2) * batch["mask"]
         logprobs.append(batch["old_logp"])
         steps += trainer.train(batch, global_batch_size=4, micro_batch_size=2)
         if offload:
@@ -751,19 +756,23 @@ def lora_sgd_step(
     targets: list[str],
     grouped: bool = True,
     dropout: float = 0.0,
+    train_router: bool = False,
 ) -> dict:
     """One SGD step (lr 1, no clipping) of LoRA adapters on a frozen model, B set to the base weight's first columns:
     the loss, the log-probs of ``tokens`` with the adapters and without them (the base model), each adapter's whole
     gradient (A's and B's, from the update) and how far each merged shard is from ``W + scale B A`` computed whole;
     on every rank, all pipeline stages merged. ``grouped``: an MoE model's experts as grouped GEMMs, or Megatron's
     sequential experts. ``dropout``: the adapters' (then also whether the TP ranks drew the same masks for the
-    inputs they all hold whole, after the step)."""
-    from models.lora import LoRAConfig, adapters, adapters_off, attach_lora, merged
+    inputs they all hold whole, after the step). ``train_router``: the routers train too (then also their
+    gradients, and the base model's log-probs after the step, which must not have moved)."""
+    from models.lora import LoRAConfig, adapters, adapters_off, attach_lora, merged, router_copies
     from parallel.comm import all_gather_objects
 
     bridge, config, chunks, groups = _load(hf_dir, layout, **({} if grouped else {"moe_grouped_gemm": False}))
-    lora = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets, dropout=dropout)
+    lora = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets, dropout=dropout, train_router=train_router)
     attach_lora(chunks, lora, seed=7, tp_group=groups.tp)
+    routers = {slot: copy._router[0].weight for slot, copy in router_copies(chunks).items()}
+    routers_before = {slot: weight.detach().clone() for slot, weight in routers.items()}
     mine = adapters(chunks)  # a routed expert's over expert-TP (its adapter's tp_group), the others over TP
     for adapter in mine.values():  # B from the base weight (its rows, as each layout lays them out): not zero
         weight = adapter.base_weight.detach()
@@ -805,6 +814,7 @@ def lora_sgd_step(
             mapping, _ = table.resolve(f"{slot}.weight")
             grad_b = torch.cat(mapping.to_hf(grad_b, group.size()))
         grads[slot] = (grad_a, grad_b)
+    grads |= {slot: (routers_before[slot] - weight.detach(),) for slot, weight in routers.items()}  # replicated
     merged_grads = {}  # every stage's, every EP rank's experts
     for part in all_gather_objects(grads, torch.distributed.group.WORLD):
         merged_grads |= part
@@ -813,9 +823,12 @@ def lora_sgd_step(
         masks = all_gather_objects(adapter._drop(torch.ones(3, adapter.a.shape[1])), adapter.tp_group)
         masks_agree &= all(torch.equal(m, masks[0]) for m in masks)
     errors = all_gather_objects(merge_error, torch.distributed.group.WORLD)
+    with adapters_off(chunks):
+        base_after = step.logprobs(tokens, bridge.vocab_size, 2)
     return {
         "loss": result.loss,
         "base_logp": base_logp,
+        "base_after": base_after,
         "lora_logp": lora_logp,
         "grads": merged_grads,
         "merge_error": max(errors),
@@ -825,26 +838,39 @@ def lora_sgd_step(
 
 
 def lora_checkpoint_export(
-    hf_dir: str, layout: dict, directory: str, load: bool, targets: list[str] | None = None
+    hf_dir: str, layout: dict, directory: str, load: bool, targets: list[str] | None = None, train_router: bool = False
 ) -> dict[str, torch.Tensor]:
     """Adapters (rank 4, on ``targets``; default LoRA's) on the model under ``layout``: with B from the base
-    weights, saved to ``directory`` (``load`` False), or loaded from it; the merged HF tensors exported either way."""
+    weights, saved to ``directory`` (``load`` False), or loaded from it; the merged HF tensors exported either way.
+    ``train_router``: the routers' weights trained too (moved by 0.01 before the save), their copies as loaded
+    returned beside the export (``lora.<router>.weight``)."""
     from megatron.core import dist_checkpointing
 
     from converters.torch_dist import load_model, model_state
-    from models.lora import LoRAConfig, adapters, attach_lora, merged
+    from models.lora import LoRAConfig, adapters, attach_lora, merged, router_copies
+    from parallel.comm import all_gather_objects
 
     bridge, _, chunks, groups = _load(hf_dir, layout)
-    attach_lora(chunks, LoRAConfig(rank=4, alpha=8.0, **({"targets": targets} if targets else {})), 7, groups.tp)
+    lora = LoRAConfig(rank=4, alpha=8.0, train_router=train_router, **({"targets": targets} if targets else {}))
+    attach_lora(chunks, lora, 7, groups.tp)
+    copies = router_copies(chunks)
     if load:
+        for copy in copies.values():  # taken from the model as built: the checkpoint's must replace them
+            copy.loaded_weight.zero_()
         load_model(chunks, directory)
     else:
         for adapter in adapters(chunks).values():
             weight = adapter.base_weight.detach()
             with torch.no_grad():
                 adapter.b.copy_((weight if adapter.column else _full(weight, 1, adapter.tp_group))[:, :4])
+        for copy in copies.values():
+            with torch.no_grad():
+                copy._router[0].weight.add_(0.01)
         dist_checkpointing.save(model_state(chunks), directory)
-    return {name: t.clone() for name, t in export_hf(chunks, bridge, groups, read=merged(chunks))}
+    out = {name: t.clone() for name, t in export_hf(chunks, bridge, groups, read=merged(chunks))}
+    for part in all_gather_objects({f"lora.{s}.weight": c.loaded_weight.clone() for s, c in copies.items()}, groups.pp):
+        out |= part  # every stage's
+    return out
 
 
 def lora_checkpoint_logprobs(hf_dir: str, layout: dict, directory: str, tokens: torch.Tensor):
@@ -907,3 +933,39 @@ def mtp_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, lengths: list[in
         mtp = model.score(tokens, lambda b, out: mtp_logprobs(b, out.depths, vocab, groups.cp)[0], **args)
         main = model.score(tokens, lambda b, out: token_logprobs(out.logits, b["labels"], vocab), **args)
     return mtp, main, model.score(tokens, lambda b, out: token_logprobs(out, b["labels"], vocab), **args)
+
+
+def lora_router_policy(hf_dir: str, layout: dict, directory: str, moe: dict) -> dict:
+    """A LoRA policy-trainer role that trains its routers (``train_router``): its reference's (adapters off) and its
+    own log-probs of an episode's batch before and after an optimizer step, and the routers' largest move; then
+    saved to ``directory`` and resumed from it by a trainer started from ``hf_dir`` as a run's: that one's log-probs
+    both ways, and the LoRA settings the checkpoint records. ``moe``: the trainer's MoE settings."""
+    import json
+    from pathlib import Path
+
+    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.moe import MoEConfig
+    from mcore_rl.roles.megatron import PolicyTrainer
+    from models.lora import LoRAConfig, router_copies
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    optimizer = dict(lr=1e-2, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
+    lora = LoRAConfig(rank=4, targets=["linear_proj"], train_router=True)
+    make = lambda: PolicyTrainer(  # noqa: E731
+        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 4, loss=PolicyLossConfig(),
+        lora=lora, moe=MoEConfig(**moe),
+    )  # fmt: skip
+    trainer, batch = make(), _episode_batch()
+    both = lambda t: (t.base_logprobs(batch, 2) * batch["mask"], t.logprobs(batch, 2) * batch["mask"])  # noqa: E731
+    before = both(trainer)
+    routers = [copy._router[0].weight for copy in router_copies(trainer.chunks).values()]
+    loaded = [weight.detach().clone() for weight in routers]
+    batch["old_logp"] = batch["rollout_logp"] = before[1]
+    trainer.train(batch, global_batch_size=8, micro_batch_size=2)
+    moved = max((weight.detach() - copy).abs().max().item() for weight, copy in zip(routers, loaded, strict=True))
+    after = both(trainer)
+    trainer.save(directory)
+    resumed = make()
+    resumed.load(directory)
+    settings = json.loads((Path(directory) / trainer.checkpoint_dir / "lora.json").read_text())
+    return dict(before=before, after=after, resumed=both(resumed), moved=moved, settings=settings)

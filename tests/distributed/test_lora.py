@@ -61,6 +61,43 @@ def test_lora_step_matches_one_rank_under_every_layout(ranks, tiny_models, arch,
                     assert (have - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), (layout, slot)
 
 
+def test_trained_routers_match_one_rank_and_the_reference_keeps_them_as_loaded(ranks, tiny_models):
+    """``lora.train_router``: the routers train beside the adapters with one rank's gradients in every layout, while
+    the reference (the adapters off) still computes the model as loaded, its routers put back."""
+    tokens = torch.randint(0, 100, (4, 17), generator=torch.Generator().manual_seed(3))
+    step = dict(hf_dir=tiny_models["Qwen3MoeForCausalLM"], tokens=tokens, rank=4, targets=ATTENTION, train_router=True)
+    reference = ranks.run(cases.lora_sgd_step, layout={}, **step)[0]
+    routers = sorted(s for s in reference["grads"] if s.endswith(".router"))
+    assert routers and all(reference["grads"][s][0].abs().max() > 0 for s in routers)
+    model_params = [n for n in reference["trained"] if "lora." not in n]  # the rest trains beside the adapters
+    assert len(model_params) == len(routers) and all(n.endswith("router.weight") for n in model_params)
+    assert torch.equal(reference["base_after"], reference["base_logp"])
+    for layout in [*MOE_LAYOUTS, dict(pp=2, ep=2)]:
+        for got in ranks.run(cases.lora_sgd_step, layout=layout, **step):
+            assert got["loss"] == pytest.approx(reference["loss"], rel=1e-5), layout
+            assert (got["base_after"] - reference["base_logp"]).abs().max() < 1e-4, layout
+            for slot in routers:
+                (want,), (have,) = reference["grads"][slot], got["grads"][slot]
+                assert (have - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item()), (layout, slot)
+
+
+def test_a_policy_training_its_routers_resumes_them_and_keeps_the_reference_as_loaded(ranks, tiny_models, tmp_path):
+    """The policy-trainer role with ``train_router`` on DeepSeek-V3 (its expert bias moving too), TP 2 x EP 2 with
+    sequence parallelism: a step moves its routers and its policy, not its reference; resumed from its checkpoint by
+    a trainer started from the HF model, both are as they were."""
+    got = ranks.run(
+        cases.lora_router_policy, hf_dir=tiny_models["DeepseekV3ForCausalLM"],
+        layout=dict(tp=2, ep=2, sequence_parallel=True), directory=str(tmp_path),
+        moe=dict(expert_bias_update_rate=0.01),
+    )[0]  # fmt: skip
+    assert got["moved"] > 1e-3 and got["settings"] == {"rank": 4, "alpha": 32.0, "train_router": True}
+    (ref_before, policy_before), (ref_after, policy_after) = got["before"], got["after"]
+    assert torch.equal(ref_before, policy_before)  # B starts at zero
+    assert torch.equal(ref_after, ref_before) and (policy_after - policy_before).abs().max() > 1e-3
+    for want, have in zip(got["after"], got["resumed"], strict=True):
+        assert (have - want).abs().max() < 1e-6
+
+
 def test_lora_dropout_acts_in_training_only_with_masks_the_tp_ranks_agree_on(ranks, tiny_models):
     """PEFT's lora_dropout: the step differs from one without it, the log-probs (scored in eval mode) do not; the
     TP ranks draw the same mask for an input they all hold, so sequence parallelism (which gathers that input
@@ -137,6 +174,37 @@ def test_expert_adapters_checkpoint_under_their_global_experts(ranks, tmp_path):
     exported = HFCheckpoint(tmp_path / "merged")
     for name, tensor in saved.items():
         assert (exported.get(name) - tensor).abs().max() < 1e-6, name
+
+
+def test_trained_routers_checkpoint_with_their_copies_and_export_merged_only(ranks, tmp_path):
+    """Routers trained beside the adapters, saved under TP 2 x EP 2 with sequence parallelism, load under one rank
+    with their copies as loaded (the reference's); mcore2hf exports the trained routers merged and refuses a PEFT
+    adapter, which cannot carry them to vLLM."""
+    hf_dir = str(make_tiny("Qwen3MoeForCausalLM", tmp_path / "moe", vocab_size=256))
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    run = lambda layout, load: ranks.run(  # noqa: E731
+        cases.lora_checkpoint_export, hf_dir=hf_dir, layout=layout, directory=str(directory), load=load,
+        targets=ATTENTION, train_router=True,
+    )[0]  # fmt: skip
+    saved, base = run(dict(tp=2, ep=2, sequence_parallel=True), False), HFCheckpoint(hf_dir)
+    copies = {n: t for n, t in saved.items() if n.startswith("lora.")}
+    assert copies and len(copies) == len([n for n in saved if n.endswith("mlp.gate.weight")])
+    for name, copy in copies.items():  # lora.decoder.layers.<i>.mlp.router.weight: model.layers.<i>.mlp.gate's
+        hf = name.removeprefix("lora.decoder.").replace(".router.", ".gate.")
+        assert torch.equal(copy, base.get(f"model.{hf}")) and not torch.equal(saved[f"model.{hf}"], copy), name
+    loaded = run(dict(), True)
+    assert loaded.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert (loaded[name] - tensor).abs().max() < 1e-6, name
+    (directory / "lora.json").write_text(json.dumps({"rank": 4, "alpha": 8.0, "train_router": True}))
+    refused = cli("mcore2hf", directory, tmp_path / "peft", "--hf-config", hf_dir)
+    assert refused.returncode == 2 and "routers trained beside the adapters" in refused.stderr, refused.stderr
+    assert cli("mcore2hf", directory, tmp_path / "merged", "--hf-config", hf_dir, "--merge").returncode == 0
+    exported = HFCheckpoint(tmp_path / "merged")
+    for name, tensor in saved.items():
+        if not name.startswith("lora."):
+            assert (exported.get(name) - tensor).abs().max() < 1e-6, name
 
 
 def test_a_smollm2_lora_checkpoint_exports_a_peft_adapter_and_a_merged_model_as_the_trainer_computes(ranks3, tmp_path):

@@ -64,13 +64,17 @@ def params_per_rank(hf_dir: str, layout: dict) -> tuple[int, int, int]:
     return torch.distributed.get_rank(groups.pp), sum(p.numel() for p in params), experts
 
 
-def lora_params_per_rank(hf_dir: str, layout: dict, targets: list[str]) -> tuple[int, tuple[int, int]]:
-    """(pipeline rank, (LoRA adapter parameters of rank 8 on ``targets``, of which expert-parallel)) this rank's
-    Megatron model holds."""
-    from models.lora import LoRAConfig, adapters, attach_lora
+def lora_params_per_rank(
+    hf_dir: str, layout: dict, targets: list[str], train_router: bool
+) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """(pipeline rank, (LoRA adapter parameters of rank 8 on ``targets``, of which expert-parallel), (the model's
+    parameters that train beside them, the elements of the routers' copies)) this rank's Megatron model holds."""
+    from models.lora import LoRAConfig, adapters, attach_lora, router_copies
 
     _, _, chunks, groups = _load(hf_dir, layout)
-    attach_lora(chunks, LoRAConfig(rank=8, targets=targets), seed=0, tp_group=groups.tp)
+    attach_lora(chunks, LoRAConfig(rank=8, targets=targets, train_router=train_router), seed=0, tp_group=groups.tp)
     params = [p for a in adapters(chunks).values() for p in a.parameters()]
     experts = sum(p.numel() for p in params if not getattr(p, "allreduce", True))
-    return torch.distributed.get_rank(groups.pp), (sum(p.numel() for p in params), experts)
+    trained = sum(p.numel() for c in chunks for n, p in c.named_parameters() if p.requires_grad and "lora." not in n)
+    copies = sum(b.numel() for c in router_copies(chunks).values() for b in c.buffers())
+    return torch.distributed.get_rank(groups.pp), (sum(p.numel() for p in params), experts), (trained, copies)

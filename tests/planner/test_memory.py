@@ -25,6 +25,7 @@ from mcore_rl.planner.memory import (
     remedies,
     stage_params,
     suggest_layouts,
+    trained_router,
     trainer_memory,
 )
 from mcore_rl.planner.meta import hf_tensors
@@ -97,28 +98,38 @@ def test_stage_params_equal_megatron_models(ranks, tiny_models, moonlight, arch,
 
 
 @pytest.mark.parametrize(
-    ("arch", "layout", "targets"),
+    ("arch", "layout", "targets", "train_router"),
     [
-        ("LlamaForCausalLM", dict(pp=2, tp=2), list(LINEARS)),
+        ("LlamaForCausalLM", dict(pp=2, tp=2), list(LINEARS), False),
         (
             "DeepseekV3ForCausalLM",
             dict(pp=2, ep=2, tp=2, etp=1, sequence_parallel=True, last_stage_layers=1),
             ["linear_proj", "linear_fc1", "experts.linear_fc1", "experts.linear_fc2"],
+            True,
         ),
     ],
 )
-def test_lora_params_equal_the_adapters_megatron_models_hold(ranks, tiny_models, arch, layout, targets):
+def test_lora_params_equal_the_adapters_megatron_models_hold(ranks, tiny_models, arch, layout, targets, train_router):
     """Dense layers and DeepSeek's MoE layers (MLA's output projection, the shared experts' MLP, the routed
-    experts' linears: expert-parallel parameters, as the model's experts)."""
+    experts' linears: expert-parallel parameters, as the model's experts; the routers trained beside them, and
+    their copies with the expert bias)."""
     a = Architecture.from_bridge(get_bridge(tiny_models[arch]))
-    parallel, lora = ParallelConfig(**layout), LoRAConfig(rank=8, targets=targets)
-    stages = [
-        tuple(map(sum, zip(*(lora_params(a, a.moe_layers[i], parallel, lora) for i in ls), strict=True)))
-        for ls in rank_layers(parallel, a.layers)
-    ]
-    results = ranks.run(activations.lora_params_per_rank, hf_dir=tiny_models[arch], layout=layout, targets=targets)
-    for stage, count in results:
-        assert count == stages[stage] and count[0] > 0, (stage, count, stages)
+    parallel, lora = ParallelConfig(**layout), LoRAConfig(rank=8, targets=targets, train_router=train_router)
+    stages = rank_layers(parallel, a.layers)
+
+    def per_stage(count) -> list[tuple[int, int]]:
+        return [tuple(map(sum, zip(*(count(a.moe_layers[i]) for i in ls), strict=True))) for ls in stages]
+
+    adapters = per_stage(lambda moe: lora_params(a, moe, parallel, lora))
+    routers = per_stage(lambda moe: trained_router(a, moe, lora))
+    results = ranks.run(
+        activations.lora_params_per_rank, hf_dir=tiny_models[arch], layout=layout, targets=targets,
+        train_router=train_router,
+    )  # fmt: skip
+    for stage, count, router in results:
+        assert count == adapters[stage] and count[0] > 0, (stage, count, adapters)
+        assert router == routers[stage], (stage, router, routers)
+    assert any(router[0] for _, _, router in results) == train_router
 
 
 @pytest.mark.parametrize(

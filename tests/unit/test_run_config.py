@@ -482,6 +482,11 @@ def test_lora_keys_are_checked_and_replace_the_reference_role(run_yaml, tmp_path
         (["models.policy_trainer.lora.targets=[q_proj]"], r"lora.targets: \['q_proj'\] are no adaptable linears"),
         (["models.policy_trainer.lora.rank=8", "models.policy_trainer.lora.targets=[]"], r"lora.targets: empty"),
         (["models.policy_trainer.lora.dropout=1"], r"lora.dropout=1.0: expected a probability in \[0, 1\)"),
+        (["models.policy_trainer.lora.train_router=true"], r"lora.train_router: LoRA's \(rank 0 trains the whole"),
+        (
+            ["models.policy_trainer.lora.rank=8", "models.policy_trainer.lora.train_router=true"],
+            r"lora.train_router: .* has no MoE router; set it false",
+        ),
     ]
     for overrides, message in bad:
         with pytest.raises(ConfigError, match=message):
@@ -513,6 +518,17 @@ def test_lora_keys_are_checked_and_replace_the_reference_role(run_yaml, tmp_path
     with pytest.raises(ConfigError, match=r"\['experts.linear_fc1', 'experts.linear_fc2'\] need expert tensor .* 2;"):
         load_run_config(run_yaml, experts)
     assert load_run_config(run_yaml, [*experts, "models.policy_trainer.parallel.etp=1"]).models.policy_trainer.lora.rank
+    # DeepSeek-V3's expert bias moves only with its routers trained: LoRA freezes them unless told
+    deepseek = [
+        f"models.policy_trainer.load={tmp_path / 'DeepseekV3ForCausalLM'}",
+        "models.policy_trainer.lora.rank=8",
+        "models.policy_trainer.lora.targets=[linear_proj]",
+        "models.policy_trainer.moe.expert_bias_update_rate=0.001",
+        *layout,
+    ]
+    with pytest.raises(ConfigError, match=r"expert_bias_update_rate: moves .* set models.policy_trainer.lora.train_r"):
+        load_run_config(run_yaml, deepseek)
+    assert load_run_config(run_yaml, [*deepseek, "models.policy_trainer.lora.train_router=true"])
 
 
 def test_adapter_sync_needs_adapters_vllm_can_serve_and_engines_that_keep_their_base(run_yaml, tmp_path):
@@ -534,6 +550,8 @@ def test_adapter_sync_needs_adapters_vllm_can_serve_and_engines_that_keep_their_
         *moe_layout,
         "models.policy_trainer.lora.targets=[experts.linear_fc1]",
     ]
+    routers = [f"models.policy_trainer.load={moe}", *moe_layout, "models.policy_trainer.lora.train_router=true"]
+    routers.append("models.policy_trainer.lora.targets=[linear_qkv]")
     bad = [
         (["models.policy.sync.lora=both"], r"models.policy.sync.lora='both': expected 'merged' or 'adapter'"),
         (adapter, r"sync.lora='adapter' syncs LoRA adapters, but models.policy_trainer.lora.rank is 0"),
@@ -544,6 +562,10 @@ def test_adapter_sync_needs_adapters_vllm_can_serve_and_engines_that_keep_their_
             r"keep their base weights across sleeps .* set models.policy.rollout.sleep_level: 1",
         ),
         (["models.policy.rollout.lora_rank=8"], r"models.policy.rollout.lora_rank: set from .*; remove it"),
+        (
+            [*adapter, f"{rank}=8", *routers],
+            r"the routers train beside the adapters .* sync them merged",
+        ),
     ]
     for overrides, message in bad:
         with pytest.raises(ConfigError, match=message):
