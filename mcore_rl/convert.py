@@ -230,12 +230,13 @@ def _with_peft(directory: Path, source, bridge, schema, vocab: int):
     from converters.peft import PeftAdapter
     from converters.plan import MTP
     from converters.torch_dist import model_schema
-    from models.lora import LINEARS, LoRAConfig, attach_lora
+    from models.lora import LINEARS, MLA, LoRAConfig, attach_lora
 
-    # the weights mcore-rl adapts: the attention and MLP linears (a dense MLP's or shared experts'), no MTP layer's
+    # the weights mcore-rl adapts: the attention (MLA's too) and MLP linears (a dense MLP's or shared experts'), no
+    # MTP layer's
     weights = [
         s.name for s in schema.slots
-        if s.name.rsplit(".", 2)[-2] in LINEARS and ".experts." not in s.name and not s.name.startswith(MTP)
+        if s.name.rsplit(".", 2)[-2] in (*LINEARS, *MLA) and ".experts." not in s.name and not s.name.startswith(MTP)
     ]  # fmt: skip
     try:
         source.peft = PeftAdapter(directory, source.table, weights)

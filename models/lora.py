@@ -1,7 +1,8 @@
 """LoRA on Megatron's tensor-parallel linears: ``y = W x + scale * B A x`` with ``W`` frozen, ``A`` [r, in] and
 ``B`` [out, r] trained, sharded the way ``W`` is so that every layout computes what one rank would.
 
-* Column-parallel base (``W_t`` [out/tp, in]: ``linear_qkv``, ``linear_fc1``): ``A`` is replicated and ``B_t``
+* Column-parallel base (``W_t`` [out/tp, in]: ``linear_qkv``, ``linear_fc1``, MLA's query and up projections):
+  ``A`` is replicated and ``B_t``
   [out/tp, r] splits like ``W`` on its rows. The adapter reads the layer's whole input: under sequence parallelism
   gathered from the sequence shards (its gradient reduce-scattered back, as the base's is), and ``A``'s gradient,
   partial on each rank (each holds one block of ``B``), is summed over TP by Megatron's gradient finalisation (``A``
@@ -11,6 +12,10 @@
   [r, in/tp] splits like ``W`` on its columns, ``B`` is replicated: ``h = sum_t A_t x_t`` (all-reduced), ``B h``
   on every rank, scattered to the sequence shards under sequence parallelism.
 
+* Replicated base (``W`` [out, in] whole on every TP rank: MLA's ``linear_q_down_proj``, ``linear_kv_down_proj``,
+  Megatron's ``Linear``): ``A`` and ``B`` whole, applied to the base's own input (under sequence parallelism its
+  rank's tokens, so their gradients are summed over TP, as ``W``'s are).
+
 * A routed expert's linear (``experts.linear_fc1``/``experts.linear_fc2``; expert-TP 1): ``A`` and ``B`` whole on
   the expert's EP rank, applied to that expert's tokens (by a hook, or by :class:`models.experts.GroupedExperts`'
   own forward), reduced over the expert-data-parallel ranks and checkpointed under the global expert's name.
@@ -19,7 +24,8 @@
   where the balancing moves it): the reference policy then needs the router as loaded, which :class:`RouterCopy`
   keeps (a replicated copy, checkpointed with the adapters) and puts back while the adapters are off.
 
-Merged weights are ``W_t + scale * B_t A`` (column) or ``W_t + scale * B A_t`` (row): local, no communication.
+Merged weights are ``W_t + scale * B_t A`` (column), ``W_t + scale * B A_t`` (row) or ``W + scale * B A``
+(replicated): local, no communication.
 Adapters start as PEFT's (``A`` uniform in +-1/sqrt(in), ``B`` zero), each drawn whole from a generator seeded by
 its layer's global name and then sharded, so every layout starts from the same adapters. They live in one
 ``lora`` module per model chunk (the base linears keep their names and checkpoint keys) and act through forward
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from megatron.core.post_training.modelopt.layers import Linear
 from megatron.core.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -61,7 +68,10 @@ from parallel.comm import all_gather_bucket, all_gather_objects, broadcast_bucke
 
 KEY = "models.policy_trainer.lora"
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # attention, MLP (dense or shared experts)
-TARGETS = (*LINEARS, "experts.linear_fc1", "experts.linear_fc2")  # and the routed experts' projections
+# multi-latent attention's projections (its output is linear_proj): queries direct or through a latent, the latent
+# of keys and values and its up projection
+MLA = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj")
+TARGETS = (*LINEARS, *MLA, "experts.linear_fc1", "experts.linear_fc2")  # and the routed experts' projections
 EXPERTS = "experts."  # a routed expert's linear is targeted as experts.<its name>
 ROUTER = "router"
 
@@ -71,8 +81,8 @@ class LoRAConfig:
     rank: int = 0  # 0: full fine-tuning
     alpha: float = 32.0  # the adapters' scale is alpha / rank
     # Megatron linears to adapt, by the last part of their name: linear_qkv, linear_proj (attention), linear_fc1,
-    # linear_fc2 (the MLP, an MoE layer's shared experts); experts.linear_fc1, experts.linear_fc2 (every routed
-    # expert's, with expert tensor parallelism 1); the MLA projections are not adapted yet
+    # linear_fc2 (the MLP, an MoE layer's shared experts); multi-latent attention's (MLA above); experts.linear_fc1,
+    # experts.linear_fc2 (every routed expert's, with expert tensor parallelism 1)
     targets: list[str] = field(default_factory=lambda: list(LINEARS))
     dropout: float = 0.0  # PEFT's lora_dropout: of the adapters' input, while training (log-probs are scored without)
     # MoE models: the routers train too (full weights, beside the adapters); the reference keeps them as loaded
@@ -101,6 +111,12 @@ class LoRAConfig:
             raise ValueError(f"{prefix}.train_router: LoRA's (rank 0 trains the whole model, routers included)")
 
 
+def split_axis(split: str | None, factor: str) -> int | None:
+    """The TP-split axis of an adapter's ``factor`` ("a" or "b") where its ``split`` factor is split (B's rows of a
+    column-parallel weight, A's columns of a row-parallel one; None: a replicated weight's)."""
+    return (0 if factor == "b" else 1) if factor == split else None
+
+
 class Adapter(torch.nn.Module):
     """The adapter of one base linear (see the module docstring for the sharding)."""
 
@@ -114,35 +130,49 @@ class Adapter(torch.nn.Module):
         while training (:meth:`_drop`)."""
         super().__init__()
         self.dropout = dropout
-        self.column, self.gated = isinstance(base, ColumnParallelLinear), gated
+        # the factor split over TP as W is: B's rows (column-parallel), A's columns (row-parallel), none (replicated)
+        self.split = (
+            "b" if isinstance(base, ColumnParallelLinear) else "a" if isinstance(base, RowParallelLinear) else None
+        )
+        self.column, self.gated = self.split == "b", gated
         self.expert = bool(getattr(base, "is_expert", False))
-        self.sequence_parallel = base.sequence_parallel and not self.expert
-        self.slot, self.scale, self.tp_group = slot, scale, tp_group
-        self._base = [base.weight]  # not registered: the base model owns it
-        tp, tp_rank = tp_group.size(), tp_group.rank()
         weight = base.weight
-        out_features, in_features = weight.shape[0] * (tp if self.column else 1), weight.shape[1]
-        in_features *= 1 if self.column else tp
+        # a replicated linear under sequence parallelism sees its rank's tokens, as Megatron flags its weight
+        sequence_parallel = base.sequence_parallel if self.split else getattr(weight, "sequence_parallel", False)
+        self.sequence_parallel = sequence_parallel and not self.expert
+        self.slot, self.scale, self.tp_group = slot, scale, tp_group
+        self._base = [weight]  # not registered: the base model owns it
+        tp, tp_rank = tp_group.size(), tp_group.rank()
+        out_features = weight.shape[0] * (tp if self.split == "b" else 1)
+        in_features = weight.shape[1] * (tp if self.split == "a" else 1)
         generator = torch.Generator().manual_seed(seed ^ zlib.crc32(slot.encode()))
         bound = 1 / math.sqrt(in_features)
         a = torch.empty(rank, in_features).uniform_(-bound, bound, generator=generator)
         b = torch.zeros(out_features, rank)
-        # the split of W: rows (column-parallel) or columns (row-parallel)
-        a, b = (a, shard(b, 0, tp_rank, tp)) if self.column else (shard(a, 1, tp_rank, tp), b)
+        if self.split:  # split as W is
+            a, b = (a, shard(b, 0, tp_rank, tp)) if self.column else (shard(a, 1, tp_rank, tp), b)
         self.a = torch.nn.Parameter(a.to(weight.device, weight.dtype))
         self.b = torch.nn.Parameter(b.to(weight.device, weight.dtype))
-        sharded = self.b if self.column else self.a
-        set_tensor_model_parallel_attributes(sharded, True, 0 if self.column else 1, 1)
+        if self.split:
+            set_tensor_model_parallel_attributes(getattr(self, self.split), True, self.axis(self.split), 1)
         if self.column and self.sequence_parallel:  # A's gradient: partial per TP rank, summed by Megatron
             self.a.sequence_parallel = True
+        if self.split is None and self.sequence_parallel:  # partial per TP rank (its tokens), as W's: summed
+            self.a.sequence_parallel = self.b.sequence_parallel = True
         if self.expert:  # Megatron's DDP and optimizer: an expert-parallel parameter
             for param in (self.a, self.b):
                 param.allreduce = False
         self.enabled = True
 
+    def axis(self, factor: str) -> int | None:
+        """The axis along which ``factor`` ("a" or "b") is split over TP; None: whole on every TP rank."""
+        return split_axis(self.split, factor)
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """``scale * B A x`` shaped as the base linear's output, from its input ``x``."""
         group = self.tp_group
+        if self.split is None:  # the base's own input, whole or this rank's sequence shard: no communication
+            return self.scale * torch.nn.functional.linear(torch.nn.functional.linear(self._drop(x), self.a), self.b)
         if self.column:
             if self.sequence_parallel:
                 x = gather_from_sequence_parallel_region(x, group=group)
@@ -160,13 +190,15 @@ class Adapter(torch.nn.Module):
         column-parallel linear's, gathered from the sequence shards) from the data-parallel stream, seeded alike
         over TP, so the TP ranks agree whatever stream is current where the hook runs (under sequence parallelism
         Megatron forks the tensor-parallel one around it); a row-parallel linear's TP shard from the
-        tensor-parallel stream, one per rank; a routed expert's tokens from the expert-parallel one."""
+        tensor-parallel stream, one per rank; a routed expert's tokens from the expert-parallel one; a replicated
+        linear's (MLA's down projections) as a column-parallel one's, or under sequence parallelism (its rank's
+        tokens) as a row-parallel one's."""
         if not (self.dropout and self.training):
             return x
         tracker = get_cuda_rng_tracker()
         if self.expert:
             draw = tracker.fork(get_expert_parallel_rng_tracker_name())
-        elif self.column:
+        elif self.column or (self.split is None and not self.sequence_parallel):
             draw = tracker.fork(get_data_parallel_rng_tracker_name())
         else:
             draw = tracker.fork()  # the tensor-parallel stream
@@ -185,7 +217,7 @@ class Adapter(torch.nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """Checkpoint keys of the adapter with its TP split (Megatron's default would call both replicated); a gated
         ``linear_fc1``'s B is stored as its weight is, gate and up apart, so any TP size loads it."""
-        axis = {"b": 0} if self.column else {"a": 1}
+        axis = {self.split: self.axis(self.split)} if self.split else {}
         state = self.state_dict(prefix="", keep_vars=True)
         dp_cp = parallel_state.get_expert_data_parallel_group() if self.expert else _dp_cp(metadata)
         out = make_sharded_tensors_for_checkpoint(
@@ -288,7 +320,7 @@ def attach_lora(chunks: list[torch.nn.Module], config: LoRAConfig, seed: int, tp
         for name, module in gpt.named_modules():
             expert = getattr(module, "is_expert", False)
             target = EXPERTS * expert + name.rsplit(".", 1)[-1]
-            linear = isinstance(module, ColumnParallelLinear | RowParallelLinear)
+            linear = isinstance(module, ColumnParallelLinear | RowParallelLinear | Linear)
             # the MTP layers (models/mtp.py) stay the checkpoint's under LoRA: they do not run in its steps
             if name.startswith(MTP):
                 continue
@@ -385,29 +417,31 @@ def export_peft(chunks: list[torch.nn.Module], bridge, groups, bucket_bytes: int
     if experts := sorted(slot for slot, a in mine.items() if a.expert):
         raise ValueError(f"{KEY}.targets: adapters of routed experts ({experts[0]}, ...) have no PEFT form")
     table, tp = MappingTable(bridge.mappings()), groups.tp.size()
-    layout = [(slot, a.column, tuple(a.a.shape), tuple(a.b.shape), a.a.dtype) for slot, a in sorted(mine.items())]
+    layout = [(slot, a.split, tuple(a.a.shape), tuple(a.b.shape), a.a.dtype) for slot, a in sorted(mine.items())]
     device = next(chunks[0].parameters()).device
+
+    def whole(split: str | None, factor: str, shape: tuple) -> torch.Size:
+        axis = split_axis(split, factor)
+        return torch.Size(s * (tp if i == axis else 1) for i, s in enumerate(shape))
+
     for owner, stage in enumerate(all_gather_objects(layout, groups.pp)):
         # consecutive adapters up to ``bucket_bytes`` of whole factors (a bound: one factor is whole already)
         for bucket in byte_buckets(
             stage, lambda e: (math.prod(e[2]) + math.prod(e[3])) * tp * e[4].itemsize, bucket_bytes
         ):
-            # whole shapes: the split factor (B's rows of a column-parallel weight, A's columns of a row one) * tp
-            shapes = [
-                torch.Size(s)
-                for _, column, a, b, _ in bucket
-                for s in ((a, (b[0] * tp, b[1])) if column else ((a[0], a[1] * tp), b))
-            ]
+            shapes = [whole(split, f, shape) for _, split, a, b, _ in bucket for f, shape in (("a", a), ("b", b))]
             tensors = None
             if groups.pp.rank() == owner:
-                split = [mine[slot].b if column else mine[slot].a for slot, column, *_ in bucket]
-                gathered = all_gather_bucket([t.detach() for t in split], groups.tp)
+                split = [getattr(mine[slot], factor) for slot, factor, *_ in bucket if factor]
+                gathered = iter(zip(*all_gather_bucket([t.detach() for t in split], groups.tp), strict=True))
                 tensors = []
-                for i, (slot, column, *_) in enumerate(bucket):
-                    whole = torch.cat([shards[i] for shards in gathered], dim=0 if column else 1)
-                    a, b = mine[slot].a.detach(), mine[slot].b.detach()
-                    tensors += [a, whole] if column else [whole, b]
+                for slot, factor, *_ in bucket:  # the split factor's shards joined, the other as it is
+                    adapter = mine[slot]
+                    for name in ("a", "b"):
+                        own = getattr(adapter, name).detach()
+                        tensors.append(torch.cat(next(gathered), dim=adapter.axis(name)) if name == factor else own)
             tensors = broadcast_bucket(tensors, shapes, bucket[0][4], owner, groups.pp, device)
-            for i, (slot, *_) in enumerate(bucket):
+            for i, (slot, split, *_) in enumerate(bucket):
                 mapping, captures = table.resolve(f"{slot}.weight")
-                yield from peft_tensors(mapping, captures, tensors[2 * i], tensors[2 * i + 1], tp)
+                # B's rows as the weight's: laid out per TP rank where it is split, whole where it is replicated
+                yield from peft_tensors(mapping, captures, tensors[2 * i], tensors[2 * i + 1], tp if split else 1)

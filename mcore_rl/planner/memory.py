@@ -155,17 +155,21 @@ def layer_params(a: Architecture, moe: bool, parallel: ParallelConfig) -> tuple[
 
 
 def adaptable_linears(a: Architecture, moe: bool) -> set[str]:
-    """The LoRA targets (models/lora.py) a layer has: MLA has no ``linear_qkv``; an MoE layer's ``linear_fc1`` and
-    ``linear_fc2`` are its shared experts', ``experts.linear_fc1`` and ``experts.linear_fc2`` its routed experts'."""
+    """The LoRA targets (models/lora.py) a layer has: MLA has its own projections for ``linear_qkv`` (queries
+    direct or through a latent); an MoE layer's ``linear_fc1`` and ``linear_fc2`` are its shared experts',
+    ``experts.linear_fc1`` and ``experts.linear_fc2`` its routed experts'."""
     mlp = {"linear_fc1", "linear_fc2"} if a.shared_ffn or not moe else set()
     experts = {"experts.linear_fc1", "experts.linear_fc2"} if moe else set()
-    return {"linear_proj"} | (set() if a.mla else {"linear_qkv"}) | mlp | experts
+    queries = {"linear_q_down_proj", "linear_q_up_proj"} if a.q_lora else {"linear_q_proj"}
+    attention = queries | {"linear_kv_down_proj", "linear_kv_up_proj"} if a.mla else {"linear_qkv"}
+    return {"linear_proj"} | attention | mlp | experts
 
 
 def lora_params(a: Architecture, moe: bool, parallel: ParallelConfig, lora) -> tuple[int, int]:
     """(LoRA adapter parameters, of which routed experts') of one layer on one device (models/lora.py): a
     column-parallel linear's A [r, in] whole and B [out/tp, r], a row-parallel one's A [r, in/tp] and B [out, r]
-    whole; each local routed expert's A and B whole (expert-TP 1)."""
+    whole, a replicated one's (MLA's down projections) both whole; each local routed expert's A and B whole
+    (expert-TP 1)."""
     if not lora.rank:
         return 0, 0
     tp, h, r = parallel.tp, a.hidden, lora.rank
@@ -175,6 +179,11 @@ def lora_params(a: Architecture, moe: bool, parallel: ParallelConfig, lora) -> t
         "linear_proj": (a.heads * (a.v_dim if a.mla else a.head_dim) // tp, h),
         "linear_fc1": (h, 2 * ffn // tp),
         "linear_fc2": (ffn // tp, h),
+        "linear_q_proj": (h, a.heads * (a.qk_dim + a.rope_dim) // tp),
+        "linear_q_down_proj": (h, a.q_lora),
+        "linear_q_up_proj": (a.q_lora, a.heads * (a.qk_dim + a.rope_dim) // tp),
+        "linear_kv_down_proj": (h, a.kv_lora + a.rope_dim),
+        "linear_kv_up_proj": (a.kv_lora, a.heads * (a.qk_dim + a.v_dim) // tp),
     }
     local = a.experts // parallel.ep
     experts = {"experts.linear_fc1": (h, 2 * a.moe_ffn), "experts.linear_fc2": (a.moe_ffn, h)}

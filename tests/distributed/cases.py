@@ -748,6 +748,16 @@ def _full(tensor: torch.Tensor, axis: int | None, group) -> torch.Tensor:
     return torch.cat(shards, dim=axis)
 
 
+def _b_from_weights(adapters, rank: int, factor: float = 1.0) -> None:
+    """Each adapter's B set to ``factor`` times its base weight's first ``rank`` columns (its rows as the layout lays
+    them out): adapters that act, alike in every layout."""
+    for adapter in adapters:
+        weight = adapter.base_weight.detach()
+        weight = _full(weight, 1, adapter.tp_group) if adapter.split == "a" else weight  # a row-parallel W's columns
+        with torch.no_grad():
+            adapter.b.copy_(weight[:, :rank] * factor)
+
+
 def lora_sgd_step(
     hf_dir: str,
     layout: dict,
@@ -774,18 +784,15 @@ def lora_sgd_step(
     routers = {slot: copy._router[0].weight for slot, copy in router_copies(chunks).items()}
     routers_before = {slot: weight.detach().clone() for slot, weight in routers.items()}
     mine = adapters(chunks)  # a routed expert's over expert-TP (its adapter's tp_group), the others over TP
-    for adapter in mine.values():  # B from the base weight (its rows, as each layout lays them out): not zero
-        weight = adapter.base_weight.detach()
-        with torch.no_grad():
-            adapter.b.copy_((weight if adapter.column else _full(weight, 1, adapter.tp_group))[:, :rank])
+    _b_from_weights(mine.values(), rank)
     read = merged(chunks)
     merge_error = 0.0
     for adapter in mine.values():  # the merge against W + scale B A from whole tensors
-        column, group = adapter.column, adapter.tp_group
-        whole_w = _full(adapter.base_weight.detach(), 0 if column else 1, group)
-        whole_a = _full(adapter.a.detach(), None if column else 1, group)
-        whole_b = _full(adapter.b.detach(), 0 if column else None, group)
-        want = shard(whole_w + lora.scale * whole_b @ whole_a, 0 if column else 1, group.rank(), group.size())
+        axis, group = adapter.axis(adapter.split) if adapter.split else None, adapter.tp_group  # W's split
+        whole_w = _full(adapter.base_weight.detach(), axis, group)
+        whole_a, whole_b = (_full(getattr(adapter, f).detach(), adapter.axis(f), group) for f in ("a", "b"))
+        want = whole_w + lora.scale * whole_b @ whole_a
+        want = want if axis is None else shard(want, axis, group.rank(), group.size())
         merge_error = max(merge_error, (read(adapter.base_weight) - want).abs().max().item())
     before = {slot: (a.a.detach().clone(), a.b.detach().clone()) for slot, a in mine.items()}
     optimizer = OptimizerConfig(optimizer="sgd", lr=1.0, clip_grad=0.0, use_distributed_optimizer=False)
@@ -808,8 +815,8 @@ def lora_sgd_step(
     grads, table = {}, MappingTable(bridge.mappings())
     for slot, adapter in mine.items():  # SGD at lr 1: the gradient is what the step took away
         a_old, b_old, group = *before[slot], adapter.tp_group
-        grad_a = _full(a_old - adapter.a.detach(), None if adapter.column else 1, group)
-        grad_b = _full(b_old - adapter.b.detach(), 0 if adapter.column else None, group)
+        grad_a = _full(a_old - adapter.a.detach(), adapter.axis("a"), group)
+        grad_b = _full(b_old - adapter.b.detach(), adapter.axis("b"), group)
         if adapter.column:  # B's rows are laid out as W's (gate/up per TP rank): compared in HF's order
             mapping, _ = table.resolve(f"{slot}.weight")
             grad_b = torch.cat(mapping.to_hf(grad_b, group.size()))
@@ -859,10 +866,7 @@ def lora_checkpoint_export(
             copy.loaded_weight.zero_()
         load_model(chunks, directory)
     else:
-        for adapter in adapters(chunks).values():
-            weight = adapter.base_weight.detach()
-            with torch.no_grad():
-                adapter.b.copy_((weight if adapter.column else _full(weight, 1, adapter.tp_group))[:, :4])
+        _b_from_weights(adapters(chunks).values(), 4)
         for copy in copies.values():
             with torch.no_grad():
                 copy._router[0].weight.add_(0.01)
@@ -886,10 +890,7 @@ def lora_checkpoint_logprobs(hf_dir: str, layout: dict, directory: str, tokens: 
 
     bridge, _, chunks, groups = _load(hf_dir, layout)
     attach_lora(chunks, LoRAConfig(rank=8, alpha=16.0), seed=7, tp_group=groups.tp)
-    for adapter in adapters(chunks).values():
-        weight = adapter.base_weight.detach()
-        with torch.no_grad():
-            adapter.b.copy_((weight if adapter.column else _full(weight, 1, groups.tp))[:, :8] * 0.05)
+    _b_from_weights(adapters(chunks).values(), 8, 0.05)
     dist_checkpointing.save(model_state(chunks), directory)
     if torch.distributed.get_rank() == 0:
         (Path(directory) / LORA_FILE).write_text(json.dumps({"rank": 8, "alpha": 16.0}))

@@ -17,7 +17,7 @@ from converters.plan import ADAPTERS
 from converters.torch_dist import LORA_FILE, MODEL_SUBDIR, Reader
 from tests.distributed import cases
 from tests.distributed.test_converters import cli
-from tests.tiny import make_tiny
+from tests.tiny import MOONLIGHT, make_tiny
 
 LAYOUTS = [dict(tp=2), dict(tp=2, sequence_parallel=True), dict(pp=2), dict(tp=2, pp=2, sequence_parallel=True)]
 MOE_LAYOUTS = [dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)]
@@ -39,8 +39,24 @@ EXPERTS = ["experts.linear_fc1", "experts.linear_fc2"]
     ],
 )
 def test_lora_step_matches_one_rank_under_every_layout(ranks, tiny_models, arch, targets, layouts, grouped):
+    _check_lora_step(ranks, tiny_models[arch], targets, layouts, grouped)
+
+
+@pytest.mark.parametrize("q_lora", [True, False], ids=["deepseek_v3", "moonlight"])
+def test_mla_adapters_match_one_rank_under_every_layout(ranks, tmp_path, q_lora):
+    """Multi-latent attention's projections: the query's (direct, Moonlight's, or through a latent, DeepSeek-V3's)
+    and the key/value latent's up projections column-parallel, the latents' down projections replicated (each TP
+    rank's tokens under sequence parallelism, their adapters' gradients summed over TP as the weights' are)."""
+    hf_dir = make_tiny("DeepseekV3ForCausalLM", tmp_path / "mla", **({} if q_lora else MOONLIGHT))
+    queries = ["linear_q_down_proj", "linear_q_up_proj"] if q_lora else ["linear_q_proj"]
+    targets = [*queries, "linear_kv_down_proj", "linear_kv_up_proj"]
+    layouts = [dict(tp=2, sequence_parallel=True), dict(tp=2, pp=2, sequence_parallel=True)]  # MoE: TP needs SP
+    _check_lora_step(ranks, str(hf_dir), targets, layouts)
+
+
+def _check_lora_step(ranks, hf_dir: str, targets: list[str], layouts: list[dict], grouped: bool = True) -> None:
     tokens = torch.randint(0, 100, (4, 17), generator=torch.Generator().manual_seed(3))
-    step = dict(hf_dir=tiny_models[arch], tokens=tokens, rank=4, targets=targets, grouped=grouped)
+    step = dict(hf_dir=hf_dir, tokens=tokens, rank=4, targets=targets, grouped=grouped)
     # the model whole on every rank (data parallel only): the reference the model-parallel layouts must equal
     reference = ranks.run(cases.lora_sgd_step, layout={}, **step)[0]
     assert reference["merge_error"] < 1e-6
@@ -205,6 +221,49 @@ def test_trained_routers_checkpoint_with_their_copies_and_export_merged_only(ran
     for name, tensor in saved.items():
         if not name.startswith("lora."):
             assert (exported.get(name) - tensor).abs().max() < 1e-6, name
+
+
+def test_mla_adapters_export_as_a_peft_adapter_that_hf_computes_as_the_merged_model(ranks, tmp_path):
+    """DeepSeek-V3's multi-latent attention adapted (its rotary rows in HF's rotate-half order, which the mappings
+    permute, B's rows with them), saved under TP 2 x EP 2 with sequence parallelism: mcore2hf's PEFT adapter over
+    the base gives HF's log-probs of the merged export (itself the trainer's merged weights), and hf2mcore --peft
+    brings the same adapter tensors back."""
+    import peft
+
+    hf_dir = make_tiny("DeepseekV3ForCausalLM", tmp_path / "mla", vocab_size=256, rope_interleave=False)
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    targets = ["linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj", "linear_proj"]
+    saved = ranks.run(
+        cases.lora_checkpoint_export, hf_dir=str(hf_dir), layout=dict(tp=2, ep=2, sequence_parallel=True),
+        directory=str(checkpoint), load=False, targets=targets,
+    )[0]  # fmt: skip
+    (checkpoint / LORA_FILE).write_text(json.dumps({"rank": 4, "alpha": 8.0}))
+    for args in ([], ["--merge"]):
+        out = tmp_path / ("merged" if args else "peft")
+        assert cli("mcore2hf", checkpoint, out, "--hf-config", hf_dir, *args).returncode == 0
+    merged = HFCheckpoint(tmp_path / "merged")
+    assert all(torch.equal(merged.get(name), tensor) for name, tensor in saved.items())
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def logprobs(model) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+    load = lambda path: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # noqa: E731
+    model = peft.PeftModel.from_pretrained(load(hf_dir), tmp_path / "peft")
+    assert sorted(model.peft_config["default"].target_modules) == [
+        "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj",
+    ]  # fmt: skip
+    want, base = logprobs(load(tmp_path / "merged")), logprobs(load(hf_dir))
+    assert (want - base).abs().max() > 1e-3 and (logprobs(model) - want).abs().max() < 1e-5
+    converted = tmp_path / "converted"
+    assert cli("hf2mcore", hf_dir, converted, "--peft", tmp_path / "peft").returncode == 0
+    original, back = Reader(checkpoint), Reader(converted / MODEL_SUBDIR)
+    keys = sorted(k for k in original.tensors if k.startswith(ADAPTERS))
+    assert keys and keys == sorted(k for k in back.tensors if k.startswith(ADAPTERS))
+    for key in keys:
+        assert torch.equal(original.whole(key), back.whole(key)), key
 
 
 def test_a_smollm2_lora_checkpoint_exports_a_peft_adapter_and_a_merged_model_as_the_trainer_computes(ranks3, tmp_path):

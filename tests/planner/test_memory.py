@@ -30,7 +30,7 @@ from mcore_rl.planner.memory import (
 )
 from mcore_rl.planner.meta import hf_tensors
 from mcore_rl.rollout.engine import RolloutConfig
-from models.lora import LINEARS, LoRAConfig
+from models.lora import LINEARS, MLA, LoRAConfig
 from models.registry import get_bridge
 from parallel.config import ParallelConfig
 from tests.planner import activations
@@ -104,15 +104,15 @@ def test_stage_params_equal_megatron_models(ranks, tiny_models, moonlight, arch,
         (
             "DeepseekV3ForCausalLM",
             dict(pp=2, ep=2, tp=2, etp=1, sequence_parallel=True, last_stage_layers=1),
-            ["linear_proj", "linear_fc1", "experts.linear_fc1", "experts.linear_fc2"],
+            ["linear_proj", "linear_fc1", "experts.linear_fc1", "experts.linear_fc2", *MLA[1:]],
             True,
         ),
     ],
 )
 def test_lora_params_equal_the_adapters_megatron_models_hold(ranks, tiny_models, arch, layout, targets, train_router):
-    """Dense layers and DeepSeek's MoE layers (MLA's output projection, the shared experts' MLP, the routed
-    experts' linears: expert-parallel parameters, as the model's experts; the routers trained beside them, and
-    their copies with the expert bias)."""
+    """Dense layers and DeepSeek's MoE layers (MLA's projections, replicated and TP-split, the shared experts' MLP,
+    the routed experts' linears: expert-parallel parameters, as the model's experts; the routers trained beside
+    them, and their copies with the expert bias)."""
     a = Architecture.from_bridge(get_bridge(tiny_models[arch]))
     parallel, lora = ParallelConfig(**layout), LoRAConfig(rank=8, targets=targets, train_router=train_router)
     stages = rank_layers(parallel, a.layers)

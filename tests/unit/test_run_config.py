@@ -550,6 +550,8 @@ def test_adapter_sync_needs_adapters_vllm_can_serve_and_engines_that_keep_their_
         *moe_layout,
         "models.policy_trainer.lora.targets=[experts.linear_fc1]",
     ]
+    mla = [f"models.policy_trainer.load={make_tiny('DeepseekV3ForCausalLM', tmp_path / 'mla')}", *moe_layout]
+    mla.append("models.policy_trainer.lora.targets=[linear_proj,linear_kv_up_proj]")
     routers = [f"models.policy_trainer.load={moe}", *moe_layout, "models.policy_trainer.lora.train_router=true"]
     routers.append("models.policy_trainer.lora.targets=[linear_qkv]")
     bad = [
@@ -562,6 +564,10 @@ def test_adapter_sync_needs_adapters_vllm_can_serve_and_engines_that_keep_their_
             r"keep their base weights across sleeps .* set models.policy.rollout.sleep_level: 1",
         ),
         (["models.policy.rollout.lora_rank=8"], r"models.policy.rollout.lora_rank: set from .*; remove it"),
+        (
+            [*adapter, f"{rank}=8", *mla],
+            r"multi-latent attention's adapters \(\['linear_kv_up_proj'\]\) sync merged for now",
+        ),
         (
             [*adapter, f"{rank}=8", *routers],
             r"the routers train beside the adapters .* sync them merged",
