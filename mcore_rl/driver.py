@@ -46,6 +46,7 @@ from mcore_rl.config.schema import RunConfig
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.data.progress import DataProgress
 from mcore_rl.data.prompts import PromptDataset, read_rows
+from mcore_rl.loggers import flat_params
 from mcore_rl.metrics import MetricsLogger, plot_curves
 from mcore_rl.rewards.judge import PARSERS, Judge, Verdicts
 from mcore_rl.rewards.model import ModelReward
@@ -246,7 +247,7 @@ class System:
             hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
             optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
             max_token_in_packing=trainer.max_token_in_packing, share_prompts=trainer.share_prompts, moe=trainer.moe,
-            recompute=trainer.recompute, lora=trainer.lora, mtp_loss_coef=trainer.mtp_loss_coef,
+            recompute=trainer.recompute, lora=trainer.lora, mtp_loss_coef=trainer.mtp_loss_coef, save_hf=rt.save_hf,
         )  # fmt: skip
         self._stops.append(self.trainer.kill)
         megatron_roles = [self.trainer]
@@ -724,7 +725,8 @@ def run(config: RunConfig) -> Path:
         system.sleep_engines()  # colocated, the engines start awake; the trainer loads and syncs first
         with system.on_device(system.trainer, ["weights"]):
             found, failed = _load_newest(system, ckpt_root)
-            logger = MetricsLogger(out, rt.log.tensorboard, rt.num_episode, found[0] if found else 0)
+            params = flat_params(to_dict(config))
+            logger = MetricsLogger(out, rt.log, rt.num_episode, found[0] if found else 0, rt.exp_name, params)
             for path, error in failed:
                 logger.event("resume_failed", checkpoint=str(path), error=error)
             if found:
@@ -742,7 +744,7 @@ def run(config: RunConfig) -> Path:
             logger.close()
         system.close()
     png = plot_curves(out / "metrics.jsonl", out / "curves.png")
-    log.info("TensorBoard logs: %s ; curves: %s", out / "tensorboard", png)
+    log.info("metrics: %s ; curves: %s", out / "metrics.jsonl", png)
     return out
 
 

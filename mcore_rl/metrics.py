@@ -1,5 +1,5 @@
-"""Where a run's numbers go: TensorBoard scalars, an append-only ``metrics.jsonl``, a console progress bar, and a
-PNG of the reward and accuracy curves at the end."""
+"""Where a run's numbers go: an append-only ``metrics.jsonl``, the configured loggers (:mod:`mcore_rl.loggers`:
+TensorBoard, wandb, MLflow), a console progress bar, and a PNG of the reward and accuracy curves at the end."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import time
 from pathlib import Path
 
-import torch
+from mcore_rl.loggers import LogConfig, open_sinks
 
 log = logging.getLogger(__name__)
 
@@ -16,34 +16,28 @@ BAR_KEYS = {"reward/mean": "reward", "eval/accuracy": "eval_acc", "train/kl": "k
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str | Path, tensorboard: bool, total: int, start: int):
+    def __init__(
+        self, output_dir: str | Path, config: LogConfig, total: int, start: int, name: str = "run", params=None
+    ):
+        """The run in ``output_dir`` named ``name``, of ``total`` episodes, resumed after episode ``start`` (0: new);
+        ``params``: its resolved config, flat, for the loggers that keep parameters."""
         from tqdm import tqdm
 
         self.dir = Path(output_dir)
         self.jsonl = self.dir / "metrics.jsonl"
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step: after a resume, events past the checkpoint (from the crashed run) are dropped.
-            self.writer = SummaryWriter(str(self.dir / "tensorboard"), purge_step=start + 1 if start else None)
+        self.sinks = open_sinks(config, self.dir, name, start, params or {})
         self.bar = tqdm(total=total, initial=start, desc="episodes", dynamic_ncols=True)
         self.last: dict[str, float] = {}
 
     def log(self, episode: int, metrics: dict[str, float | list[float]], advance: bool = True) -> None:
-        """Scalars, and lists (e.g. tokens per expert) that TensorBoard shows as histograms."""
+        """Scalars, and lists (e.g. tokens per expert) that TensorBoard and wandb show as histograms."""
         metrics = {
             k: [float(x) for x in v] if isinstance(v, list) else float(v) for k, v in metrics.items() if v is not None
         }
         with self.jsonl.open("a") as f:
             f.write(json.dumps({"episode": episode, **metrics}) + "\n")
-        if self.writer is not None:
-            for key, value in metrics.items():
-                if isinstance(value, list):
-                    self.writer.add_histogram(key, torch.tensor(value), episode)
-                else:
-                    self.writer.add_scalar(key, value, episode)
-            self.writer.flush()
+        for sink in self.sinks:
+            sink.log(episode, metrics)
         self.last.update(metrics)
         self.bar.set_postfix({short: f"{self.last[k]:.3g}" for k, short in BAR_KEYS.items() if k in self.last})
         if advance:
@@ -57,8 +51,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def process_stats() -> dict[str, float]:

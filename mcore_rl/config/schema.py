@@ -18,6 +18,7 @@ from mcore_rl.algorithms.advantages import ESTIMATORS, TOKEN_ESTIMATORS
 from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
+from mcore_rl.loggers import LogConfig
 from mcore_rl.moe import MoEConfig
 from mcore_rl.planner.memory import Architecture, adaptable_linears
 from mcore_rl.rewards.judge import PARSERS, JudgeError, load_template
@@ -35,11 +36,6 @@ SCORING_ROLES = ("ref_policy", "teacher", "critic", "reward_model")
 
 
 @dataclass
-class LogConfig:
-    tensorboard: bool = True  # metrics.jsonl and the console's progress bar are always written
-
-
-@dataclass
 class RuntimeArgs:
     exp_name: str = "run"
     output_dir: str = "runs/${runtime_args.exp_name}"
@@ -54,6 +50,7 @@ class RuntimeArgs:
     train_global_batch_size: int = 32  # samples per optimizer step
     save_episode_interval: int = 5
     keep_checkpoints: int = 2  # the newest N complete checkpoints stay (0: all); SmolLM2's is 2.1 GB in fp32
+    save_hf: bool = False  # each checkpoint also holds the policy as an HF model (hf/: vllm serve, transformers)
     eval_episode_interval: int = 5
     data_shuffle: bool = True
     seed: int = 1
@@ -383,6 +380,7 @@ class RunConfig:
 
     def _validate(self) -> None:
         rt, m = self.runtime_args, self.models
+        rt.log.validate()
         positive = {
             "runtime_args.num_episode": rt.num_episode,
             "runtime_args.sample_per_episode": rt.sample_per_episode,

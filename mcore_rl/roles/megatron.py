@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from converters.stream import load_weights
+from converters.hf_io import StreamedShards, copy_model_files
+from converters.stream import export_hf, load_weights
 from converters.torch_dist import LORA_FILE, find_megatron, model_state
 from mcore_rl.algorithms.grpo import PolicyLossConfig, Share, policy_loss
 from mcore_rl.algorithms.mtp import mtp_logprobs, mtp_loss
@@ -28,7 +29,7 @@ from mcore_rl.offload import StorageOffloader
 from mcore_rl.packing import pack_rows, plan_packing, plan_shared_prompts, rows_of, share_prompt_rows
 from mcore_rl.sync import BroadcastRoute, ColocatedRoute, SyncConfig, WeightSync
 from mcore_rl.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
-from models.lora import LoRAConfig, adapters_off, attach_lora, keep_routers
+from models.lora import LoRAConfig, adapters_off, attach_lora, keep_routers, merged
 from models.mtp import MTPOutput, freeze_mtp, mtp_active
 from models.registry import get_bridge
 from models.value_head import attach_value_heads
@@ -38,6 +39,9 @@ from parallel.device import Device
 from parallel.groups import init_parallel
 
 log = logging.getLogger(__name__)
+
+HF_DIR = "hf"  # a checkpoint's HF model (runtime_args.save_hf)
+HF_SHARD_BYTES = 5 * 10**9  # HF's default max_shard_size
 
 
 class MegatronRank:
@@ -67,7 +71,7 @@ class MegatronRank:
         self.rank, self.parallel, self.seed = rank, parallel, seed
         self.max_token_in_packing = max_token_in_packing  # > 0: THD packs instead of padded micro-batches
         self.groups = init_parallel(parallel, seed=seed, device=self.machine)
-        self.bridge = get_bridge(hf_dir)
+        self.hf_dir, self.bridge = hf_dir, get_bridge(hf_dir)
         self.config = self.bridge.transformer_config(parallel, **(self._model_overrides() | (overrides or {})))
         self.share_prompts = share_prompts
         self.chunks = self._build(hf_dir)
@@ -351,11 +355,14 @@ class PolicyTrainer(TrainableRank):
         moe: MoEConfig | None = None,
         lora: LoRAConfig | None = None,
         mtp_loss_coef: float = 0.0,
+        save_hf: bool = False,
         **kwargs,
     ):
         """:class:`TrainableRank`'s arguments, the policy's ``loss``, its ``moe`` settings, its ``lora`` adapters
-        (rank 0: none, the whole model trains) and the weight of its MTP layers' loss (0: they stay frozen)."""
+        (rank 0: none, the whole model trains), the weight of its MTP layers' loss (0: they stay frozen) and whether
+        its checkpoints hold the HF model too (``save_hf``)."""
         self.moe, self.lora, self.mtp_loss_coef = moe or MoEConfig(), lora or LoRAConfig(), mtp_loss_coef
+        self.save_hf = save_hf
         super().__init__(*args, **kwargs)
         self.loss = loss
         self.router_load = (
@@ -495,10 +502,13 @@ class PolicyTrainer(TrainableRank):
     checkpoint_dir = "policy"
 
     def save(self, directory: str) -> None:
-        """The role's checkpoint (:meth:`TrainableRank.save`), its LoRA settings and this rank's RNG states."""
+        """The role's checkpoint (:meth:`TrainableRank.save`), its LoRA settings and this rank's RNG states; with
+        ``save_hf``, the HF model in ``directory/hf`` (:meth:`_save_hf`)."""
         from megatron.core import tensor_parallel
 
         super().save(directory)
+        if self.save_hf:
+            self._save_hf(Path(directory) / HF_DIR)
         if self.lora.rank and self.rank == 0:  # what the converters need to export the adapters
             settings = json.dumps(self.lora.settings()) + "\n"
             (Path(directory) / self.checkpoint_dir / LORA_FILE).write_text(settings)
@@ -506,6 +516,22 @@ class PolicyTrainer(TrainableRank):
         if self.machine.cuda:
             rng["cuda"] = torch.cuda.get_rng_state()
         torch.save(rng, Path(directory) / f"rng_rank{self.rank}.pt")
+
+    def _save_hf(self, out: Path) -> None:
+        """The policy as an HF model directory (safetensors shards of at most 5 GB, and the model's config and
+        tokenizer files) that `vllm serve` or transformers load: streamed through the sync's export (merged with
+        the LoRA adapters, MTP layers kept), rank 0 writing what every rank gathers."""
+        read = merged(self.chunks) if self.lora.rank else torch.Tensor.detach
+        writer = None
+        if self.rank == 0:
+            out.mkdir()
+            writer = StreamedShards(out, HF_SHARD_BYTES)
+        for name, tensor in export_hf(self.chunks, self.bridge, self.groups, read=read):
+            if writer is not None:
+                writer.write(name, tensor)
+        if writer is not None:
+            writer.close()
+            copy_model_files(self.hf_dir, out)
 
     def load(self, directory: str) -> None:
         from megatron.core import tensor_parallel

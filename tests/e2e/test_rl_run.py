@@ -14,7 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
+from converters.hf_io import HFCheckpoint
 from mcore_rl import checkpoint
 from mcore_rl.agent.trajectory import STOP_REASONS
 from mcore_rl.config.schema import load_run_config
@@ -172,6 +175,9 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
         "runtime_args.num_episode=3",
         "runtime_args.save_episode_interval=2",
         "runtime_args.keep_checkpoints=0",
+        "runtime_args.log.loggers=[tensorboard,wandb,mlflow]",
+        "runtime_args.log.wandb.mode=offline",
+        "runtime_args.save_hf=true",
         "models.policy_trainer.advantage_estimator=gae",
         "models.policy_trainer.reward_kl_coef=0.01",
         "models.policy_trainer.distill_coef=0.1",
@@ -240,6 +246,24 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     ]
     assert list((out / "tensorboard").glob("events.out.tfevents.*")) and (out / "curves.png").is_file()
     assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
+    # one MLflow run over the kill and the resume, with the resolved config; wandb's offline runs of one id
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
+    (logged,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
+    assert {m.step for m in client.get_metric_history(logged.info.run_id, "reward/mean")} == {1, 2, 3}
+    assert logged.data.params["models.critic.load"] == tiny_models["Qwen3ForCausalLM"]
+    run_id = (out / "wandb_run_id").read_text().strip()
+    assert len(list((out / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
+    # save_hf: the checkpoint's HF model is mcore2hf's of its policy, tensor for tensor, and transformers loads it
+    latest = checkpoint.latest_complete(out / "checkpoints")[1]
+    model = tiny_models["Qwen3ForCausalLM"]
+    assert mcore2hf([str(latest), str(tmp_path / "converted"), "--hf-config", model, "--quiet"]) == 0
+    saved_hf, converted = HFCheckpoint(latest / "hf"), HFCheckpoint(tmp_path / "converted")
+    assert saved_hf.names() == converted.names()
+    assert all(torch.equal(saved_hf.get(n), converted.get(n)) for n in converted.names())
+    assert (latest / "hf" / "config.json").read_text() == (tmp_path / "converted" / "config.json").read_text()
+    transformers.AutoModelForCausalLM.from_pretrained(latest / "hf")
 
 
 def test_a_reward_model_and_a_judge_with_devices_and_engines_of_their_own(tiny_models, ray_address, tmp_path):
@@ -255,7 +279,9 @@ def test_a_reward_model_and_a_judge_with_devices_and_engines_of_their_own(tiny_m
     reward_model = make_tiny_reward_model(tiny_models["LlamaForCausalLM"], tmp_path / "rm")
     (tmp_path / "verdict.py").write_text("def parse(verdict):\n    return float(len(verdict)) if verdict else None\n")
     overrides = [
-        "runtime_args.num_devices=3",
+        "runtime_args.num_devices=2",  # one trainer rank, one engine per group: the pools are the point
+        "models.policy_trainer.parallel.tp=1",
+        "models.ref_policy.parallel.tp=1",
         "runtime_args.reward_model_devices=1",
         "models.policy_trainer.algorithm.kl_coef=0",  # no reference role: this run is about the rewards
         f"models.reward_model.load={reward_model}",
