@@ -111,21 +111,42 @@ def start() -> list[str]:
 # the upstream module is, never by ``compat`` itself).
 AFTER_IMPORT = {"megatron.core.jit": "compat.megatron_core:compile_on_first_call"}
 
+# Upstream modules that import an optional package at import time for features mcore-rl never runs, and take its
+# absence (ImportError) in their stride: the package is hidden from them while they execute. megatron-core 0.16.1
+# imports wandb (5 s of CPU in every Megatron process once wandb is installed for runtime_args.log.loggers) for its
+# inference engine's and timers' logging.
+WITHOUT = {
+    "megatron.core.timers": "wandb",
+    "megatron.core.inference.contexts.dynamic_context": "wandb",
+    "megatron.core.inference.engines.dynamic_engine": "wandb",
+}
+
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds the :data:`AFTER_IMPORT` modules as the path finder does and runs their adjustment after they execute."""
+    """Finds the :data:`AFTER_IMPORT` and :data:`WITHOUT` modules as the path finder does, runs the former's
+    adjustment after they execute and hides the latter's package while they do."""
 
     def find_spec(self, name, path, target=None):
-        if name not in AFTER_IMPORT:
+        if name not in AFTER_IMPORT and name not in WITHOUT:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path, target)
         if spec is None or spec.loader is None:
             return spec
-        exec_module, (module_name, function) = spec.loader.exec_module, AFTER_IMPORT[name].split(":")
+        exec_module = spec.loader.exec_module
 
         def exec_then_adjust(module):
-            exec_module(module)
-            getattr(importlib.import_module(module_name), function)(module)
+            hidden = WITHOUT.get(name)
+            hide = hidden is not None and hidden not in sys.modules  # already imported: nothing left to save
+            if hide:
+                sys.modules[hidden] = None  # ``import hidden`` raises ImportError
+            try:
+                exec_module(module)
+            finally:
+                if hide:
+                    del sys.modules[hidden]
+            if name in AFTER_IMPORT:
+                module_name, function = AFTER_IMPORT[name].split(":")
+                getattr(importlib.import_module(module_name), function)(module)
 
         spec.loader.exec_module = exec_then_adjust
         return spec

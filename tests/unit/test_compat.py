@@ -97,6 +97,21 @@ def test_megatron_core_imports_without_the_compiler_and_compiles_its_fused_funct
     assert compiled == "True" and float(diff) <= 1e-6
 
 
+def test_megatron_core_imports_without_wandb_which_imports_for_the_loggers_after_it():
+    """In a fresh process: Megatron-Core's modules that would import wandb at import (5 s) see it absent, and wandb
+    still imports for runtime_args.log.loggers afterwards."""
+    code = (
+        "import sys, parallel.groups, converters.stream, megatron.core.timers as timers\n"
+        "import megatron.core.inference.engines.dynamic_engine as engine\n"
+        "print('wandb' in sys.modules, timers.wandb, engine.HAVE_WANDB)\n"
+        "import wandb\n"
+        "print(wandb.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.splitlines() == ["False None False", "wandb"]
+    assert set(compat.WITHOUT.values()) == {"wandb"}
+
+
 def test_the_environment_form_matches_the_filters():
     assert compat.upstream_notices_env().split(",") == [f"ignore:{p}:UserWarning" for p in compat.UPSTREAM_NOTICES]
 
