@@ -207,10 +207,20 @@ def shard_files(entries: list[TensorEntry], max_shard_bytes: int) -> list[tuple[
             size = 0
         shards[-1].append(entry)
         size += entry.nbytes
-    if len(shards) == 1:
-        return [(SINGLE_FILE, shards[0])]
-    n = len(shards)
-    return [(f"model-{i + 1:05d}-of-{n:05d}.safetensors", shard) for i, shard in enumerate(shards)]
+    return list(zip(shard_names(len(shards)), shards, strict=True))
+
+
+def shard_names(n: int) -> list[str]:
+    """HF's file names of a model in ``n`` safetensors files."""
+    return [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def write_index(directory: Path, files: list[tuple[str, dict[str, int]]]) -> None:
+    """HF's index of a model in several files: ``files`` as (file name, {tensor name: bytes})."""
+    total = sum(sum(sizes.values()) for _, sizes in files)
+    weight_map = {name: file for file, sizes in files for name in sizes}
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 class SafetensorsWriter:
@@ -260,10 +270,7 @@ class SafetensorsWriter:
             raise ValueError(f"{self.dir}: closed before every planned tensor was written")
         self._close_file()
         if len(self.shards) > 1:
-            total = sum(e.nbytes for _, shard in self.shards for e in shard)
-            weight_map = {e.name: file for file, shard in self.shards for e in shard}
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+            write_index(self.dir, [(file, {e.name: e.nbytes for e in shard}) for file, shard in self.shards])
 
 
 class StreamedShards:
@@ -295,12 +302,8 @@ class StreamedShards:
     def close(self) -> None:
         if self.pending or not self.shards:
             self._flush()
-        n = len(self.shards)
-        files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        files = shard_names(len(self.shards))
         for i, file in enumerate(files):
             (self.dir / f".shard-{i}").rename(self.dir / file)
-        if n > 1:
-            total = sum(sum(shard.values()) for shard in self.shards)
-            weight_map = {name: file for file, shard in zip(files, self.shards, strict=True) for name in shard}
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        if len(files) > 1:
+            write_index(self.dir, list(zip(files, self.shards, strict=True)))

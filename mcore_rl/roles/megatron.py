@@ -521,7 +521,7 @@ class PolicyTrainer(TrainableRank):
         """The policy as an HF model directory (safetensors shards of at most 5 GB, and the model's config and
         tokenizer files) that `vllm serve` or transformers load: streamed through the sync's export (merged with
         the LoRA adapters, MTP layers kept), rank 0 writing what every rank gathers."""
-        read = merged(self.chunks) if self.lora.rank else torch.Tensor.detach
+        read = merged(self.chunks)  # each parameter itself, an adapted one merged
         writer = None
         if self.rank == 0:
             out.mkdir()
