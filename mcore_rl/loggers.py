@@ -38,6 +38,9 @@ class LogConfig:
     loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # of LOGGERS; metrics.jsonl is always written
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    # false: each role's whole output in OUTPUT_DIR/logs/<role>-<rank>.log and only its warnings and errors on the
+    # console; true: everything on the console (mcore_rl.console)
+    verbose: bool = False
 
     def validate(self, prefix: str = "runtime_args.log") -> None:
         if unknown := [name for name in self.loggers if name not in LOGGERS]:

@@ -3,6 +3,7 @@ TensorBoard, wandb, MLflow), a console progress bar, and a PNG of the reward and
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -13,6 +14,17 @@ from mcore_rl.loggers import LogConfig, open_sinks
 log = logging.getLogger(__name__)
 
 BAR_KEYS = {"reward/mean": "reward", "eval/accuracy": "eval_acc", "train/kl": "kl", "time/episode": "s/ep"}
+# The console's line per episode: (metric, label, format), those the run has; then its phase times.
+LINE_KEYS = (
+    ("reward/mean", "reward", ".3f"),
+    ("response/length_mean", "length", ".0f"),
+    ("response/truncated_fraction", "truncated", ".2f"),
+    ("train/kl", "kl", ".2e"),
+    ("train/entropy", "entropy", ".3f"),
+    ("train/grad_norm", "grad_norm", ".3g"),
+    ("throughput/response_tokens_per_s", "tokens/s", ".0f"),
+    ("time/episode", "s", ".1f"),
+)
 
 
 class MetricsLogger:
@@ -22,12 +34,17 @@ class MetricsLogger:
         """The run in ``output_dir`` named ``name``, of ``total`` episodes, resumed after episode ``start`` (0: new);
         ``params``: its resolved config, flat, for the loggers that keep parameters."""
         from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
 
         self.dir = Path(output_dir)
         self.jsonl = self.dir / "metrics.jsonl"
         self.sinks = open_sinks(config, self.dir, name, start, params or {})
-        self.bar = tqdm(total=total, initial=start, desc="episodes", dynamic_ncols=True)
+        self._console = contextlib.ExitStack()  # log lines on the console go above the bar, which stays whole
+        self._console.enter_context(logging_redirect_tqdm())
+        # no bar where the console is a file (a cluster job's log): the episode lines say it all there
+        self.bar = tqdm(total=total, initial=start, desc="episodes", dynamic_ncols=True, disable=None)
         self.last: dict[str, float] = {}
+        self.total = total
 
     def log(self, episode: int, metrics: dict[str, float | list[float]], advance: bool = True) -> None:
         """Scalars, and lists (e.g. tokens per expert) that TensorBoard and wandb show as histograms."""
@@ -41,18 +58,33 @@ class MetricsLogger:
         self.last.update(metrics)
         self.bar.set_postfix({short: f"{self.last[k]:.3g}" for k, short in BAR_KEYS.items() if k in self.last})
         if advance:
+            log.info("%s", episode_line(episode, metrics, self.total))
             self.bar.update(1)
 
     def event(self, name: str, **fields) -> None:
         """A one-off record (start, resume, checkpoint) in metrics.jsonl and the log."""
         with self.jsonl.open("a") as f:
             f.write(json.dumps({"event": name, "time": time.time(), **fields}) + "\n")
-        log.info("%s: %s", name, fields)
+        log.info(
+            "%s: %s", name, ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+        )
 
     def close(self) -> None:
         self.bar.close()
+        self._console.close()
         for sink in self.sinks:
             sink.close()
+
+
+def episode_line(episode: int, metrics: dict, total: int) -> str:
+    """One line of an episode's main numbers and phase times, kept in the console's scrollback."""
+    parts = [f"{label} {metrics[key]:{fmt}}" for key, label, fmt in LINE_KEYS if key in metrics]
+    phases = [
+        f"{key[5:]} {v:.1f}"
+        for key, v in metrics.items()
+        if key.startswith("time/") and key != "time/episode" and v >= 0.05
+    ]
+    return f"episode {episode}/{total}: " + ", ".join(parts) + (f" ({', '.join(phases)})" if phases else "")
 
 
 def process_stats() -> dict[str, float]:

@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.planner.memory import check_fits
     from mcore_rl.rollout.transport import SharedMemoryError
     from mcore_rl.userfile import UserCodeError
+    from mcore_rl.watchdog import HangError
 
     try:
         config = load_run_config(args.config, args.overrides)
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UserCodeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except CheckpointError as err:  # a full disk: what was written before stays valid
+    except (CheckpointError, HangError) as err:  # a full disk, a hung phase: what was written before stays valid
         print(f"error: {err}", file=sys.stderr)
         return 1
     except Exception as err:  # a machine that cannot run the job, found in a rank: one line, as bad input

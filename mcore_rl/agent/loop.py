@@ -25,7 +25,7 @@ import ray
 from mcore_rl.agent.actors import EnvPool, ToolPool, ToolResult
 from mcore_rl.agent.chat import ChatFormat, clip, parse_tool_calls
 from mcore_rl.agent.envs import EnvError
-from mcore_rl.agent.trajectory import TrajectoryBuilder
+from mcore_rl.agent.trajectory import TrajectoryBuilder, trajectory_stats
 from mcore_rl.batch import Sample
 from mcore_rl.data.prompts import Prompt
 from mcore_rl.rewards.user import RewardError
@@ -126,6 +126,14 @@ class AgentLoop:
         concurrent.futures.wait(self._groups.values(), seconds, concurrent.futures.FIRST_COMPLETED)
         done = [key for key, future in self._groups.items() if future.done()]
         return [(key, *self._groups.pop(key).result()) for key in done]
+
+    def solved(self, samples: list[Sample], rewards: list[float]) -> list[bool]:
+        """The environment's reward is the task's check."""
+        return [r > 0 for r in rewards]
+
+    def take_metrics(self, samples: list[Sample]) -> dict[str, float]:
+        """The trajectories' statistics (turns, tool calls and errors, stop reasons, ...)."""
+        return trajectory_stats([s.completion for s in samples])
 
     def close(self) -> None:
         self._stop.set()

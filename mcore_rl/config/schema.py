@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -26,6 +27,7 @@ from mcore_rl.rewards.user import RewardTerm, default_name
 from mcore_rl.rollout.engine import MultiTurnConfig, RolloutConfig, vllm_lora_ranks
 from mcore_rl.sync import SyncConfig
 from mcore_rl.userfile import is_user_file
+from mcore_rl.watchdog import WatchdogConfig
 from models.lora import EXPERTS, MLA, LoRAConfig
 from models.registry import BRIDGES, get_bridge
 from parallel.config import ParallelConfig
@@ -42,7 +44,9 @@ class RuntimeArgs:
     # JSONL or Parquet of {"messages", "answer"} rows, or built in: "builtin:arithmetic" (one operation),
     # "builtin:word_problems" (multi-step, for the calculator tool)
     data_path: str = BUILTIN_DATA
-    eval_data_path: str = BUILTIN_DATA
+    eval_data_path: str = BUILTIN_DATA  # the main eval set (eval/* metrics)
+    # more eval sets by name, each as eval_data_path (eval/<name>/* metrics): {word_problems: builtin:word_problems}
+    eval_sets: dict[str, str] = field(default_factory=dict)
     num_builtin_train: int = 2000
     num_builtin_eval: int = 100
     num_episode: int = 10
@@ -76,6 +80,7 @@ class RuntimeArgs:
     device_memory_gb: float = 0.0
     ray_address: str = ""  # an existing cluster ("auto" or host:port); empty: $RAY_ADDRESS, else start a local one
     log: LogConfig = field(default_factory=LogConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # reports a phase that hangs (mcore_rl.watchdog)
 
     @property
     def colocated(self) -> bool:
@@ -379,8 +384,35 @@ class RunConfig:
             raise ConfigError(str(err)) from None
 
     def _validate(self) -> None:
+        """Each section's checks, in an order where a later one may rely on an earlier."""
+        self._validate_counts()
+        self._validate_reward_terms()
+        if self.models.reward.multi_turn:
+            self._validate_multi_turn()
+        self._validate_packing()
+        self._validate_placement()
+        self._validate_layouts()
+        self._validate_training()
+        self._validate_models()
+        self._validate_lora()
+        self._validate_roles()
+        self._validate_data()
+
+    @property
+    def _role_keys(self) -> list[str]:
+        """The Megatron roles' sections."""
+        return [f"models.{role}" for role in self.models.checked_roles]
+
+    @property
+    def _engine_keys(self) -> list[str]:
+        """The sections of the models engines serve: the policy, and a judge's with engines of its own."""
+        return ["models.policy"] + (["models.judge"] if self.models.judge.own_engines else [])
+
+    def _validate_counts(self) -> None:
+        """Counts, batch divisibility, keys set by others, lengths."""
         rt, m = self.runtime_args, self.models
         rt.log.validate()
+        rt.watchdog.validate()
         positive = {
             "runtime_args.num_episode": rt.num_episode,
             "runtime_args.sample_per_episode": rt.sample_per_episode,
@@ -427,9 +459,10 @@ class RunConfig:
             )
         if m.reward.timeout_s <= 0:
             raise ConfigError(f"models.reward.timeout_s={m.reward.timeout_s}: expected a positive number of seconds")
-        self._validate_reward_terms()
-        if m.reward.multi_turn:
-            self._validate_multi_turn()
+
+    def _validate_packing(self) -> None:
+        """Packing budgets that hold the longest sample."""
+        m = self.models
         what = (
             "a multi-turn trajectory's max_total_tokens"
             if m.reward.multi_turn
@@ -442,8 +475,10 @@ class RunConfig:
                     f"models.{role}.max_token_in_packing={packing} is below the longest sample ({self.longest_sample} "
                     f"tokens: {what}); raise it, or set 0 for padded micro-batches"
                 )
-        self._validate_placement()
-        self._validate_layouts()
+
+    def _validate_training(self) -> None:
+        """Recompute, memory, the LR schedule, the loss, the estimator and its shaping, the engines' settings."""
+        rt, m = self.runtime_args, self.models
         if m.policy_trainer.recompute not in ("none", "full"):
             raise ConfigError(
                 f"models.policy_trainer.recompute={m.policy_trainer.recompute!r}: expected 'none' or 'full'"
@@ -465,16 +500,20 @@ class RunConfig:
             )
         m.policy.rollout.validate("models.policy.rollout")
         m.policy.sync.validate("models.policy.sync")
+
+    def _validate_models(self) -> None:
+        """Model directories, the engines' HF weights, each role's family and layout, MoE, MTP, drafting."""
+        m = self.models
         for key in self.model_keys:
             _check_model_dir(key, self._get(key))
-        engines = ["models.policy"] + (["models.judge"] if m.judge.own_engines else [])
+        engines = self._engine_keys
         for key in engines:
             if find_megatron(self._get(key).load):
                 raise ConfigError(
                     f"{key}.load={self._get(key).load!r}: a Megatron checkpoint, but vLLM engines load HF weights; "
                     "set it to the HF directory (the Megatron roles may load the Megatron checkpoint)"
                 )
-        roles = [f"models.{role}" for role in m.checked_roles]
+        roles = self._role_keys
         for key in [*roles, *engines[1:]]:
             role = self._get(key)
             try:
@@ -489,6 +528,10 @@ class RunConfig:
         m.policy_trainer.moe.validate("models.policy_trainer.moe", get_bridge(m.policy_trainer.load))
         self._check_mtp()
         self._check_speculative()
+
+    def _validate_lora(self) -> None:
+        """LoRA's targets against the model, its router and expert-TP rules, adapter-only sync."""
+        m = self.models
         lora = m.policy_trainer.lora
         lora.validate()
         if lora.rank:
@@ -517,6 +560,12 @@ class RunConfig:
                     f"adapter whole on its rank), here {etp}; set models.policy_trainer.parallel.etp: 1"
                 )
         self._check_adapter_sync()
+
+    def _validate_roles(self) -> None:
+        """Which roles take a reward model, shared-prompt rows per role."""
+        rt, m = self.runtime_args, self.models
+        n = m.policy.num_inference_per_prompt
+        roles, engines = self._role_keys, self._engine_keys
         if m.uses("reward_model"):
             path, bridge = m.reward_model.load, get_bridge(m.reward_model.load)
             if not bridge.value_model:
@@ -553,8 +602,16 @@ class RunConfig:
                 "models.policy_trainer.share_prompts: routing replay takes per-sample rows; set share_prompts or "
                 "moe.routing_replay to false"
             )
-        for key in ("runtime_args.data_path", "runtime_args.eval_data_path"):
-            path = self._get(key)
+
+    def _validate_data(self) -> None:
+        """The train and eval data files."""
+        rt = self.runtime_args
+        paths = {"runtime_args.data_path": rt.data_path, "runtime_args.eval_data_path": rt.eval_data_path}
+        for name, path in rt.eval_sets.items():
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                raise ConfigError(f"runtime_args.eval_sets.{name}: name a set with letters, digits, '_', '.' or '-'")
+            paths[f"runtime_args.eval_sets.{name}"] = path
+        for key, path in paths.items():
             if path not in BUILTIN_SPLITS and not Path(path).is_file():
                 raise ConfigError(f"{key}={path!r}: file not found (or use one of {list(BUILTIN_SPLITS)})")
 

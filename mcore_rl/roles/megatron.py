@@ -22,6 +22,7 @@ from converters.torch_dist import LORA_FILE, find_megatron, model_state
 from mcore_rl.algorithms.grpo import PolicyLossConfig, Share, policy_loss
 from mcore_rl.algorithms.mtp import mtp_logprobs, mtp_loss
 from mcore_rl.algorithms.ppo import value_loss
+from mcore_rl.console import setup_actor
 from mcore_rl.logprobs import token_entropy, token_logprobs
 from mcore_rl.metrics import process_stats
 from mcore_rl.moe import MoEConfig, RouterLoad
@@ -63,6 +64,7 @@ class MegatronRank:
         """``share_prompts``: score (and train) each prompt's samples in one row that holds the prompt once
         (:func:`mcore_rl.packing.share_prompt_rows`); needs whole groups per data-parallel rank and step.
         ``cores``: the CPU cores of this rank's device, where roles on other devices run at the same time."""
+        setup_actor()  # its output to its log file, its stacks for the hang watchdog
         os.environ.update(
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0"
         )

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mcore_rl.console import setup_actor
 from mcore_rl.rollout.transport import BucketHandle
 from models.registry import get_bridge
 from parallel.device import Device
@@ -195,6 +196,7 @@ class RolloutEngine:
 
     def __init__(self, model_dir: str | Path, config: RolloutConfig, colocated: bool = True):
         """``colocated``: the engine takes turns with the trainer on its devices, and sleeps while it trains."""
+        setup_actor()  # its output to its log file, its stacks for the hang watchdog
         config.validate()
         self.config, self.colocated = config, colocated
         self.machine = Device.current()
@@ -273,8 +275,10 @@ class RolloutEngine:
         if self._updating and keys is None:
             raise RuntimeError("the rollout engine is loading weights: finish the update before generating")
         keys = keys or [f"mcore_rl-{next(self._ids)}" for _ in prompts]
-        for key, prompt in zip(keys, prompts, strict=True):
-            self.llm.llm_engine.add_request(key, {"prompt_token_ids": list(prompt)}, params, lora_request=self._lora)
+        # token prompts as the engine takes them (vLLM 0.32 deprecates handing it raw prompts)
+        inputs = self.llm.renderer.render_cmpl([{"prompt_token_ids": list(prompt)} for prompt in prompts])
+        for key, engine_input in zip(keys, inputs, strict=True):
+            self.llm.llm_engine.add_request(key, engine_input, params, lora_request=self._lora)
         return keys
 
     def _step(self) -> None:

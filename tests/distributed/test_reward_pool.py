@@ -32,7 +32,7 @@ def _sample(i: int, text: str, answer: str = "4"):
 def test_a_hung_reward_scores_zero_and_the_pool_goes_on(ray_address, tmp_path):
     (tmp_path / "r.py").write_text(HANGS_ON_ONE)
     terms = [("models.reward.fn", RewardTerm("exact", str(tmp_path / "r.py"), 1.0))]
-    pool = RewardPool(terms, num_actors=2, num_cpus=0, timeout_s=2.0)
+    pool = RewardPool(terms, num_actors=2, num_cpus=0, timeout_s=5.0)  # seconds no working call approaches
     try:
         texts = ["4", "5", "hang", "4", "4", "no"]
         start = time.monotonic()

@@ -140,9 +140,11 @@ def kill_at(command: list[str], path: Path, log: Path) -> None:
     proc.wait()
 
 
-def run_to_end(command: list[str]) -> None:
+def run_to_end(command: list[str]) -> str:
+    """Run ``command`` to its end; its console (stderr)."""
     done = subprocess.run(command, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     assert done.returncode == 0, done.stderr
+    return done.stderr
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
@@ -204,7 +206,7 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     garbled = shutil.copytree(saved, out / "checkpoints" / "episode_99")
     (garbled / "rng_rank0.pt").write_bytes((garbled / "rng_rank0.pt").read_bytes()[::-1])
 
-    run_to_end(command)
+    console = run_to_end(command)
     (failed,) = events(out, "resume_failed")
     assert failed["checkpoint"].endswith("episode_99") and failed["error"]
     (resume,) = events(out, "resume")
@@ -245,6 +247,12 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
         _second_prompt_id(out) + "/0",
     ]
     assert list((out / "tensorboard").glob("events.out.tfevents.*")) and (out / "curves.png").is_file()
+    # The console: a line per episode and a table per eval, no upstream warning; each role's output in its log.
+    assert "episode 3/3: reward " in console and "eval after episode 3:" in console
+    assert not re.findall(r".*Warning.*", console), console
+    assert "episode 3/3: reward " in (out / "logs" / "driver.log").read_text()
+    for role in ("policy_trainer-0", "ref_policy-0", "teacher-0", "critic-0", "reward_model-0", "policy-0"):
+        assert (out / "logs" / f"{role}.log").stat().st_size > 0, role
     assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
     # one MLflow run over the kill and the resume, with the resolved config; wandb's offline runs of one id
     from mlflow.tracking import MlflowClient

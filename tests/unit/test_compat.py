@@ -4,6 +4,7 @@ the installed upstreams pass, and the notices it silences are the ones upstream 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import types
@@ -113,7 +114,12 @@ def test_megatron_core_imports_without_wandb_which_imports_for_the_loggers_after
 
 
 def test_the_environment_form_matches_the_filters():
-    assert compat.upstream_notices_env().split(",") == [f"ignore:{p}:UserWarning" for p in compat.UPSTREAM_NOTICES]
+    assert compat.upstream_notices_env().split(",") == [f"ignore:{p}:{c}" for p, c in compat.UPSTREAM_NOTICES]
+    # what Python makes of the variable: the same filters as quiet_upstream_notices sets
+    code = "import warnings; print(len([f for f in warnings.filters if f[0] == 'ignore' and f[1] is not None]))"
+    env = {**os.environ, "PYTHONWARNINGS": compat.upstream_notices_env()}
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    assert int(out.stdout) == len(compat.UPSTREAM_NOTICES)
 
 
 class _Rotary(torch.nn.Module):

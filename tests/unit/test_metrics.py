@@ -106,3 +106,18 @@ def test_logger_settings_are_checked():
     ):
         with pytest.raises(ValueError, match=message):
             config.validate()
+
+
+def test_the_console_gets_one_line_per_episode(tmp_path, caplog):
+    logger = MetricsLogger(tmp_path, LogConfig(loggers=[]), total=40, start=0)
+    metrics = {
+        "reward/mean": 0.25, "response/length_mean": 45.2, "train/kl": 0.00123, "throughput/response_tokens_per_s": 180.4,
+        "time/episode": 16.24, "time/rollout_and_reward": 4.31, "time/train": 9.2, "router/tokens": [1.0, 2.0],
+    }  # fmt: skip
+    with caplog.at_level("INFO", logger="mcore_rl.metrics"):
+        logger.log(3, metrics)
+        logger.log(3, {"eval/accuracy": 0.31}, advance=False)  # the driver logs an eval's table
+    logger.close()
+    assert caplog.messages == [
+        "episode 3/40: reward 0.250, length 45, kl 1.23e-03, tokens/s 180, s 16.2 (rollout_and_reward 4.3, train 9.2)"
+    ]

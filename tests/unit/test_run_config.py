@@ -59,6 +59,17 @@ def test_a_valid_config_resolves_references(run_yaml, tmp_path):
         ("runtime_args.device_memory_gb=-1", r"runtime_args.device_memory_gb=-1.0: expected >= 0"),
         ("models.policy_trainer.advantage_estimator=ppo", r"advantage_estimator='ppo': expected one of \['dr_grpo'"),
         ("models.policy_trainer.advantage_std_norm=false", r"advantage_std_norm: unknown key"),
+        (
+            "runtime_args.watchdog.action=kill",
+            r"runtime_args.watchdog.action='kill': expected one of \['wait', 'stop'\]",
+        ),
+        ("runtime_args.watchdog.min_s=0", r"runtime_args.watchdog.min_s=0.0: expected a positive number"),
+        (
+            "runtime_args.eval_sets={gsm: /nowhere.jsonl}",
+            r"runtime_args.eval_sets.gsm='/nowhere.jsonl': file not found",
+        ),
+        ("runtime_args.eval_sets={a/b: builtin:arithmetic}", r"runtime_args.eval_sets.a/b: name a set with letters"),
+        ("runtime_args.log.verbose=maybe", r"runtime_args.log.verbose: expected bool, got .maybe."),
     ],
 )
 def test_bad_configs_are_refused_with_the_key(run_yaml, override, message):

