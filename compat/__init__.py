@@ -84,6 +84,9 @@ UPSTREAM_NOTICES = (
     # torch 2.13 deprecates the collectives megatron-core 0.16.1's distributed optimizer calls
     ("`torch.distributed.reduce_scatter_tensor` is deprecated", "FutureWarning"),
     ("`torch.distributed.all_gather_into_tensor` is deprecated", "FutureWarning"),
+    # ... and the checkpoint API its dist_checkpointing loads with (strategies/torch.py), on ShardedTensors
+    ("`load_state_dict` is deprecated and will be removed in future versions", "FutureWarning"),
+    ("Please use DTensor instead and we are deprecating ShardedTensor", "FutureWarning"),
     # vLLM 0.32's kernel dispatcher scans torch.distributed's attributes, touching a deprecated one
     ("`torch.distributed.reduce_op` is deprecated", "FutureWarning"),
 )

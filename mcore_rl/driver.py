@@ -159,7 +159,7 @@ class Run:
 
     def _evaluate(self, prompts) -> dict[str, float]:
         """Eval-sampling completions of ``prompts`` (``models.policy.rollout.eval.n`` each): ``accuracy`` (mean@n),
-        the fraction whose ``models.reward.fn`` reward is positive (of the weighted sum without one), ``pass@k``,
+        the fraction whose ``models.reward.fn`` reward is positive (of the weighted sum without one), ``pass_at_<k>``,
         and each weighted reward's mean."""
         sampling = self.config.models.policy.rollout.eval
         samples, rewards = self.sampler.generate(prompts, sampling)

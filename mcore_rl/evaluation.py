@@ -21,13 +21,14 @@ def ks(n: int) -> list[int]:
 
 
 def accuracy_metrics(correct: list[bool], n: int) -> dict[str, float]:
-    """``accuracy`` (mean@n) and ``pass@k`` of samples in prompt order, ``n`` per prompt."""
+    """``accuracy`` (mean@n) and ``pass_at_<k>`` (pass@k; MLflow refuses '@' in names) of samples in prompt order,
+    ``n`` per prompt."""
     if not correct or len(correct) % n:
         raise ValueError(f"{len(correct)} samples are no whole number of prompts of {n} samples")
     counts = [sum(correct[i : i + n]) for i in range(0, len(correct), n)]
     out = {"accuracy": sum(correct) / len(correct)}
     for k in ks(n):
-        out[f"pass@{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
+        out[f"pass_at_{k}"] = sum(pass_at_k(n, c, k) for c in counts) / len(counts)
     return out
 
 

@@ -251,8 +251,10 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     assert "episode 3/3: reward " in console and "eval after episode 3:" in console
     assert not re.findall(r".*Warning.*", console), console
     assert "episode 3/3: reward " in (out / "logs" / "driver.log").read_text()
-    for role in ("policy_trainer-0", "ref_policy-0", "teacher-0", "critic-0", "reward_model-0", "policy-0"):
-        assert (out / "logs" / f"{role}.log").stat().st_size > 0, role
+    logs = {role: out / "logs" / f"{role}.log" for role in ("ref_policy-0", "teacher-0", "critic-0", "reward_model-0")}
+    assert all(path.is_file() for path in logs.values())  # a scoring role may have nothing to say
+    assert "Setting up DistributedDataParallel" in (out / "logs" / "policy_trainer-0.log").read_text()
+    assert "Successfully reset prefix cache" in (out / "logs" / "policy-0.log").read_text()  # vLLM's INFO lines
     assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
     # one MLflow run over the kill and the resume, with the resolved config; wandb's offline runs of one id
     from mlflow.tracking import MlflowClient

@@ -27,11 +27,11 @@ def test_accuracy_and_pass_at_k_over_prompts():
     correct = [True, False, False, False] + [False] * 4 + [True] * 4
     got = accuracy_metrics(correct, 4)
     assert got["accuracy"] == 5 / 12  # mean@4: every sample counts once
-    assert got["pass@1"] == pytest.approx((1 / 4 + 0 + 1) / 3)
-    assert got["pass@2"] == pytest.approx((_by_subsets(correct[:4], 2) + 0 + 1) / 3)
-    assert got["pass@4"] == pytest.approx((1 + 0 + 1) / 3)
-    assert list(got) == ["accuracy", "pass@1", "pass@2", "pass@4"]
-    assert accuracy_metrics([True, False], 1) == {"accuracy": 0.5, "pass@1": 0.5}  # greedy: pass@1 is the accuracy
+    assert got["pass_at_1"] == pytest.approx((1 / 4 + 0 + 1) / 3)
+    assert got["pass_at_2"] == pytest.approx((_by_subsets(correct[:4], 2) + 0 + 1) / 3)
+    assert got["pass_at_4"] == pytest.approx((1 + 0 + 1) / 3)
+    assert list(got) == ["accuracy", "pass_at_1", "pass_at_2", "pass_at_4"]
+    assert accuracy_metrics([True, False], 1) == {"accuracy": 0.5, "pass_at_1": 0.5}  # greedy: pass@1 is the accuracy
     assert ks(6) == [1, 2, 4, 6]
     with pytest.raises(ValueError, match="5 samples are no whole number of prompts of 4 samples"):
         accuracy_metrics([True] * 5, 4)
@@ -41,12 +41,12 @@ def test_accuracy_and_pass_at_k_over_prompts():
 
 def test_the_eval_table_has_a_row_per_set():
     metrics = {
-        "eval/accuracy": 0.31, "eval/pass@1": 0.31, "eval/time_s": 12.25, "eval/reward/exact": 0.31,
+        "eval/accuracy": 0.31, "eval/pass_at_1": 0.31, "eval/time_s": 12.25, "eval/reward/exact": 0.31,
         "eval/word_problems/accuracy": 0.125, "eval/word_problems/time_s": 30.5,
     }  # fmt: skip
     assert eval_table(5, metrics, ["", "word_problems"]).splitlines() == [
         "eval after episode 5:",
-        "                 accuracy      pass@1      time_s",
+        "                 accuracy   pass_at_1      time_s",
         "eval                 0.31        0.31       12.25",
         "word_problems       0.125                    30.5",
     ]
