@@ -47,7 +47,7 @@ def long_tailed_batch(generator: torch.Generator, vocab: int) -> dict:
 def _step_seconds(hf_dir: Path, batch: dict, layout: dict, repeats: int = 2) -> tuple[float, dict]:
     from mcore_rl.algorithms.grpo import PolicyLossConfig
     from mcore_rl.config.schema import OptimizerSettings
-    from mcore_rl.roles.megatron import PolicyTrainer
+    from mcore_rl.trainer.policy import PolicyTrainer
     from parallel.config import ParallelConfig
 
     optimizer = dataclasses.asdict(OptimizerSettings(lr=1e-6))

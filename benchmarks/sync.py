@@ -106,7 +106,7 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> list:
     from converters.stream import load_hf
     from mcore_rl.rollout.engine import RolloutConfig
     from mcore_rl.rollout.remote import launch_engine, stop_engine
-    from mcore_rl.training import MegatronModel
+    from mcore_rl.trainer.training import MegatronModel
     from models.registry import get_bridge
     from parallel.config import ParallelConfig
     from parallel.groups import init_parallel

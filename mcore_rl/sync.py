@@ -24,7 +24,7 @@ import torch
 
 from converters.stream import export_hf
 from mcore_rl.rollout.transport import BucketSender
-from mcore_rl.training import MegatronModel
+from mcore_rl.trainer.training import MegatronModel
 from models.lora import LoRAConfig, export_peft, merged
 from parallel.comm import all_gather_objects, all_reduce_scalar, byte_buckets
 from parallel.groups import block_group

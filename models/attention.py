@@ -7,7 +7,7 @@ different query/key and value head sizes. :class:`SDPAttention` replaces it thro
 * padded batches (``sbhd``): one causal SDPA call;
 * packed batches (``thd``, ``PackedSeqParams.cu_seqlens_*``): one causal call per sequence, so no token attends
   across a sequence boundary;
-* shared-prompt rows (``sbhd`` segments with a mask, :func:`mcore_rl.packing.share_prompt_rows`): one masked call
+* shared-prompt rows (``sbhd`` segments with a mask, :func:`mcore_rl.trainer.packing.share_prompt_rows`): one masked call
   per segment;
 * context parallelism: each CP rank holds chunks ``r`` and ``2*CP-1-r`` of every sequence (Megatron's
   load-balanced split, also what its RoPE assumes); keys and values are all-gathered over the CP group (one

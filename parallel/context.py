@@ -59,7 +59,7 @@ class ContextShard:
 
 def shard_micro_batch(batch: dict, group: ProcessGroup) -> dict:
     """This CP rank's micro-batch: the model inputs and labels cut to its positions, plus the ``ContextShard``
-    that :func:`mcore_rl.packing.rows_of` uses to reassemble outputs. Other entries stay whole."""
+    that :func:`mcore_rl.trainer.packing.rows_of` uses to reassemble outputs. Other entries stay whole."""
     params = batch.get("packed_seq_params")
     length = batch["input_ids"].shape[1]
     bounds = params.cu_seqlens_q.tolist() if params is not None else [0, length]

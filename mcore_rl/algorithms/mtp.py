@@ -7,12 +7,12 @@ import torch
 from megatron.core.transformer.multi_token_prediction import roll_tensor
 
 from mcore_rl.algorithms.grpo import Share
-from mcore_rl.logprobs import token_logprobs
+from mcore_rl.trainer.logprobs import token_logprobs
 
 
 def mtp_logprobs(batch: dict, depths: tuple[torch.Tensor, ...], vocab_size: int, cp_group) -> list[torch.Tensor]:
     """Per depth k, log p_k(token i + k + 1) at each position i of the micro-batch (its layout, as the model's
-    outputs; :func:`mcore_rl.packing.rows_of` turns them into rows). Labels roll as Megatron rolls the MTP's
+    outputs; :func:`mcore_rl.trainer.packing.rows_of` turns them into rows). Labels roll as Megatron rolls the MTP's
     inputs: within each packed sequence and across context-parallel ranks."""
     labels, packed, out = batch["labels"], batch.get("packed_seq_params"), []
     for logits in depths:

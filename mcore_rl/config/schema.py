@@ -20,12 +20,12 @@ from mcore_rl.algorithms.grpo import PolicyLossConfig
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.loggers import LogConfig
-from mcore_rl.moe import MoEConfig
 from mcore_rl.planner.memory import Architecture, adaptable_linears
 from mcore_rl.rewards.judge import PARSERS, JudgeError, load_template
 from mcore_rl.rewards.user import RewardTerm, default_name
 from mcore_rl.rollout.engine import MultiTurnConfig, RolloutConfig, vllm_lora_ranks
 from mcore_rl.sync import SyncConfig
+from mcore_rl.trainer.moe import MoEConfig
 from mcore_rl.userfile import is_user_file
 from mcore_rl.watchdog import WatchdogConfig
 from models.lora import EXPERTS, MLA, LoRAConfig

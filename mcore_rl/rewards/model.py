@@ -1,5 +1,5 @@
 """A reward model's term of the reward: each conversation rendered with the reward model's own chat template and
-scored whole by its role (:meth:`mcore_rl.roles.megatron.ValueModel.sequence_scores`); the policy's template and
+scored whole by its role (:meth:`mcore_rl.trainer.value.ValueModel.sequence_scores`); the policy's template and
 tokenizer may differ from it."""
 
 from __future__ import annotations

@@ -52,9 +52,11 @@ class System:
 
     def _start(self, config: RunConfig) -> None:
         from mcore_rl.roles.cluster import Placement, rendezvous, wait_ready
-        from mcore_rl.roles.megatron import MegatronRank, PolicyTrainer, ValueModel, ValueTrainer
         from mcore_rl.roles.rollout import BoundedPool, RewardPool, RolloutGroup
         from mcore_rl.roles.trainer import CriticGroup, ReferenceGroup, RewardModelGroup, TrainerGroup
+        from mcore_rl.trainer.policy import PolicyTrainer
+        from mcore_rl.trainer.ranks import MegatronRank
+        from mcore_rl.trainer.value import ValueModel, ValueTrainer
 
         rt, m = config.runtime_args, config.models
         # The Megatron roles on the trainer's devices: all but a reward model with devices of its own.

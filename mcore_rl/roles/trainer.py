@@ -10,7 +10,7 @@ from mcore_rl.sync import SyncConfig
 
 
 class ReferenceGroup(ActorGroup):
-    """The reference policy's ranks (:class:`mcore_rl.roles.megatron.MegatronRank`)."""
+    """The reference policy's ranks (:class:`mcore_rl.trainer.ranks.MegatronRank`)."""
 
     def logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         return self.call("logprobs", batch, micro_batch_size)[0]
@@ -27,7 +27,7 @@ class ReferenceGroup(ActorGroup):
 
 
 class RewardModelGroup(ReferenceGroup):
-    """A reward model's ranks (:class:`mcore_rl.roles.megatron.ValueModel`)."""
+    """A reward model's ranks (:class:`mcore_rl.trainer.value.ValueModel`)."""
 
     def scores(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         """The score [N] of each row of ``batch`` (``tokens``, ``lengths``): its value at its last token."""
@@ -35,7 +35,7 @@ class RewardModelGroup(ReferenceGroup):
 
 
 class TrainedGroup(ReferenceGroup):
-    """A trained role's ranks (:class:`mcore_rl.roles.megatron.TrainableRank`)."""
+    """A trained role's ranks (:class:`mcore_rl.trainer.ranks.TrainableRank`)."""
 
     def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
         """Optimizer steps over ``batch``; metrics per step."""
@@ -55,14 +55,14 @@ class TrainedGroup(ReferenceGroup):
 
 
 class CriticGroup(TrainedGroup):
-    """PPO's critic's ranks (:class:`mcore_rl.roles.megatron.ValueTrainer`)."""
+    """PPO's critic's ranks (:class:`mcore_rl.trainer.value.ValueTrainer`)."""
 
     def values(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         return self.call("values", batch, micro_batch_size)[0]
 
 
 class TrainerGroup(TrainedGroup):
-    """The policy trainer's ranks (:class:`mcore_rl.roles.megatron.PolicyTrainer`)."""
+    """The policy trainer's ranks (:class:`mcore_rl.trainer.policy.PolicyTrainer`)."""
 
     def connect_engines(
         self, engines: list, colocated: bool, engine_tp: int, sync: SyncConfig, dtype: str, drafts: bool = False

@@ -16,8 +16,8 @@ from converters.mapping import MappingTable
 from converters.plan import local_params
 from converters.stream import export_hf, load_weights
 from converters.transforms import full_shape, shard
-from mcore_rl.logprobs import token_logprobs
-from mcore_rl.training import MegatronModel, MegatronTrainStep
+from mcore_rl.trainer.logprobs import token_logprobs
+from mcore_rl.trainer.training import MegatronModel, MegatronTrainStep
 from models.experts import GroupedExperts
 from models.registry import get_bridge
 from parallel.config import ParallelConfig
@@ -175,8 +175,8 @@ def packed_vs_padded_step(hf_dir: str, layout: dict, tokens: torch.Tensor, lengt
     """One Adam step on samples of different ``lengths`` (rows of ``tokens``), as padded micro-batches or as THD
     packs planned by :func:`plan_packing`; the loss sums masked log-probs, so it and the gradient do not depend
     on how samples are grouped. Returns (loss, grad norm, token utilisation of the plan)."""
-    from mcore_rl.packing import pack_rows, plan_packing, rows_of
-    from mcore_rl.training import microbatches
+    from mcore_rl.trainer.packing import pack_rows, plan_packing, rows_of
+    from mcore_rl.trainer.training import microbatches
 
     bridge, config, chunks, groups = _load(hf_dir, layout)
     optimizer = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, use_distributed_optimizer=True)
@@ -389,7 +389,7 @@ def perturb_and_sync(
 
 def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Entropy and d(sum entropy)/d(logits) from TP vocab shards of ``logits`` (padded to 128 * tp), full vocab."""
-    from mcore_rl.logprobs import token_entropy
+    from mcore_rl.trainer.logprobs import token_entropy
 
     groups = init_parallel(ParallelConfig(tp=tp))
     padded = torch.nn.functional.pad(logits, (0, -logits.shape[-1] % (128 * tp)), value=123.0)  # garbage pad
@@ -443,9 +443,9 @@ def policy_trainer_episodes(
     and the bytes the offload freed. ``routing``: the batch carries routed experts to replay (see ``_routing``);
     ``mtp_loss_coef``: the MTP layers train too."""
     from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.moe import MoEConfig
-    from mcore_rl.offload import StorageOffloader
-    from mcore_rl.roles.megatron import PolicyTrainer
+    from mcore_rl.trainer.moe import MoEConfig
+    from mcore_rl.trainer.offload import StorageOffloader
+    from mcore_rl.trainer.policy import PolicyTrainer
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
@@ -473,7 +473,7 @@ def policy_trainer_episodes(
 
 def _expert_biases(chunks, groups) -> dict[int, list[float]]:
     """Every MoE layer's expert bias (by layer number), from all pipeline stages, on every rank."""
-    from mcore_rl.moe import routers
+    from mcore_rl.trainer.moe import routers
     from parallel.comm import all_gather_objects
 
     local = {n: r.expert_bias.tolist() for n, r in routers(chunks).items() if r.expert_bias is not None}
@@ -484,8 +484,8 @@ def moe_balancing_step(hf_dir: str, layout: dict, moe: dict, checkpoint_dir: str
     """One GRPO step of the policy-trainer role with the load-balancing settings ``moe``; its router metrics; the
     expert biases after the step, and as a fresh trainer loads them back from the step's checkpoint."""
     from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.moe import MoEConfig
-    from mcore_rl.roles.megatron import PolicyTrainer
+    from mcore_rl.trainer.moe import MoEConfig
+    from mcore_rl.trainer.policy import PolicyTrainer
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
@@ -521,7 +521,7 @@ def trained_checkpoint(hf_dir: str, layout: dict, checkpoint_dir: str, reference
     from safetensors.torch import save_file
 
     from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.roles.megatron import PolicyTrainer
+    from mcore_rl.trainer.policy import PolicyTrainer
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-2, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
@@ -565,7 +565,7 @@ def policy_trainer_first_step(
     """The policy-trainer role's old log-probs of ``batch`` ([N, L-1], every rank) and the metrics of one
     optimizer step over the whole batch (computed at the weights the log-probs were scored with)."""
     from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.roles.megatron import PolicyTrainer
+    from mcore_rl.trainer.policy import PolicyTrainer
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
@@ -585,7 +585,7 @@ def policy_trainer_steps(
     """The policy-trainer role's log-probs of ``batch`` and its optimizer steps over it, as the driver runs them:
     old log-probs only for the rows after the first step (whose are its own)."""
     from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.roles.megatron import PolicyTrainer
+    from mcore_rl.trainer.policy import PolicyTrainer
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
@@ -698,7 +698,7 @@ def critic_episodes(
     """``episodes`` PPO critic episodes (values scored, then two optimizer steps towards fixed returns) of the
     critic role; each episode's values and each step's metrics. ``checkpoint_dir``: saved there after the first
     episode; ``resume``: instead loaded from there before the (remaining) episodes run."""
-    from mcore_rl.roles.megatron import ValueTrainer
+    from mcore_rl.trainer.value import ValueTrainer
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-3, lr_decay_style="cosine", min_lr=1e-4, lr_warmup_steps=1, weight_decay=0.0)
@@ -721,7 +721,7 @@ def critic_episodes(
 
 def critic_values(hf_dir: str, layout: dict, tokens: torch.Tensor) -> torch.Tensor:
     """The critic role's values [N, L-1] of ``tokens`` (every rank)."""
-    from mcore_rl.roles.megatron import ValueTrainer
+    from mcore_rl.trainer.value import ValueTrainer
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
@@ -732,7 +732,7 @@ def critic_values(hf_dir: str, layout: dict, tokens: torch.Tensor) -> torch.Tens
 
 def reward_model_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, lengths: torch.Tensor, packing: int = 0):
     """A reward model's score of each row (its first ``lengths`` tokens), scored by the reward-model role."""
-    from mcore_rl.roles.megatron import ValueModel
+    from mcore_rl.trainer.value import ValueModel
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     role = ValueModel(rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, max_token_in_packing=packing)
@@ -945,8 +945,8 @@ def lora_router_policy(hf_dir: str, layout: dict, directory: str, moe: dict) -> 
     from pathlib import Path
 
     from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.moe import MoEConfig
-    from mcore_rl.roles.megatron import PolicyTrainer
+    from mcore_rl.trainer.moe import MoEConfig
+    from mcore_rl.trainer.policy import PolicyTrainer
     from models.lora import LoRAConfig, router_copies
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()

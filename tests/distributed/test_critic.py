@@ -1,4 +1,4 @@
-"""PPO's critic role (:class:`mcore_rl.roles.megatron.ValueTrainer`): its values equal HF's (from a causal LM with
+"""PPO's critic role (:class:`mcore_rl.trainer.value.ValueTrainer`): its values equal HF's (from a causal LM with
 a fresh head, and from a reward model's score head); its values and value-loss steps under every parallel layout
 equal the data-parallel run's (the loss is a batch mean, so the layout cannot change it), in padded, packed and
 shared-prompt micro-batches; a run resumed from its checkpoint continues exactly."""

@@ -1,4 +1,4 @@
-"""A reward model served as a model (:class:`mcore_rl.roles.megatron.ValueModel` on a one-label
+"""A reward model served as a model (:class:`mcore_rl.trainer.value.ValueModel` on a one-label
 ``*ForSequenceClassification`` checkpoint): each conversation's score equals HF's sequence classifier on the same
 checkpoint (fp32, within 1e-5) in padded micro-batches and THD packs, under TP 2 and PP 2."""
 

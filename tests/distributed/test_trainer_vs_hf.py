@@ -1,6 +1,6 @@
 """Every per-token quantity the policy trainer logs or optimises, against HF transformers on the same batch.
 
-The trainer side is the real role (:class:`mcore_rl.roles.megatron.PolicyTrainer`): its old log-probs, and the
+The trainer side is the real role (:class:`mcore_rl.trainer.policy.PolicyTrainer`): its old log-probs, and the
 metrics and gradient norm of one GRPO step with KL and entropy terms. The reference is written here from HF's
 full-vocabulary logits, in float64, without the project's GRPO functions. Vocabularies that Megatron pads and
 that it does not (SmolLM2's 49152 rows: fp32 logits there reach the loss without a copy), TP 1 and 2, fp32 and

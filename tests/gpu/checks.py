@@ -190,7 +190,7 @@ def megatron_vs_hf() -> tuple[str, dict]:
     """SmolLM2-135M (or its shape with random weights) in bf16 on each available layer spec: logits and log-probs
     match HF transformers, padded and THD-packed."""
     from converters.stream import load_weights
-    from mcore_rl.training import MegatronModel
+    from mcore_rl.trainer.training import MegatronModel
     from models.registry import get_bridge
     from parallel.config import ParallelConfig
     from parallel.device import Device
@@ -229,7 +229,7 @@ def train_and_checkpoint() -> tuple[str, dict]:
     """One policy-trainer step; a distributed checkpoint saved and loaded back with the same optimizer digest."""
     _need("yaml")
     from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.roles.megatron import PolicyTrainer
+    from mcore_rl.trainer.policy import PolicyTrainer
     from parallel.config import ParallelConfig
 
     tmp = tempfile.TemporaryDirectory()
@@ -272,7 +272,7 @@ def lora() -> tuple[str, dict]:
     with the base frozen."""
     from converters.plan import local_params
     from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.roles.megatron import PolicyTrainer
+    from mcore_rl.trainer.policy import PolicyTrainer
     from models.lora import LoRAConfig, adapters, merged
     from parallel.config import ParallelConfig
 
@@ -336,8 +336,8 @@ def mtp() -> tuple[str, dict]:
     _need("transformers", "safetensors", "tokenizers")
     from converters.stream import load_weights
     from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.roles.megatron import PolicyTrainer
-    from mcore_rl.training import MegatronModel
+    from mcore_rl.trainer.policy import PolicyTrainer
+    from mcore_rl.trainer.training import MegatronModel
     from models.mtp import MTP, mtp_active
     from models.registry import get_bridge
     from parallel.config import ParallelConfig
@@ -403,7 +403,7 @@ def critic() -> tuple[str, dict]:
     """PPO's critic role in bf16 on the device: its values against the same head on HF's hidden states (within 3 x
     what bf16 alone changes in HF's), value-loss steps that lower the loss towards fixed returns, and the role's
     offload freeing and restoring its memory."""
-    from mcore_rl.roles.megatron import ValueTrainer
+    from mcore_rl.trainer.value import ValueTrainer
     from parallel.config import ParallelConfig
 
     tmp = tempfile.TemporaryDirectory()
@@ -445,7 +445,7 @@ def _routed_forward(
     chunks, inputs: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     """A forward without gradients, and the top-k experts each router chose per token, by layer number."""
-    from mcore_rl.moe import routers
+    from mcore_rl.trainer.moe import routers
 
     taken = {}
     hooks = [
@@ -465,8 +465,8 @@ def tiny_moe() -> tuple[str, dict]:
     _need("transformers", "safetensors", "tokenizers")
     from converters.plan import local_params
     from converters.stream import load_weights
-    from mcore_rl.logprobs import token_logprobs
-    from mcore_rl.moe import MoEConfig, end_replay, replay_routing
+    from mcore_rl.trainer.logprobs import token_logprobs
+    from mcore_rl.trainer.moe import MoEConfig, end_replay, replay_routing
     from models.registry import get_bridge
     from parallel.config import ParallelConfig
     from parallel.groups import init_parallel
@@ -564,7 +564,7 @@ def hf_sync() -> tuple[str, dict]:
     from converters.stream import export_hf, load_weights
     from mcore_rl.rollout.transport import BucketSender
     from mcore_rl.sync import send_buckets
-    from mcore_rl.training import MegatronModel
+    from mcore_rl.trainer.training import MegatronModel
     from models.registry import get_bridge
     from parallel.config import ParallelConfig
     from parallel.groups import init_parallel
@@ -627,7 +627,7 @@ def mfu() -> tuple[str, dict]:
 
     from benchmarks.hardware import matmul_tflops
     from benchmarks.rl import flops_per_token
-    from mcore_rl.logprobs import token_logprobs
+    from mcore_rl.trainer.logprobs import token_logprobs
     from models.registry import get_bridge
     from parallel.config import ParallelConfig
     from parallel.groups import init_parallel
@@ -675,7 +675,7 @@ def mfu() -> tuple[str, dict]:
 
 def offload() -> tuple[str, dict]:
     """An offload/onload round trip through pinned memory: GPU memory back at its baseline, contents exact."""
-    from mcore_rl.offload import StorageOffloader
+    from mcore_rl.trainer.offload import StorageOffloader
     from parallel.device import Device
 
     torch.cuda.synchronize()

@@ -7,8 +7,8 @@ from collections import defaultdict
 
 import torch
 
-from mcore_rl.logprobs import token_logprobs
-from mcore_rl.packing import pack_rows
+from mcore_rl.trainer.logprobs import token_logprobs
+from mcore_rl.trainer.packing import pack_rows
 from parallel.context import shard_micro_batch
 from tests.distributed.cases import _load
 

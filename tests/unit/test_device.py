@@ -12,10 +12,10 @@ import types
 import pytest
 import torch
 
-from mcore_rl.packing import pack_rows
 from mcore_rl.rollout.engine import RolloutConfig
 from mcore_rl.rollout.transport import BucketSender
 from mcore_rl.rollout.worker import WeightUpdate
+from mcore_rl.trainer.packing import pack_rows
 from parallel import device as device_module
 from parallel.device import TE_BUILD, Device, transformer_engine_problem
 

@@ -128,7 +128,7 @@ def test_the_megatron_steps_import_without_ray():
                 if name == "ray" or name.startswith("ray."):
                     raise ModuleNotFoundError(name, name=name)
         sys.meta_path.insert(0, _Hide())
-        import converters.stream, mcore_rl.roles.megatron, mcore_rl.training, mcore_rl.moe, mcore_rl.offload
+        import converters.stream, mcore_rl.trainer.policy, mcore_rl.trainer.value, mcore_rl.trainer.offload
         import mcore_rl.rollout.transport, parallel.transfer, models.registry
         print("imported")
         """

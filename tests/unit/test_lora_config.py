@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from mcore_rl.roles.megatron import PolicyTrainer
+from mcore_rl.trainer.policy import PolicyTrainer
 from models.lora import LoRAConfig
 
 

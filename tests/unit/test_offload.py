@@ -2,7 +2,7 @@
 
 import torch
 
-from mcore_rl.offload import StorageOffloader
+from mcore_rl.trainer.offload import StorageOffloader
 
 
 def test_offload_frees_and_restores_shared_storages_exactly():

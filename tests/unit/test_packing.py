@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from mcore_rl.packing import plan_packing, plan_shared_prompts, prompt_groups, share_prompt_rows
+from mcore_rl.trainer.packing import plan_packing, plan_shared_prompts, prompt_groups, share_prompt_rows
 
 
 def _check(plan, lengths, max_tokens, dp):

@@ -121,7 +121,7 @@ def test_a_disaggregated_placement_splits_the_devices(run_yaml):
 
 
 def test_expert_bias_updates_need_routers_with_a_bias(tmp_path):
-    from mcore_rl.moe import MoEConfig
+    from mcore_rl.trainer.moe import MoEConfig
     from models.registry import get_bridge
     from tests.tiny import make_tiny
 

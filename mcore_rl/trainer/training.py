@@ -21,9 +21,9 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from compat.megatron_core import release_dispatcher_graphs
-from mcore_rl.logprobs import token_logprobs
-from mcore_rl.moe import end_replay, replay_routing
-from mcore_rl.packing import pack_rows, plan_packing, rows_of, share_prompt_rows, to_width
+from mcore_rl.trainer.logprobs import token_logprobs
+from mcore_rl.trainer.moe import end_replay, replay_routing
+from mcore_rl.trainer.packing import pack_rows, plan_packing, rows_of, share_prompt_rows, to_width
 from parallel.comm import all_gather_objects, all_reduce_, broadcast_bucket
 from parallel.context import shard_micro_batch
 from parallel.device import Device
@@ -71,7 +71,7 @@ def recompute_overrides(mode: str) -> dict:
 
 @contextlib.contextmanager
 def shared_prompt_forward(model: torch.nn.Module, batch: dict, tp_group):
-    """A shared-prompt row (:func:`mcore_rl.packing.share_prompt_rows`) through Megatron's ``GPTModel``: rotary
+    """A shared-prompt row (:func:`mcore_rl.trainer.packing.share_prompt_rows`) through Megatron's ``GPTModel``: rotary
     embeddings at the row's position ids (``GPTModel`` rotates by place in the row) and the LM head only at the
     positions that predict response tokens (``output_index``). Under sequence parallelism the LM head's input is
     gathered first, as Megatron's own last-token inference path does, with a gradient that keeps this rank's part
@@ -145,7 +145,7 @@ class MegatronModel:
         shared-prompt micro-batches differ in length: pipeline stages then exchange shapes first
         (``variable_seq_lengths``).
         Under CP each rank computes its share of the whole sequences given here (``shard_micro_batch``); with
-        ``routed_experts`` in the micro-batches the routers replay them (:func:`mcore_rl.moe.replay_routing`)."""
+        ``routed_experts`` in the micro-batches the routers replay them (:func:`~mcore_rl.trainer.moe.replay_routing`)."""
         batch_size, seq_length = microbatches[0]["input_ids"].shape  # Megatron divides by CP itself
         data = [iter(microbatches) for _ in self.model]
         config = self.model[0].config
@@ -190,10 +190,10 @@ class MegatronModel:
         row of ``tokens``: shape [b, s-1], on every rank (fp32).
 
         ``max_tokens`` > 0: the rows (``lengths`` real tokens each) are scored in THD packs of at most that many
-        tokens (:mod:`mcore_rl.packing`) instead of padded micro-batches; positions past a row's length are not
+        tokens (:mod:`mcore_rl.trainer.packing`) instead of padded micro-batches; positions past a row's length are not
         the sample's (callers mask them). ``shared_plan`` (with ``lengths`` and ``prompt_lengths``): only these
-        micro-batches of prompt groups (:func:`mcore_rl.packing.plan_shared_prompts`) are scored, in shared-prompt
-        rows (:func:`mcore_rl.packing.share_prompt_rows`), and only at response positions; everything else is 0.
+        micro-batches of prompt groups (:func:`~.packing.plan_shared_prompts`) are scored, in shared-prompt
+        rows (:func:`mcore_rl.trainer.packing.share_prompt_rows`), and only at response positions; everything else is 0.
         Under interleaved pipelining Megatron's schedule needs a multiple of PP micro-batches, so a batch given as
         one micro-batch (the post-sync probe) is split further: into the largest equal size that makes PP of them.
         ``extra``: per-row model inputs besides the tokens (``routed_experts`` to replay).
