@@ -145,7 +145,7 @@ class MegatronModel:
         shared-prompt micro-batches differ in length: pipeline stages then exchange shapes first
         (``variable_seq_lengths``).
         Under CP each rank computes its share of the whole sequences given here (``shard_micro_batch``); with
-        ``routed_experts`` in the micro-batches the routers replay them (:func:`~mcore_rl.trainer.moe.replay_routing`)."""
+        ``routed_experts`` in the micro-batches the routers replay them (:func:`~.moe.replay_routing`)."""
         batch_size, seq_length = microbatches[0]["input_ids"].shape  # Megatron divides by CP itself
         data = [iter(microbatches) for _ in self.model]
         config = self.model[0].config
