@@ -11,11 +11,10 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 LOGGERS = ("tensorboard", "wandb", "mlflow")
 PACKAGES = ("wandb", "mlflow")  # the loggers that need a package of their own (setup.py's extras)
-WANDB_MODES = ("auto", "online", "offline")
 
 
 @dataclass
@@ -24,7 +23,7 @@ class WandbConfig:
     entity: str = ""  # "": the API key's default entity
     # offline: a run directory under OUTPUT_DIR/wandb that `wandb sync` uploads later; online: needs an API key
     # (WANDB_API_KEY or `wandb login`); auto: online where a key is configured, else offline
-    mode: str = "auto"
+    mode: Literal["auto", "online", "offline"] = "auto"
 
 
 @dataclass
@@ -50,8 +49,6 @@ class LogConfig:
         for name in set(self.loggers) & set(PACKAGES):
             if importlib.util.find_spec(name) is None:
                 raise ValueError(f"{prefix}.loggers: {name} needs its package; pip install 'mcore-rl[{name}]'")
-        if self.wandb.mode not in WANDB_MODES:
-            raise ValueError(f"{prefix}.wandb.mode={self.wandb.mode!r}: expected one of {list(WANDB_MODES)}")
         if "mlflow" in self.loggers and not self.mlflow.experiment:
             raise ValueError(f"{prefix}.mlflow.experiment: empty; name the MLflow experiment")
 

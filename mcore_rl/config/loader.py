@@ -143,6 +143,11 @@ def _convert(value, tp, at: str):
             except ConfigError as err:
                 errors.append(err)
         raise errors[0]
+    if origin is typing.Literal:  # a choice: the schema's type lists the options
+        options = typing.get_args(tp)
+        if value not in options:
+            raise ConfigError(f"{at}={value!r}: expected one of {list(options)}")
+        return value
     if dataclasses.is_dataclass(tp):
         return build(tp, value, at)
     if origin is list:

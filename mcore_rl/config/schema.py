@@ -8,7 +8,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from converters.hf_io import HFCheckpoint
 from converters.torch_dist import Reader, find_megatron
@@ -70,7 +70,7 @@ class RuntimeArgs:
     # "sync": generate, train, sync weights, in turn. With rollout_devices > 0 also "one_step_off" (the next
     # episode's rollout overlaps this episode's training: samples are one policy version behind) and "async" (the
     # engines generate continuously into a buffer; each episode trains on the oldest ready samples).
-    rollout_mode: str = "sync"
+    rollout_mode: Literal["sync", "one_step_off", "async"] = "sync"
     max_staleness: int = 1  # async: the most policy versions a trained sample's oldest token may lag (older: dropped)
     # async: generations in flight at a weight sync continue with the new weights (their later tokens carry the new
     # version); false: the sync waits until they finish
@@ -121,13 +121,10 @@ class RuntimeArgs:
         raise KeyError(pool)
 
 
-ROLLOUT_MODES = ("sync", "one_step_off", "async")
-
-
 @dataclass
 class OptimizerSettings:
     lr: float = 1e-6
-    lr_decay_style: str = "constant"  # or "cosine" / "linear" from lr to min_lr over the run's steps
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"  # cosine/linear: lr to min_lr over the run
     min_lr: float = 0.0
     weight_decay: float = 0.0
     clip_grad: float = 1.0
@@ -172,7 +169,9 @@ class TrainerConfig:
     # repeats, so most when prompts are long next to responses. Not with MLA models or context parallelism.
     share_prompts: bool = False
     moe: MoEConfig = field(default_factory=MoEConfig)  # load balancing and router metrics (MoE models only)
-    recompute: str = "none"  # "full": each layer keeps only its input and recomputes the rest in backward
+    recompute: Literal["none", "full"] = (
+        "none"  # "full": each layer keeps only its input and recomputes the rest in backward
+    )
     # rank > 0: train LoRA adapters on the frozen model (models/lora.py); the reference is the model with the
     # adapters off (no models.ref_policy), and the engines get the weights merged with them
     lora: LoRAConfig = field(default_factory=LoRAConfig)
@@ -211,7 +210,9 @@ class CriticConfig:
     warmup_episodes: int = 0  # the first episodes train the critic only; the policy waits for useful values
     max_token_in_packing: int = "${models.policy_trainer.max_token_in_packing}"
     share_prompts: bool = "${models.policy_trainer.share_prompts}"
-    recompute: str = "none"  # as the policy trainer's; offload follows models.policy_trainer.offload
+    recompute: Literal["none", "full"] = (
+        "none"  # as the policy trainer's; offload follows models.policy_trainer.offload
+    )
 
 
 @dataclass
@@ -479,17 +480,8 @@ class RunConfig:
     def _validate_training(self) -> None:
         """Recompute, memory, the LR schedule, the loss, the estimator and its shaping, the engines' settings."""
         rt, m = self.runtime_args, self.models
-        if m.policy_trainer.recompute not in ("none", "full"):
-            raise ConfigError(
-                f"models.policy_trainer.recompute={m.policy_trainer.recompute!r}: expected 'none' or 'full'"
-            )
         if rt.device_memory_gb < 0:
             raise ConfigError(f"runtime_args.device_memory_gb={rt.device_memory_gb}: expected >= 0 (0: detect)")
-        if m.policy_trainer.optimizer.lr_decay_style not in ("constant", "cosine", "linear"):
-            raise ConfigError(
-                f"models.policy_trainer.optimizer.lr_decay_style={m.policy_trainer.optimizer.lr_decay_style!r}: "
-                "expected 'constant', 'cosine' or 'linear'"
-            )
         m.policy_trainer.algorithm.validate("models.policy_trainer.algorithm")
         self._validate_estimator()
         self._validate_overlong()
@@ -681,8 +673,6 @@ class RunConfig:
         ):
             if pools[key] and not (m.uses(role) if role == "reward_model" else m.judge.load):
                 raise ConfigError(f"runtime_args.{key}={pools[key]}: devices for a role the run has not; set {what}")
-        if rt.rollout_mode not in ROLLOUT_MODES:
-            raise ConfigError(f"runtime_args.rollout_mode={rt.rollout_mode!r}: expected one of {list(ROLLOUT_MODES)}")
         if rt.rollout_mode != "sync" and rt.colocated:
             raise ConfigError(
                 f"runtime_args.rollout_mode={rt.rollout_mode!r} overlaps rollout with training, which colocated roles "
@@ -755,8 +745,6 @@ class RunConfig:
                     f"models.critic.warmup_episodes={critic.warmup_episodes}: expected 0 up to runtime_args."
                     f"num_episode - 1 = {self.runtime_args.num_episode - 1} (the policy trains after them)"
                 )
-            if critic.recompute not in ("none", "full"):
-                raise ConfigError(f"models.critic.recompute={critic.recompute!r}: expected 'none' or 'full'")
 
     def _validate_vocabularies(self) -> None:
         """The teacher and the critic read the policy's token ids: their tokenizers must be the policy's."""

@@ -8,6 +8,7 @@ import time
 import pytest
 import ray
 
+from mcore_rl.config.loader import build
 from mcore_rl.watchdog import HangError, Watchdog, WatchdogConfig, deadline, install_stack_dump
 
 
@@ -81,10 +82,10 @@ def test_a_phase_is_overdue_far_past_its_recent_times_or_past_the_limit():
 
 @pytest.mark.parametrize(
     ("key", "value", "message"),
-    [("factor", 0, r"runtime_args.watchdog.factor=0: expected a positive number"),
-     ("limit_s", -1, r"runtime_args.watchdog.limit_s=-1: expected seconds >= 0"),
+    [("factor", 0, r"runtime_args.watchdog.factor=0.0: expected a positive number"),
+     ("limit_s", -1, r"runtime_args.watchdog.limit_s=-1.0: expected seconds >= 0"),
      ("action", "kill", r"runtime_args.watchdog.action='kill': expected one of \['wait', 'stop'\]")],
 )  # fmt: skip
 def test_watchdog_keys_are_checked(key, value, message):
     with pytest.raises(ValueError, match=message):
-        WatchdogConfig(**{key: value}).validate()
+        build(WatchdogConfig, {key: value}, "runtime_args.watchdog").validate()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -30,6 +31,7 @@ class Run:
     output_dir: str = "out"
     log_dir: str = "${output_dir}/logs"
     shuffle: bool = True
+    mode: Literal["sync", "async"] = "sync"
     policy: Policy = field(default_factory=Policy)
 
 
@@ -72,6 +74,7 @@ def test_a_whole_value_reference_keeps_its_type(tmp_path):
         ("policy:\n  temprature: 0.7\n", [], r"policy.temprature: unknown key; did you mean 'temperature'\?"),
         ("policy:\n  max_new_tokens: many\n", [], r"policy.max_new_tokens: expected int, got 'many' \(str\)"),
         ("shuffle: 1\n", [], r"shuffle: expected bool, got 1 \(int\)"),
+        ("mode: eager\n", [], r"mode='eager': expected one of \['sync', 'async'\]"),
         ("policy:\n  optim: {betas: 0.9}\n", [], r"policy.optim.betas: expected a list, got 0.9"),
         ("log_dir: ${nowhere.key}\n", [], r"log_dir: \$\{nowhere.key\} refers to a key that does not exist"),
         ("exp_name: ${output_dir}\noutput_dir: ${exp_name}\n", [], r"circular reference"),

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from mcore_rl.config.loader import ConfigError, build
 from mcore_rl.loggers import LogConfig, MlflowConfig, WandbConfig
 from mcore_rl.metrics import MetricsLogger, plot_curves, read_metrics
 
@@ -101,11 +102,12 @@ def test_logger_settings_are_checked():
     for config, message in (
         (LogConfig(loggers=["neptune"]), r"loggers: \['neptune'\] are no loggers; expected some of"),
         (LogConfig(loggers=["wandb", "wandb"]), r"names one twice"),
-        (LogConfig(wandb=WandbConfig(mode="cloud")), r"wandb.mode='cloud': expected one of"),
         (LogConfig(loggers=["mlflow"], mlflow=MlflowConfig(experiment="")), r"mlflow.experiment: empty"),
     ):
         with pytest.raises(ValueError, match=message):
             config.validate()
+    with pytest.raises(ConfigError, match=r"runtime_args.log.wandb.mode='cloud': expected one of \['auto', 'online'"):
+        build(LogConfig, {"wandb": {"mode": "cloud"}}, "runtime_args.log")
 
 
 def test_the_console_gets_one_line_per_episode(tmp_path, caplog):

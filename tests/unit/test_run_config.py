@@ -55,7 +55,10 @@ def test_a_valid_config_resolves_references(run_yaml, tmp_path):
         ("models.policy_trainer.parallel.tp=0", r"models.policy_trainer.parallel: "),
         ("models.reward.fnn=math", r"models.reward.fnn: unknown key; did you mean 'fn'\?"),
         ("models.policy_trainer.moe.aux_loss_coeff=0.01", r"moe.aux_loss_coeff=0.01: LlamaForCausalLM has no experts"),
-        ("models.policy_trainer.recompute=selective", r"models.policy_trainer.recompute='selective': expected 'none'"),
+        (
+            "models.policy_trainer.recompute=selective",
+            r"models.policy_trainer.recompute='selective': expected one of \['none', 'full'\]",
+        ),
         ("runtime_args.device_memory_gb=-1", r"runtime_args.device_memory_gb=-1.0: expected >= 0"),
         ("models.policy_trainer.advantage_estimator=ppo", r"advantage_estimator='ppo': expected one of \['dr_grpo'"),
         ("models.policy_trainer.advantage_std_norm=false", r"advantage_std_norm: unknown key"),
@@ -63,6 +66,7 @@ def test_a_valid_config_resolves_references(run_yaml, tmp_path):
             "runtime_args.watchdog.action=kill",
             r"runtime_args.watchdog.action='kill': expected one of \['wait', 'stop'\]",
         ),
+        ("models.critic.optimizer.lr_decay_style=step", r"lr_decay_style='step': expected one of \['constant', 'cosi"),
         ("runtime_args.watchdog.min_s=0", r"runtime_args.watchdog.min_s=0.0: expected a positive number"),
         (
             "runtime_args.eval_sets={gsm: /nowhere.jsonl}",
