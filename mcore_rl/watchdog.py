@@ -49,11 +49,10 @@ class WatchdogConfig:
     ping_s: float = 60.0  # how long an actor has to answer the watchdog's no-op before it counts as not answering
 
     def validate(self, prefix: str = "runtime_args.watchdog") -> None:
-        for key in ("factor", "min_s", "ping_s"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"{prefix}.{key}={getattr(self, key)}: expected a positive number")
-        if not self.limit_s >= 0:
-            raise ValueError(f"{prefix}.limit_s={self.limit_s}: expected seconds >= 0 (0: no limit)")
+        from mcore_rl.config.loader import check_bounds
+
+        check_bounds(prefix, self, ("factor", "min_s", "ping_s"), 0, "a positive number", strict=True)
+        check_bounds(prefix, self, ("limit_s",), 0, "seconds >= 0 (0: no limit)")
 
 
 class HangError(RuntimeError):

@@ -171,6 +171,15 @@ def _convert(value, tp, at: str):
     return value
 
 
+def check_bounds(prefix: str, section, keys: tuple[str, ...], low: float, expected: str, strict: bool = False) -> None:
+    """Each of ``section``'s ``keys`` at least ``low`` (above it if ``strict``; NaN never passes), else an error
+    ``{prefix}.{key}={value}: expected {expected}``: the one place of the schema's lower bounds."""
+    for key in keys:
+        value = getattr(section, key)
+        if not (value > low if strict else value >= low):
+            raise ConfigError(f"{prefix}.{key}={value}: expected {expected}")
+
+
 def build(cls, data, at: str = ""):
     """Instantiate dataclass ``cls`` from a mapping: unknown keys and wrong types are errors naming the key."""
     if not isinstance(data, dict):

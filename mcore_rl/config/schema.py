@@ -17,7 +17,7 @@ from mcore_rl.agent.sandbox import Sandbox, SandboxConfig, SandboxUnavailableErr
 from mcore_rl.agent.tools import BUILTIN_TOOLS
 from mcore_rl.algorithms.advantages import ESTIMATORS, TOKEN_ESTIMATORS
 from mcore_rl.algorithms.grpo import PolicyLossConfig
-from mcore_rl.config.loader import ConfigError, load_config
+from mcore_rl.config.loader import ConfigError, check_bounds, load_config
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.loggers import LogConfig
 from mcore_rl.planner.memory import Architecture, adaptable_linears
@@ -458,8 +458,7 @@ class RunConfig:
                 f"models.policy.max_prompt_tokens + max_new_tokens = {longest} exceeds "
                 f"models.policy.rollout.max_model_len={m.policy.rollout.max_model_len}; raise it or shorten either"
             )
-        if m.reward.timeout_s <= 0:
-            raise ConfigError(f"models.reward.timeout_s={m.reward.timeout_s}: expected a positive number of seconds")
+        check_bounds("models.reward", m.reward, ("timeout_s",), 0, "a positive number of seconds", strict=True)
 
     def _validate_packing(self) -> None:
         """Packing budgets that hold the longest sample."""
@@ -480,8 +479,7 @@ class RunConfig:
     def _validate_training(self) -> None:
         """Recompute, memory, the LR schedule, the loss, the estimator and its shaping, the engines' settings."""
         rt, m = self.runtime_args, self.models
-        if rt.device_memory_gb < 0:
-            raise ConfigError(f"runtime_args.device_memory_gb={rt.device_memory_gb}: expected >= 0 (0: detect)")
+        check_bounds("runtime_args", rt, ("device_memory_gb",), 0, ">= 0 (0: detect)")
         m.policy_trainer.algorithm.validate("models.policy_trainer.algorithm")
         self._validate_estimator()
         self._validate_overlong()
@@ -703,9 +701,7 @@ class RunConfig:
                 f"{prefix}.advantage_estimator='rloo' needs models.policy.num_inference_per_prompt >= 2 (the "
                 "baseline is the other samples of the prompt)"
             )
-        for key in ("reward_kl_coef", "distill_coef"):
-            if getattr(trainer, key) < 0:
-                raise ConfigError(f"{prefix}.{key}={getattr(trainer, key)}: expected >= 0 (0: off)")
+        check_bounds(prefix, trainer, ("reward_kl_coef", "distill_coef"), 0, ">= 0 (0: off)")
         for key in ("gamma", "lam"):
             if not 0 <= getattr(trainer, key) <= 1:
                 raise ConfigError(f"{prefix}.{key}={getattr(trainer, key)}: expected a number in [0, 1]")
@@ -915,12 +911,10 @@ class RunConfig:
     def _validate_multi_turn(self) -> None:
         m = self.models
         reward, limits = m.reward, m.policy.rollout.multi_turn
-        for key in ("env_actors", "tool_actors"):
-            if getattr(reward, key) < 1:
-                raise ConfigError(f"models.reward.{key}={getattr(reward, key)}: expected at least 1")
-        for key in ("env_timeout_s", "tool_timeout_s"):
-            if getattr(reward, key) <= 0:
-                raise ConfigError(f"models.reward.{key}={getattr(reward, key)}: expected a positive number of seconds")
+        check_bounds("models.reward", reward, ("env_actors", "tool_actors"), 1, "at least 1")
+        check_bounds(
+            "models.reward", reward, ("env_timeout_s", "tool_timeout_s"), 0, "a positive number of seconds", True
+        )
         reward.sandbox.validate("models.reward.sandbox")
         if reward.runs_code:
             try:

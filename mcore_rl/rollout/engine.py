@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mcore_rl.config.loader import check_bounds
 from mcore_rl.console import setup_actor
 from mcore_rl.rollout.transport import BucketHandle
 from models.registry import get_bridge
@@ -73,9 +74,7 @@ class MultiTurnConfig:
     max_observation_chars: int = 8192  # of each tool result or environment message; the rest is cut
 
     def validate(self, prefix: str, max_model_len: int) -> None:
-        for key in ("max_turns", "max_tool_calls_per_turn", "max_observation_chars"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{prefix}.{key}={getattr(self, key)}: expected at least 1")
+        check_bounds(prefix, self, ("max_turns", "max_tool_calls_per_turn", "max_observation_chars"), 1, "at least 1")
         if not 0 <= self.max_total_tokens <= max_model_len:
             raise ValueError(
                 f"{prefix}.max_total_tokens={self.max_total_tokens}: expected 0 (max_model_len) up to "
