@@ -51,22 +51,18 @@ class System:
             raise
 
     def _start(self, config: RunConfig) -> None:
-        from mcore_rl.roles.cluster import Placement, rendezvous, wait_ready
-        from mcore_rl.roles.rollout import BoundedPool, RewardPool, RolloutGroup
-        from mcore_rl.roles.trainer import CriticGroup, ReferenceGroup, RewardModelGroup, TrainerGroup
-        from mcore_rl.trainer.policy import PolicyTrainer
-        from mcore_rl.trainer.ranks import MegatronRank
-        from mcore_rl.trainer.value import ValueModel, ValueTrainer
+        from mcore_rl.roles.cluster import Placement
 
         rt, m = config.runtime_args, config.models
         # The Megatron roles on the trainer's devices: all but a reward model with devices of its own.
         roles = [r for r in m.megatron_roles if r != "reward_model" or not rt.reward_model_devices]
-        n = rt.trainer_devices
         # A judge's own engines without devices of their own sit beside the policy's (and, colocated, sleep with them).
         beside = m.judge.own_engines and not rt.judge_devices
         self.judge_sleeps = beside and rt.colocated
         own = rt.reward_model_devices + rt.judge_devices
-        self.placement = Placement.pools(n, rt.rollout_devices, len(roles), engine_groups=1 + beside, own=own)
+        self.placement = Placement.pools(
+            rt.trainer_devices, rt.rollout_devices, len(roles), engine_groups=1 + beside, own=own
+        )
         self._stops.append(self.placement.remove)
         gpu = self.placement.resource == "GPU"
         if m.policy_trainer.moe.routing_replay and not gpu:
@@ -76,9 +72,26 @@ class System:
             )
         # Logical CPU devices whose roles run at the same time (disaggregated) each keep to their own cores.
         cores = None if gpu or rt.colocated else Device("cpu").split_cores(rt.num_devices)
-        name = rt.exp_name
+        self._start_megatron_roles(config, roles, cores)
+        self._start_engines(config, cores)
+        self._start_rewards(config)
+        # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
+        dtype = Device("cuda" if gpu else "cpu").engine_dtype(m.policy.rollout.dtype)
+        drafts = bool(m.policy.rollout.speculative_tokens)
+        self.trainer.connect_engines(self.rollout.engines, rt.colocated, self.rollout.tp, m.policy.sync, dtype, drafts)
+
+    def _start_megatron_roles(self, config: RunConfig, roles: list[str], cores) -> None:
+        """The policy trainer and the reference, teacher, reward model and critic where the run has them, started
+        side by side."""
+        from mcore_rl.roles.cluster import rendezvous, wait_ready
+        from mcore_rl.roles.trainer import CriticGroup, ReferenceGroup, RewardModelGroup, TrainerGroup
+        from mcore_rl.trainer.policy import PolicyTrainer
+        from mcore_rl.trainer.ranks import MegatronRank
+        from mcore_rl.trainer.value import ValueModel, ValueTrainer
+
+        rt, m = config.runtime_args, config.models
+        n, name, trainer = rt.trainer_devices, rt.exp_name, m.policy_trainer
         steps = rt.num_episode * (rt.sample_per_episode // rt.train_global_batch_size)
-        trainer = m.policy_trainer
         masters = dict(zip(roles, rendezvous(self.placement, len(roles)), strict=True))
         if rt.reward_model_devices:  # its rank 0 on its own first device
             masters["reward_model"] = rendezvous(self.placement, 1, rt.devices("reward_model").start)[0]
@@ -125,30 +138,50 @@ class System:
             self._stops.append(self.critic.kill)
             megatron_roles.append(self.critic)
         wait_ready(*megatron_roles)  # they started side by side
-        # GPU, colocated: the roles on the trainer's devices leave them while the engines roll out (on CPU there is
-        # nowhere to go); a reward model on devices of its own stays.
-        self.offload = trainer.offload and rt.colocated
+        self._offload_for_engines(config, megatron_roles)
+
+    def _offload_for_engines(self, config: RunConfig, megatron_roles: list) -> None:
+        """GPU, colocated: the roles on the trainer's devices leave them while the engines roll out (on CPU there is
+        nowhere to go); a reward model on devices of its own stays. vLLM takes its share of the memory left free
+        when it starts."""
+        rt = config.runtime_args
+        self.offload = config.models.policy_trainer.offload and rt.colocated
         self.resident = [self.reward_model] if rt.reward_model_devices else []
-        if self.offload:  # vLLM takes its share of the memory left free when it starts
+        if self.offload:
             for role in megatron_roles:
                 if role not in self.resident:
                     role.offload()
+
+    def _start_engines(self, config: RunConfig, cores) -> None:
+        """The policy's rollout engines, and a judge's engines where it has its own."""
+        from mcore_rl.roles.rollout import RolloutGroup
+
+        rt, m = config.runtime_args, config.models
+        trainer = m.policy_trainer
         rollout = dataclasses.replace(
             m.policy.rollout,
             return_routed_experts=trainer.moe.routing_replay,
             lora_rank=trainer.lora.rank if m.policy.sync.lora == "adapter" else 0,
         )
         self.rollout = RolloutGroup.launch(
-            m.policy.load, rollout, self.placement, rt.devices("rollout"), f"{name}/policy", rt.colocated, cores
+            m.policy.load, rollout, self.placement, rt.devices("rollout"), f"{rt.exp_name}/policy", rt.colocated, cores
         )
         self._stops.append(self.rollout.stop)
-        self.judge_engines = self.verdicts = None
+        self.judge_engines = None
         if m.judge.own_engines:
             self.judge_engines = RolloutGroup.launch(
                 m.judge.load, m.judge.engine_config(m.policy.rollout), self.placement,
-                rt.devices("judge") or rt.devices("rollout"), f"{name}/judge", self.judge_sleeps, cores,
+                rt.devices("judge") or rt.devices("rollout"), f"{rt.exp_name}/judge", self.judge_sleeps, cores,
             )  # fmt: skip
             self._stops.append(self.judge_engines.stop)
+
+    def _start_rewards(self, config: RunConfig) -> None:
+        """The bounded actors of user code: reward functions, or the environments and tools of multi-turn runs, and
+        a judge's parser of the user's."""
+        from mcore_rl.roles.rollout import BoundedPool, RewardPool
+
+        m = config.models
+        self.verdicts = None
         if m.judge.load and m.judge.parser not in PARSERS:  # a user's parser, bounded in an actor of its own
             self.verdicts = BoundedPool(Verdicts, (m.judge.parser,), 1, 0, m.reward.timeout_s, None, "judge verdict")
             self._stops.append(self.verdicts.stop)
@@ -168,10 +201,6 @@ class System:
         else:
             self.rewards = RewardPool(reward.weighted_terms, reward.num_actors, reward.num_cpus, reward.timeout_s)
             self._stops.append(self.rewards.stop)
-        # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
-        dtype = Device("cuda" if gpu else "cpu").engine_dtype(m.policy.rollout.dtype)
-        drafts = bool(m.policy.rollout.speculative_tokens)
-        self.trainer.connect_engines(self.rollout.engines, rt.colocated, self.rollout.tp, m.policy.sync, dtype, drafts)
 
     def on_close(self, stop) -> None:
         """Call ``stop()`` at teardown, before the roles it uses stop."""
