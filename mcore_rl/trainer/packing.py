@@ -178,6 +178,52 @@ def shared_prompt_tokens(lengths: list[int], prompt_lengths: list[int], group: l
     return prompt + sum(max(0, lengths[i] - prompt - 1) for i in group)
 
 
+def _shared_prompt_layout(tokens, lengths, prompt_lengths, groups, row_of: dict[int, int]):
+    """Where :func:`share_prompt_rows` puts each group's prompt and each response: their ids and positions, the
+    attention spans ``(query start, end, visible prompt start, prompt length)``, the scored positions and their
+    labels and places in the unpacked [n, width] grid, each group's start, and the row's used length."""
+    device = tokens.device
+    ids, positions, spans = [], [], []
+    index, labels, rows, cols, group_starts = [], [], [], [], []
+    offset = 0
+    for group in groups:
+        prompt = prompt_lengths[group[0]]
+        group_starts.append(offset)
+        ids.append(tokens[group[0], :prompt])
+        positions.append(torch.arange(prompt, device=device))
+        spans.append((offset, offset + prompt, offset, 0))
+        prompt_start, offset = offset, offset + prompt
+        for i in group:
+            count = lengths[i] - prompt
+            if count <= 0:
+                continue
+            ids.append(tokens[i, prompt : lengths[i] - 1])
+            positions.append(torch.arange(prompt, lengths[i] - 1, device=device))
+            spans.append((offset, offset + count - 1, prompt_start, prompt))
+            index += [prompt_start + prompt - 1, *range(offset, offset + count - 1)]
+            labels.append(tokens[i, prompt : lengths[i]])
+            rows += [row_of[i]] * count
+            cols += range(prompt - 1, prompt - 1 + count)
+            offset += count - 1
+    return ids, positions, spans, index, labels, rows, cols, group_starts, offset
+
+
+def _shared_prompt_mask(spans, group_starts: list[int], offset: int, align: int, device):
+    """The keys each position of the row sees, relative to its group's start ([T, longest group], True: seen;
+    a padding position sees itself only), the groups' bounds, the longest group and the padded length T."""
+    total = offset + (-offset % align)
+    bounds = [*group_starts, offset] + ([total] if total > offset else [])
+    segment = max(b - a for a, b in itertools.pairwise(bounds))
+    visible = torch.zeros(total, segment, dtype=torch.bool, device=device)
+    for a, b in itertools.pairwise(bounds):
+        visible[a:b, : b - a] = torch.eye(b - a, dtype=torch.bool, device=device)
+    for start, end, prompt_start, prompt in spans:
+        own = torch.ones(end - start, end - start, dtype=torch.bool, device=device).tril()
+        visible[start:end, start - prompt_start : end - prompt_start] = own
+        visible[start:end, :prompt] = True
+    return visible, bounds, segment, total
+
+
 def share_prompt_rows(
     tokens: torch.Tensor,
     lengths: list[int],
@@ -202,41 +248,10 @@ def share_prompt_rows(
     of ``align``; a padding position sees itself only.
     """
     device = tokens.device
-    ids, positions, spans = [], [], []  # spans: (query start, end, visible prompt start, prompt length)
-    index, labels, rows, cols = [], [], [], []
-    offset = 0
     samples = [i for group in groups for i in group]
-    row_of = {i: row for row, i in enumerate(samples)}
-    group_starts = []
-    for group in groups:
-        prompt = prompt_lengths[group[0]]
-        group_starts.append(offset)
-        ids.append(tokens[group[0], :prompt])
-        positions.append(torch.arange(prompt, device=device))
-        spans.append((offset, offset + prompt, offset, 0))
-        prompt_start, offset = offset, offset + prompt
-        for i in group:
-            count = lengths[i] - prompt
-            if count <= 0:
-                continue
-            ids.append(tokens[i, prompt : lengths[i] - 1])
-            positions.append(torch.arange(prompt, lengths[i] - 1, device=device))
-            spans.append((offset, offset + count - 1, prompt_start, prompt))
-            index += [prompt_start + prompt - 1, *range(offset, offset + count - 1)]
-            labels.append(tokens[i, prompt : lengths[i]])
-            rows += [row_of[i]] * count
-            cols += range(prompt - 1, prompt - 1 + count)
-            offset += count - 1
-    total = offset + (-offset % align)
-    bounds = [*group_starts, offset] + ([total] if total > offset else [])
-    segment = max(b - a for a, b in itertools.pairwise(bounds))
-    visible = torch.zeros(total, segment, dtype=torch.bool, device=device)  # keys relative to the group's start
-    for a, b in itertools.pairwise(bounds):
-        visible[a:b, : b - a] = torch.eye(b - a, dtype=torch.bool, device=device)  # padding: itself only
-    for start, end, prompt_start, prompt in spans:
-        own = torch.ones(end - start, end - start, dtype=torch.bool, device=device).tril()
-        visible[start:end, start - prompt_start : end - prompt_start] = own
-        visible[start:end, :prompt] = True
+    layout = _shared_prompt_layout(tokens, lengths, prompt_lengths, groups, {i: row for row, i in enumerate(samples)})
+    ids, positions, spans, index, labels, rows, cols, group_starts, offset = layout
+    visible, bounds, segment, total = _shared_prompt_mask(spans, group_starts, offset, align, device)
     offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
     width = max(lengths[i] for i in samples) - 1
     batch = {
