@@ -524,6 +524,14 @@ def plan_memory(
             m, trainer, ref, scoring | reward_model, critic, engine, judge, device_bytes, reserve_bytes
         )
         return _with_pools(plan, own, judge_engine, m.judge.max_model_len)
+    phases = _colocated_phases(m, trainer, critic, engine, scoring, reward_model, judge, reserve_bytes)
+    plan = MemoryPlan(device_bytes, trainer, ref, engine, phases, _problems(m, phases, engine, device_bytes))
+    return _with_pools(plan, own, judge_engine, m.judge.max_model_len)
+
+
+def _colocated_phases(m, trainer, critic, engine, scoring: dict, reward_model: dict, judge: dict,
+                      reserve_bytes: int) -> list[Phase]:  # fmt: skip
+    """The phases of a colocated episode on one trainer device: rollout, log-probs, critic, train, sync."""
     offload = m.policy_trainer.offload
     resident = {"trainer (offloaded)": 0} if offload else {"trainer weights+grads+optimizer": trainer.static}
     # outside the step: with offload, the weights without the optimizer state and gradients
@@ -556,8 +564,7 @@ def plan_memory(
         # with offload, the optimizer state and gradients leave before the engine's weights arrive
         Phase("sync", weights_only | {"engine weights": engine.weights} | others | fixed),
     ]
-    plan = MemoryPlan(device_bytes, trainer, ref, engine, phases, _problems(m, phases, engine, device_bytes))
-    return _with_pools(plan, own, judge_engine, m.judge.max_model_len)
+    return phases
 
 
 def _with_pools(plan: MemoryPlan, own: list[Phase], judge: EngineMemory | None, judge_len: int) -> MemoryPlan:
