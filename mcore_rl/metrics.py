@@ -65,15 +65,26 @@ class MetricsLogger:
         """A one-off record (start, resume, checkpoint) in metrics.jsonl and the log."""
         with self.jsonl.open("a") as f:
             f.write(json.dumps({"event": name, "time": time.time(), **fields}) + "\n")
-        log.info(
-            "%s: %s", name, ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
-        )
+        log.info("%s: %s", name, _fields(fields))
 
     def close(self) -> None:
         self.bar.close()
         self._console.close()
         for sink in self.sinks:
             sink.close()
+
+
+def _fields(fields: dict) -> str:
+    """``key=value, ...`` with numbers to four significant digits, nested records too."""
+
+    def show(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        if isinstance(value, dict):
+            return "{" + _fields(value) + "}"
+        return str(value)
+
+    return ", ".join(f"{key}={show(value)}" for key, value in fields.items())
 
 
 def episode_line(episode: int, metrics: dict, total: int) -> str:

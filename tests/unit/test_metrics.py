@@ -119,7 +119,9 @@ def test_the_console_gets_one_line_per_episode(tmp_path, caplog):
     with caplog.at_level("INFO", logger="mcore_rl.metrics"):
         logger.log(3, metrics)
         logger.log(3, {"eval/accuracy": 0.31}, advance=False)  # the driver logs an eval's table
+        logger.event("checkpoint", path="/out/episode_3", optimizer={"step": 3.0, "exp_avg": -0.08716350191995804})
     logger.close()
     assert caplog.messages == [
-        "episode 3/40: reward 0.250, length 45, kl 1.23e-03, tokens/s 180, s 16.2 (rollout_and_reward 4.3, train 9.2)"
+        "episode 3/40: reward 0.250, length 45, kl 1.23e-03, tokens/s 180, s 16.2 (rollout_and_reward 4.3, train 9.2)",
+        "checkpoint: path=/out/episode_3, optimizer={step=3, exp_avg=-0.08716}",
     ]
