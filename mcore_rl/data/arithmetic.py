@@ -37,37 +37,34 @@ def arithmetic_splits(
     return train, evaluation
 
 
-# Multi-step word problems: the text and the expression that answers it, of operands a, b (two digits) and c, d
-# (3 to 12); each needs two or three operations, which a small model gets wrong in its head and right with a
-# calculator.
+# Multi-step word problems: the text, the expression that answers it, and its value, of operands a, b (two digits)
+# and c, d (3 to 12); each needs two or three operations, which a small model gets wrong in its head and right with
+# a calculator.
 _WORD_PROBLEMS = (
     ("A shop has {a} apples. It sells {b} of them, then receives {c} boxes of {d} apples each. How many apples "
-     "does it have now?", "{a} - {b} + {c} * {d}"),
+     "does it have now?", "{a} - {b} + {c} * {d}", lambda a, b, c, d: a - b + c * d),
     ("Tom saves {a} dollars a week for {c} weeks, then spends {b} dollars. How many dollars does he have left?",
-     "{a} * {c} - {b}"),
+     "{a} * {c} - {b}", lambda a, b, c, d: a * c - b),
     ("A train has {c} cars with {a} seats each. {b} seats are taken and {d} more passengers board. How many "
-     "seats are still free?", "{c} * {a} - {b} - {d}"),
+     "seats are still free?", "{c} * {a} - {b} - {d}", lambda a, b, c, d: c * a - b - d),
     ("A farmer plants {c} rows of {a} trees and {d} rows of {b} trees. How many trees does he plant?",
-     "{c} * {a} + {d} * {b}"),
+     "{c} * {a} + {d} * {b}", lambda a, b, c, d: c * a + d * b),
 )  # fmt: skip
 
 
 def word_problem_splits(num_train: int, num_eval: int, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
     """Disjoint train/eval multi-step word problems with whole, non-negative answers; ids ``train-<i>`` /
     ``eval-<i>``; each row's ``expression`` field is the arithmetic that answers it; seeded."""
-    from mcore_rl.agent.tools import Calculator
-
-    rng, calculator = random.Random(seed), Calculator()
+    rng = random.Random(seed)
     seen: set[str] = set()
     rows: list[tuple[str, str, str]] = []
     while len(rows) < num_train + num_eval:
-        text, expression = rng.choice(_WORD_PROBLEMS)
+        text, expression, value = rng.choice(_WORD_PROBLEMS)
         operands = dict(a=rng.randint(12, 99), b=rng.randint(12, 99), c=rng.randint(3, 12), d=rng.randint(3, 12))
-        question, expression = text.format(**operands), expression.format(**operands)
-        answer = calculator.call({"expression": expression})
-        if not answer.startswith("-") and question not in seen:
+        question, answer = text.format(**operands), value(**operands)
+        if answer >= 0 and question not in seen:
             seen.add(question)
-            rows.append((question, expression, answer))
+            rows.append((question, expression.format(**operands), str(answer)))
 
     def row(split: str, i: int, question: str, expression: str, answer: str) -> PromptRow:
         messages = [{"role": "user", "content": f"{question} {INSTRUCTION}"}]

@@ -74,3 +74,16 @@ def test_dataset_drops_overlong_prompts_and_resumes_at_a_position(tokenizer):
     resumed = [p.row.id for p in data.batch(13, 12)]
     assert resumed == run[13:25]
     assert json.dumps(run) == json.dumps([p.row.id for p in PromptDataset(rows, tokenizer, 64, seed=7).batch(0, 25)])
+
+
+def test_each_word_problem_answer_is_what_the_calculator_tool_computes_from_its_expression():
+    """The data computes its answers itself (it does not import the agent's tools); the calculator the policy calls
+    agrees on every row."""
+    from mcore_rl.agent.tools import Calculator
+    from mcore_rl.data.arithmetic import word_problem_splits
+
+    calculator = Calculator()
+    train, evaluation = word_problem_splits(300, 50, seed=3)
+    for row in train + evaluation:
+        assert calculator.call({"expression": row.extra["expression"]}) == row.answer, row.id
+        assert int(row.answer) >= 0
