@@ -118,6 +118,18 @@ def upstream_notices_env() -> str:
     return ",".join(f"ignore:{prefix}:{category}" for prefix, category in UPSTREAM_NOTICES)
 
 
+def start_cli(log_format: str | None) -> bool:
+    """The prologue of every command (the RL driver, the planner, the converter CLIs), after its arguments are
+    parsed: its log format (None: no logging set-up), then :func:`start`; False, with the version errors printed as
+    one ``error:`` line, where the installed upstreams cannot serve (the command exits with status 2)."""
+    if log_format is not None:
+        logging.basicConfig(level=logging.INFO, format=log_format)
+    if errors := start():
+        print("error: " + "\n".join(errors), file=sys.stderr)
+        return False
+    return True
+
+
 def start() -> list[str]:
     """What every entry point (driver, planner, converters) does first, after parsing its arguments: silence the
     upstream notices, then check the upstream versions; returns the version errors (the caller exits with them)."""

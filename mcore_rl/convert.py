@@ -315,11 +315,9 @@ def main(name: str, argv: list[str] | None = None) -> int:
     exit status 2."""
     command = COMMANDS[name]
     args = command.parser(name).parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
     import compat
 
-    if errors := compat.start():
-        print("error: " + "\n".join(errors), file=sys.stderr)
+    if not compat.start_cli("%(message)s"):
         return 2
     from converters.convert import ConversionError
 

@@ -9,7 +9,6 @@ Re-running the same command resumes from the newest complete checkpoint. Exit st
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 
@@ -20,11 +19,9 @@ def main(argv: list[str] | None = None) -> int:
         "overrides", nargs="*", help="dotted.key=value overrides, e.g. models.policy.num_inference_per_prompt=4"
     )
     args = parser.parse_args(argv)  # before the imports below: --help answers at once
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import compat
 
-    if errors := compat.start():
-        print("error: " + "\n".join(errors), file=sys.stderr)
+    if not compat.start_cli("%(asctime)s %(name)s %(levelname)s %(message)s"):
         return 2
     from mcore_rl.checkpoint import CheckpointError
     from mcore_rl.config.loader import ConfigError

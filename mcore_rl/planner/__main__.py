@@ -27,8 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     import compat
 
-    if errors := compat.start():
-        print("error: " + "\n".join(errors), file=sys.stderr)
+    if not compat.start_cli(None):
         return 2
     from mcore_rl.config.loader import ConfigError
     from mcore_rl.config.schema import load_run_config
