@@ -196,7 +196,7 @@ def main_model() -> str:
 def write_prompts(path: Path, count: int) -> Path:
     """The main job's first ``count`` training prompts in its order, for the peer."""
     from mcore_rl.config.schema import load_run_config
-    from mcore_rl.driver import Data
+    from mcore_rl.data.run_data import Data
 
     os.environ.setdefault("MCORE_RL_MODEL", main_model())
     config = load_run_config(REPO / "scripts/configs/smollm2_135m_grpo.yaml")

@@ -4,8 +4,9 @@ One loop per ``runtime_args.rollout_mode``, each reading like the algorithm: gen
 log-probs -> advantages -> train -> sync weights -> log/save. They share the episode's pieces and differ only in
 what overlaps: ``sync`` runs them in turn; ``one_step_off`` generates the next episode's samples while this one
 trains; ``async`` takes each episode's samples from engines that never stop generating. Each concern is an
-object (:class:`~mcore_rl.roles.system.System` holds the roles, :class:`Data` the prompts, :class:`Run` the episode's bookkeeping);
-re-running the same command resumes from the latest complete checkpoint.
+object (:class:`~mcore_rl.roles.system.System` holds the roles, :class:`~mcore_rl.data.run_data.Data` the
+prompts, the sampler (:mod:`mcore_rl.rollout.sampler`) makes and scores samples, :class:`Run` keeps the episode's
+bookkeeping); re-running the same command resumes from the latest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -36,12 +37,11 @@ from mcore_rl.batch import (
     staleness_stats,
     training_batch,
 )
-from mcore_rl.config.loader import ConfigError, to_dict
+from mcore_rl.config.loader import to_dict
 from mcore_rl.config.schema import RunConfig
 from mcore_rl.console import setup_driver
-from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.data.progress import DataProgress
-from mcore_rl.data.prompts import PromptDataset, read_rows
+from mcore_rl.data.run_data import Data
 from mcore_rl.evaluation import accuracy_metrics, eval_table
 from mcore_rl.loggers import flat_params
 from mcore_rl.metrics import MetricsLogger, plot_curves
@@ -55,39 +55,6 @@ log = logging.getLogger("mcore_rl")
 
 # Dynamic sampling's refills per episode; a batch still short after them is filled with constant-reward groups.
 REFILL_ROUNDS = 3
-
-
-class Data:
-    """Tokenised train and eval prompts; the train order is seeded and its position is saved in checkpoints.
-
-    Built before a run writes anything: a file that cannot be read, or that leaves no usable prompt, is a
-    ``ConfigError`` naming its key.
-    """
-
-    def __init__(self, config: RunConfig):
-        from transformers import AutoTokenizer
-
-        rt, policy = config.runtime_args, config.models.policy
-        self.tokenizer = AutoTokenizer.from_pretrained(policy.load)
-        self.train = self._prompts("runtime_args.data_path", rt.data_path, 0, config, rt.data_shuffle)
-        # the eval sets by name, the main one ("") first
-        sets = {"": ("runtime_args.eval_data_path", rt.eval_data_path)}
-        sets |= {name: (f"runtime_args.eval_sets.{name}", path) for name, path in rt.eval_sets.items()}
-        self.eval = {name: self._prompts(key, path, 1, config, False) for name, (key, path) in sets.items()}
-
-    def _prompts(self, key: str, path: str, split: int, config: RunConfig, shuffle: bool):
-        rt = config.runtime_args
-        try:
-            if path in BUILTIN_SPLITS:
-                rows = BUILTIN_SPLITS[path](rt.num_builtin_train, rt.num_builtin_eval, rt.seed)[split]
-            else:
-                rows = read_rows(path)
-            prompts = PromptDataset(rows, self.tokenizer, config.models.policy.max_prompt_tokens, rt.seed, shuffle)
-        except (ValueError, OSError) as err:
-            raise ConfigError(f"{key}={path!r}: {err}") from None
-        if prompts.dropped:
-            log.warning("%s: %d prompts longer than max_prompt_tokens dropped", key, prompts.dropped)
-        return prompts
 
 
 def save_resolved_config(config: RunConfig, out: Path) -> None:

@@ -22,7 +22,8 @@ from mcore_rl import checkpoint
 from mcore_rl.agent.trajectory import STOP_REASONS
 from mcore_rl.config.schema import load_run_config
 from mcore_rl.convert import mcore2hf, mcore2mcore
-from mcore_rl.driver import Data, run
+from mcore_rl.data.run_data import Data
+from mcore_rl.driver import run
 from mcore_rl.metrics import read_metrics
 from mcore_rl.train import main
 from tests.tiny import make_tiny_reward_model
