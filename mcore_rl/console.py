@@ -19,7 +19,7 @@ from pathlib import Path
 from mcore_rl.watchdog import install_stack_dump
 
 LOGS_ENV = "MCORE_RL_LOGS"
-FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"  # of every log line: console, driver.log, role logs
 
 
 def setup_actor() -> None:

@@ -20,8 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)  # before the imports below: --help answers at once
     import compat
+    from mcore_rl.console import FORMAT
 
-    if not compat.start_cli("%(asctime)s %(name)s %(levelname)s %(message)s"):
+    if not compat.start_cli(FORMAT):  # the console's lines as the role logs' and driver.log's
         return 2
     from mcore_rl.checkpoint import CheckpointError
     from mcore_rl.config.loader import ConfigError

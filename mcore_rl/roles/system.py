@@ -219,7 +219,7 @@ class System:
             self.rollout, self.envs, self.tools, tokenizer, rollout.multi_turn, rollout.max_model_len,
             reward.env_timeout_s,
         )  # fmt: skip
-        self._stops.append(loop.close)
+        self.on_close(loop.close)
         return loop
 
     @contextlib.contextmanager
