@@ -10,14 +10,16 @@ from mcore_rl.algorithms.grpo import Share
 from mcore_rl.trainer.logprobs import token_logprobs
 
 
-def mtp_logprobs(batch: dict, depths: tuple[torch.Tensor, ...], vocab_size: int, cp_group) -> list[torch.Tensor]:
+def mtp_logprobs(
+    batch: dict, depths: tuple[torch.Tensor, ...], vocab_size: int, tp_group, cp_group
+) -> list[torch.Tensor]:
     """Per depth k, log p_k(token i + k + 1) at each position i of the micro-batch (its layout, as the model's
     outputs; :func:`mcore_rl.trainer.packing.rows_of` turns them into rows). Labels roll as Megatron rolls the MTP's
     inputs: within each packed sequence and across context-parallel ranks."""
     labels, packed, out = batch["labels"], batch.get("packed_seq_params"), []
     for logits in depths:
         labels, _ = roll_tensor(labels, shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed)
-        out.append(token_logprobs(logits, labels, vocab_size))
+        out.append(token_logprobs(logits, labels, vocab_size, tp_group))
     return out
 
 

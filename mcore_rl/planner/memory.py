@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mcore_rl.trainer.logprobs import LM_HEAD_CHUNK_BYTES, LM_HEAD_CHUNK_COPIES
 from models.bridge import padded_vocab
 from models.registry import get_bridge
 from models.spec import moe_layers
@@ -300,13 +301,26 @@ def layer_activation_bytes(
 
 
 def head_activation_bytes(a: Architecture, parallel: ParallelConfig, tokens: int, backend: str, act_bytes: int):
-    """Bytes the last stage keeps for the final norm, the output layer and the loss (fp32 softmax over V/TP); with a
-    value head, the whole sequence's hidden states it gathers and a value per token."""
+    """Bytes the last stage keeps for the final norm, the output layer and the loss (the logits over V/TP in the
+    model's dtype; per token the target and the chunked softmax's max, sum and mean logit: 8 + 3 x 4 bytes); with
+    a value head, the whole sequence's hidden states it gathers and a value per token."""
     t, st = device_tokens(parallel, tokens)
     norm = 2 if backend == "local" else 1
     if a.value_head:
         return st * (norm + 1) * a.hidden * act_bytes + t * a.hidden * act_bytes + t * 8
-    return st * (norm + 1) * a.hidden * act_bytes + st * 4 + t * (4 * a.padded_vocab(parallel.tp) / parallel.tp + 9)
+    return (
+        st * (norm + 1) * a.hidden * act_bytes
+        + st * 4
+        + t * (act_bytes * a.padded_vocab(parallel.tp) / parallel.tp + 20)
+    )
+
+
+def lm_head_backward_bytes(a: Architecture, parallel: ParallelConfig, tokens: int, param_bytes: int) -> float:
+    """What the loss's backward adds on the last stage: the logits' gradient (the model's dtype) and the working
+    set of one chunk of the fp32 softmax (:mod:`mcore_rl.trainer.logprobs`), never the whole micro-batch's."""
+    t, _ = device_tokens(parallel, tokens)
+    vocab_t = 0 if a.value_head else t * a.padded_vocab(parallel.tp) / parallel.tp
+    return vocab_t * param_bytes + LM_HEAD_CHUNK_COPIES * min(LM_HEAD_CHUNK_BYTES, 4 * vocab_t)
 
 
 # ---- roles and phases ----------------------------------------------------------------------------------------
@@ -375,7 +389,7 @@ def trainer_memory(
     expert_dp = world // (parallel.ep * parallel.expert_tp * parallel.pp)
     opt_per_param = 8 + (4 if param_bytes != 4 else 0)  # Adam moments (+ fp32 main weights of bf16 parameters)
     tokens = work.micro_batch_tokens
-    t, st = device_tokens(parallel, tokens)
+    _, st = device_tokens(parallel, tokens)
     best = None
     for rank, ((params, experts), layers) in enumerate(
         zip(stage_params(a, parallel), rank_layers(parallel, a.layers), strict=True)
@@ -389,9 +403,8 @@ def trainer_memory(
         acts = in_flight(parallel, rank, work.micro_batches) * kept
         head, frozen = 0.0, (0, 0)
         if rank == parallel.pp - 1:
-            vocab_t = 0 if a.value_head else t * a.padded_vocab(parallel.tp) / parallel.tp
             head = head_activation_bytes(a, parallel, tokens, backend, param_bytes)
-            logits = vocab_t * (param_bytes + 4)  # logits and their fp32 gradient during the loss backward
+            logits = lm_head_backward_bytes(a, parallel, tokens, param_bytes)
             acts += head + logits
             if a.mtp_layers and mtp_loss_coef:  # per MTP layer: a layer's activations and logits more
                 mtp_layer = layer_activation_bytes(a, a.moe_layers[-1], parallel, tokens, backend, param_bytes)

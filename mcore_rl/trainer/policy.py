@@ -15,7 +15,7 @@ from converters.torch_dist import LORA_FILE, find_megatron
 from mcore_rl.algorithms.grpo import PolicyLossConfig, policy_loss
 from mcore_rl.algorithms.mtp import mtp_logprobs, mtp_loss
 from mcore_rl.sync import BroadcastRoute, ColocatedRoute, SyncConfig, WeightSync
-from mcore_rl.trainer.logprobs import token_entropy, token_logprobs
+from mcore_rl.trainer.logprobs import token_scores
 from mcore_rl.trainer.moe import MoEConfig, RouterLoad
 from mcore_rl.trainer.packing import rows_of
 from mcore_rl.trainer.ranks import TrainableRank
@@ -98,12 +98,10 @@ class PolicyTrainer(TrainableRank):
     def _loss_fn(self, batch: dict, output: torch.Tensor | MTPOutput):
         vocab = self.bridge.vocab_size
         output, depths = output if isinstance(output, MTPOutput) else (output, ())
-        logp = rows_of(batch, token_logprobs(output, batch["labels"], vocab))
+        logp, entropy = (rows_of(batch, x) for x in token_scores(output, batch["labels"], vocab, self.groups.tp))
         # The first step's old policy is the current one: its old log-probs are its own, detached (ratio 1).
         old_logp = batch["old_logp"] if "old_logp" in batch else logp.detach()
-        # Logged, and optimised only with a coefficient: without one, no graph keeps its [tokens, V/tp] tensors.
-        with torch.set_grad_enabled(bool(self.loss.entropy_coef) and torch.is_grad_enabled()):
-            entropy = rows_of(batch, token_entropy(output, vocab, self.groups.tp))
+        entropy = entropy if self.loss.entropy_coef else entropy.detach()  # logged; optimised with a coefficient
         loss, metrics = policy_loss(
             self.loss,
             logp,
@@ -116,7 +114,7 @@ class PolicyTrainer(TrainableRank):
             share=batch["share"],
         )
         if depths:  # the MTP layers' loss on the same samples (models/mtp.py)
-            logps = [rows_of(batch, x) for x in mtp_logprobs(batch, depths, vocab, self.groups.cp)]
+            logps = [rows_of(batch, x) for x in mtp_logprobs(batch, depths, vocab, self.groups.tp, self.groups.cp)]
             mtp = mtp_loss(logps, batch["mask"], batch["share"])
             loss = loss + self.mtp_loss_coef * mtp
             metrics = metrics | {"mtp/loss": mtp.detach()}

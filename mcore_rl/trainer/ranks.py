@@ -105,7 +105,9 @@ class MegatronRank:
     def logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         """Log-probs [N, L-1] of ``batch["tokens"]``; each DP rank scores its share, every rank gets all rows."""
         vocab = self.bridge.vocab_size
-        return self._score(batch, micro_batch_size, lambda mb, output: token_logprobs(output, mb["labels"], vocab))
+        return self._score(
+            batch, micro_batch_size, lambda mb, output: token_logprobs(output, mb["labels"], vocab, self.groups.tp)
+        )
 
     def _score(self, batch: dict, micro_batch_size: int, measure) -> torch.Tensor:
         """``measure`` (see :meth:`MegatronModel.score`) of every row of ``batch``, each DP rank scoring its share."""

@@ -170,7 +170,7 @@ class MegatronModel:
         are :meth:`score`'s."""
 
         def measure(batch, output):
-            return token_logprobs(output, batch["labels"], vocab_size)
+            return token_logprobs(output, batch["labels"], vocab_size, self.groups.tp)
 
         return self.score(tokens, measure, micro_batch_size, *args, **kwargs)
 

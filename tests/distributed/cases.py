@@ -83,7 +83,7 @@ def train_step(
     ]
 
     def loss_fn(batch, output):
-        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size).mean()
+        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size, groups.tp).mean()
         return loss, {"loss": loss.detach()}
 
     result = step.step(microbatches, loss_fn)
@@ -106,7 +106,9 @@ def experts_grouped_vs_sequential(hf_dir: str, layout: dict, tokens: torch.Tenso
         chunks = bridge.build_model(bridge.transformer_config(parallel, moe_grouped_gemm=grouped))
         load_weights(chunks, bridge, hf_dir, groups)
         positions = torch.arange(tokens.shape[1] - 1).expand(tokens.shape[0], -1)
-        loss = -token_logprobs(chunks[0](tokens[:, :-1], positions, None), tokens[:, 1:], bridge.vocab_size).mean()
+        loss = -token_logprobs(
+            chunks[0](tokens[:, :-1], positions, None), tokens[:, 1:], bridge.vocab_size, groups.tp
+        ).mean()
         loss.backward()
         runs.append((loss.detach(), _grads_by_name(chunks)))
     (loss_g, grads_g), (loss_s, grads_s) = runs
@@ -158,7 +160,7 @@ def context_parallel_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, pac
         output = output.reshape(batch, len(mine), -1)
     else:
         output = chunks[0](ids[:, mine], mine.expand(batch, -1), None)
-    local = token_logprobs(output, labels[:, mine], bridge.vocab_size)
+    local = token_logprobs(output, labels[:, mine], bridge.vocab_size, groups.tp)
     local.sum().backward()
     parts = [torch.empty_like(local) for _ in range(cp)]
     torch.distributed.all_gather(parts, local.detach().contiguous(), group=groups.cp)
@@ -195,7 +197,7 @@ def packed_vs_padded_step(hf_dir: str, layout: dict, tokens: torch.Tensor, lengt
         mbs = microbatches(tokens[rows], per_rank, tp, mask=mask[rows])
 
     def loss_fn(batch, output):
-        logp = rows_of(batch, token_logprobs(output, batch["labels"], bridge.vocab_size))
+        logp = rows_of(batch, token_logprobs(output, batch["labels"], bridge.vocab_size, groups.tp))
         loss = -(logp * batch["mask"]).sum() / 8
         return loss, {"loss": loss.detach()}
 
@@ -302,7 +304,7 @@ def train_and_sync(
     microbatches = [{"input_ids": mb[:, :-1], "labels": mb[:, 1:], "position_ids": positions} for mb in mine.split(1)]
 
     def loss_fn(batch, output):
-        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size).mean()
+        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size, groups.tp).mean()
         return loss, {"loss": loss.detach()}
 
     reports = []
@@ -387,17 +389,43 @@ def perturb_and_sync(
     return dict(before=before, after=after, report=vars(report))
 
 
-def vocab_parallel_entropy(logits: torch.Tensor, vocab_size: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Entropy and d(sum entropy)/d(logits) from TP vocab shards of ``logits`` (padded to 128 * tp), full vocab."""
-    from mcore_rl.trainer.logprobs import token_entropy
+def vocab_parallel_scores(
+    logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, tp: int, chunk_bytes: list[int]
+) -> list[dict]:
+    """Per dtype (fp32, bf16), loss weights (w_logp, w_entropy; an entropy weight of 0 detaches the entropy, as the
+    policy loss does without a coefficient) and chunk size: log-probs, entropies and the full-vocabulary gradient of
+    w_logp sum log p + w_entropy sum H from TP shards of ``logits`` (padded to 128 * tp with garbage), chunked and
+    as the trainer computed them before (Megatron's ``vocab_parallel_cross_entropy``, the unchunked entropy)."""
+    from mcore_rl.trainer.logprobs import token_scores
+    from tests.lm_head_reference import unchunked_scores
 
     groups = init_parallel(ParallelConfig(tp=tp))
-    padded = torch.nn.functional.pad(logits, (0, -logits.shape[-1] % (128 * tp)), value=123.0)  # garbage pad
-    rank = torch.distributed.get_rank(groups.tp)
-    local = padded.chunk(tp, dim=-1)[rank].clone().requires_grad_(True)
-    entropy = token_entropy(local, vocab_size, groups.tp)
-    entropy.sum().backward()
-    return entropy.detach(), _full_vocab(local.grad, groups, vocab_size)
+    padded = torch.nn.functional.pad(logits, (0, -logits.shape[-1] % (128 * tp)), value=123.0)
+    rank, results = torch.distributed.get_rank(groups.tp), []
+    for dtype in (torch.float32, torch.bfloat16):
+        shard = padded.chunk(tp, dim=-1)[rank].to(dtype)
+        for weights in ((1.0, 0.0), (0.7, -3.0)):  # |w_entropy| > 1: (z - sum p z) w overflows at padding
+
+            def backward(logp, entropy, weights=weights):
+                entropy = entropy if weights[1] else entropy.detach()
+                (weights[0] * logp.sum() + weights[1] * entropy.sum()).backward()
+
+            local = shard.clone().requires_grad_(True)
+            before = unchunked_scores(local, targets, vocab_size, groups.tp, entropy_grad=bool(weights[1]))
+            backward(*before)
+            runs = {"before": (*(t.detach() for t in before), _full_vocab(local.grad.float(), groups, vocab_size))}
+            for size in chunk_bytes:
+                local = shard.clone().requires_grad_(True)
+                with torch.no_grad():
+                    scored = token_scores(local, targets, vocab_size, groups.tp, chunk_bytes=size)
+                scores = token_scores(local, targets, vocab_size, groups.tp, chunk_bytes=size)
+                backward(*scores)
+                assert local.grad.dtype == dtype and torch.isfinite(local.grad).all()  # padding's too
+                assert torch.equal(local.detach(), shard)  # the model's output is not written to
+                grad = _full_vocab(local.grad.float(), groups, vocab_size)
+                runs[size] = (*(t.detach() for t in scores), grad, *scored)
+            results.append({"dtype": str(dtype), "weights": weights, "runs": runs})
+    return results
 
 
 def _routing(hf_dir: str, tokens: torch.Tensor, how: str) -> torch.Tensor:
@@ -805,7 +833,7 @@ def lora_sgd_step(
     ]
 
     def loss_fn(batch, output):
-        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size).mean()
+        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size, groups.tp).mean()
         return loss, {"loss": loss.detach()}
 
     with adapters_off(chunks):
@@ -931,9 +959,9 @@ def mtp_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, lengths: list[in
     model, vocab = MegatronModel(chunks, groups), bridge.vocab_size
     args = dict(micro_batch_size=2, lengths=lengths, max_tokens=packing)
     with mtp_active(chunks):
-        mtp = model.score(tokens, lambda b, out: mtp_logprobs(b, out.depths, vocab, groups.cp)[0], **args)
-        main = model.score(tokens, lambda b, out: token_logprobs(out.logits, b["labels"], vocab), **args)
-    return mtp, main, model.score(tokens, lambda b, out: token_logprobs(out, b["labels"], vocab), **args)
+        mtp = model.score(tokens, lambda b, out: mtp_logprobs(b, out.depths, vocab, groups.tp, groups.cp)[0], **args)
+        main = model.score(tokens, lambda b, out: token_logprobs(out.logits, b["labels"], vocab, groups.tp), **args)
+    return mtp, main, model.score(tokens, lambda b, out: token_logprobs(out, b["labels"], vocab, groups.tp), **args)
 
 
 def lora_router_policy(hf_dir: str, layout: dict, directory: str, moe: dict) -> dict:

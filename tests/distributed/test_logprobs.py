@@ -1,4 +1,5 @@
-"""Vocab-parallel token statistics equal their full-vocabulary values (padding excluded), gradients included."""
+"""Vocab-parallel log-probs and entropies, chunked over positions, equal their full-vocabulary values (padding
+excluded) and the trainer's unchunked computation before chunking, gradients included."""
 
 from __future__ import annotations
 
@@ -7,14 +8,36 @@ import torch
 from tests.distributed import cases
 
 
-def test_vocab_parallel_entropy_matches_full_vocab(ranks):
-    vocab = 300
-    logits = torch.randn(2, 5, vocab, generator=torch.Generator().manual_seed(0)) * 3
+def _reference(logits: torch.Tensor, targets: torch.Tensor, weights: tuple[float, float]):
+    """log p(target), entropy and the gradient of w_logp sum log p + w_entropy sum H over the whole vocabulary."""
     full = logits.clone().requires_grad_(True)
-    probs = full.softmax(-1)
-    reference = -(probs * full.log_softmax(-1)).sum(-1)
-    reference.sum().backward()
+    logp_all = full.log_softmax(-1)
+    logp, entropy = logp_all.gather(-1, targets[..., None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+    (weights[0] * logp.sum() + weights[1] * entropy.sum()).backward()
+    return logp.detach(), entropy.detach(), full.grad
+
+
+def test_chunked_scores_equal_full_vocab_and_unchunked(ranks):
+    vocab, generator = 300, torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, vocab, generator=generator) * 3
+    targets = torch.randint(0, vocab, (2, 5), generator=generator)
+    # one position a chunk, three (the last chunk short), and the whole micro-batch in one
     for tp in (1, 2, 4):
-        for entropy, grad in ranks.run(cases.vocab_parallel_entropy, logits=logits, vocab_size=vocab, tp=tp):
-            assert torch.allclose(entropy, reference.detach(), atol=1e-5), tp
-            assert torch.allclose(grad, full.grad, atol=1e-6), tp
+        width = -(-vocab // (128 * tp)) * 128
+        sizes = [4 * width, 3 * 4 * width, 1 << 30]
+        results = ranks.run(cases.vocab_parallel_scores, logits=logits, targets=targets, vocab_size=vocab, tp=tp,
+                            chunk_bytes=sizes)  # fmt: skip
+        for result in (r for per_rank in results for r in per_rank):
+            before = result["runs"]["before"]
+            exact = 1e-6 if result["dtype"] == "torch.float32" else 1e-2  # bf16 gradients: one rounding apart
+            for size in sizes:
+                logp, entropy, grad, scored_logp, scored_entropy = result["runs"][size]
+                what = (tp, size, result["dtype"], result["weights"])
+                assert (logp - before[0]).abs().max() <= 1e-6, what
+                assert (entropy - before[1]).abs().max() <= 1e-6, what
+                assert torch.allclose(grad, before[2], rtol=exact, atol=1e-6), what
+                assert torch.equal(scored_logp, logp) and torch.equal(scored_entropy, entropy), what  # scoring
+            if result["dtype"] == "torch.float32":
+                ref_logp, ref_entropy, ref_grad = _reference(logits, targets, result["weights"])
+                assert torch.allclose(logp, ref_logp, atol=1e-5) and torch.allclose(entropy, ref_entropy, atol=1e-5)
+                assert torch.allclose(grad, ref_grad, atol=1e-6), what

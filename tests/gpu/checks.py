@@ -322,10 +322,10 @@ def lora() -> tuple[str, dict]:
 MTP_TOLERANCE = 1e-4  # fp32 MTP log-probs against the independent forward (measured on CPU: under 1e-5)
 
 
-def _mtp_depth1(batch: dict, output, vocab: int, cp_group) -> torch.Tensor:
+def _mtp_depth1(batch: dict, output, vocab: int, groups) -> torch.Tensor:
     from mcore_rl.algorithms.mtp import mtp_logprobs
 
-    return mtp_logprobs(batch, output.depths, vocab, cp_group)[0]
+    return mtp_logprobs(batch, output.depths, vocab, groups.tp, groups.cp)[0]
 
 
 def mtp() -> tuple[str, dict]:
@@ -359,7 +359,7 @@ def mtp() -> tuple[str, dict]:
             config = bridge.transformer_config(ParallelConfig(), params_dtype=torch.float32)
             chunks = bridge.build_model(config, backend=backend)
             load_weights(chunks, bridge, hf_dir, groups)
-            measure = functools.partial(_mtp_depth1, vocab=bridge.vocab_size, cp_group=groups.cp)
+            measure = functools.partial(_mtp_depth1, vocab=bridge.vocab_size, groups=groups)
             with mtp_active(chunks):
                 got = MegatronModel(chunks, groups).score(tokens, measure, 2)
             gap = (got[:, :-1] - expected).abs().max().item()
@@ -488,7 +488,7 @@ def tiny_moe() -> tuple[str, dict]:
                     chunks = bridge.build_model(config)
                     load_weights(chunks, bridge, hf_dir, groups)
                     logits = chunks[0](inputs, positions, None)
-                    loss = -token_logprobs(logits.float(), tokens[:, 1:], bridge.vocab_size).mean()
+                    loss = -token_logprobs(logits.float(), tokens[:, 1:], bridge.vocab_size, groups.tp).mean()
                     loss.backward()
                     grads = {p.slot: p.param.grad.float() for p in local_params(chunks) if p.param.grad is not None}
                     runs.append((loss.detach(), grads, chunks))
@@ -652,7 +652,7 @@ def mfu() -> tuple[str, dict]:
         (Path(tmp) / "config.json").write_text(json_module.dumps(config | {"num_hidden_layers": layers}))
         flops = flops_per_token(tmp)
         bridge = get_bridge(tmp)
-        init_parallel(ParallelConfig())
+        groups = init_parallel(ParallelConfig())
         chunks = bridge.build_model(bridge.transformer_config(ParallelConfig()))
     rows, length = 4, 4096
     tokens = _tokens(bridge.vocab_size, rows=rows, length=length + 1)
@@ -660,7 +660,7 @@ def mfu() -> tuple[str, dict]:
 
     def step() -> None:
         logits = chunks[0](tokens[:, :-1], positions, None)
-        (-token_logprobs(logits, tokens[:, 1:], bridge.vocab_size).mean()).backward()
+        (-token_logprobs(logits, tokens[:, 1:], bridge.vocab_size, groups.tp).mean()).backward()
 
     for _ in range(2):  # warm-up: kernels chosen, memory pools grown
         step()

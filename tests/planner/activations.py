@@ -50,7 +50,7 @@ def saved_bytes(hf_dir: str, layout: dict, lengths: list[int], seed: int = 0) ->
     with torch.autograd.graph.saved_tensors_hooks(pack_hook, lambda tensor: tensor):
         output = model(batch["input_ids"], batch["position_ids"], None, packed_seq_params=batch["packed_seq_params"])
         if model.post_process:
-            token_logprobs(output, batch["labels"], bridge.vocab_size)
+            token_logprobs(output, batch["labels"], bridge.vocab_size, groups.tp)
     for name, nbytes in seen.values():
         totals[name] += nbytes
     return dict(totals)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import agent, experts, hardware, packing, rl
+from benchmarks import agent, experts, hardware, lm_head, packing, rl
 from benchmarks.report import Report, pyplot, table
 from converters.gguf2hf import default_model_dir
 
@@ -67,6 +67,16 @@ def test_packing_and_experts_inputs():
         == batch["tokens"][1 :: packing.GROUP, : packing.PROMPT_TOKENS]
     ).all()
     assert batch["mask"].sum() == (batch["lengths"] - packing.PROMPT_TOKENS).sum()
+
+
+def test_lm_head_measures_both_losses_in_processes_of_their_own():
+    """Each mode's peak comes from its own process (no allocator state shared), and the unchunked loss, whose fp32
+    softmax spans the micro-batch, peaks above the chunked one once the micro-batch exceeds a chunk."""
+    spec = dict(tokens=2048, vocab=8192, hidden=64, entropy_bonus=True, chunk_bytes=4 << 20)
+    before, after = (lm_head._measure(spec | {"mode": mode}) for mode in ("before", "after"))
+    assert isinstance(before, dict) and isinstance(after, dict), (before, after)
+    logits = 2048 * 8192 * 4  # fp32 on CPU; after: the logits, their gradient and a few 4 MiB chunks
+    assert before["peak_bytes"] > 4 * logits and logits < after["peak_bytes"] < 3 * logits, (before, after)
 
 
 def test_report_writes_sections_and_figures(tmp_path):

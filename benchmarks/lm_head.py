@@ -1,0 +1,130 @@
+"""The ``lm_head`` suite: peak memory and time of the LM head and the policy loss's log-probs and entropy (forward and
+backward) over a micro-batch of 4k, 16k and 32k tokens, before (the whole micro-batch's fp32 softmax:
+:mod:`tests.lm_head_reference`) and after chunking (:func:`mcore_rl.trainer.logprobs.token_scores`).
+
+Each measurement runs in a process of its own: hidden states [tokens, hidden] and the output layer's weight [V,
+hidden] in the machine's parameter dtype (bf16 on GPUs, fp32 on CPUs) are made first, then the peak above them is
+read (CUDA: the allocator's peak; CPU: the process's peak resident set) over logits = hidden @ W^T, the scores and
+the backward of -mean log p (entropy logged) or of -mean log p - 0.01 mean H (an entropy bonus). A size whose
+"before" would not fit in 80 % of the free memory is reported as not run.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.report import Report, table
+from mcore_rl.trainer.logprobs import LM_HEAD_CHUNK_BYTES as CHUNK
+
+TOKENS = (4096, 16384, 32768)
+# (name, vocabulary, hidden): SmolLM2-135M's untied 49,152 entries, Qwen3's 151,936 at Qwen3-8B's hidden size.
+HEADS = (("SmolLM2-135M", 49152, 576), ("Qwen3-8B", 151936, 4096))
+BEFORE_BYTES = 22  # per logit, the unchunked peak: the logits, a fp32 copy, the entropy's fp32 copy and temporaries
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _one(spec: dict) -> dict:
+    """One measurement, in this process (see the module's docstring); ``chunk_bytes``: the chunks' size, if not
+    the trainer's."""
+    import psutil
+
+    from benchmarks import single_process_world
+    from mcore_rl.trainer.logprobs import token_scores
+    from parallel.config import ParallelConfig
+    from parallel.device import Device
+    from parallel.groups import init_parallel
+    from tests.lm_head_reference import unchunked_scores
+
+    single_process_world()
+    machine = Device.current()
+    groups = init_parallel(ParallelConfig())
+    device, dtype = torch.device("cuda" if machine.cuda else "cpu"), machine.params_dtype
+    generator = torch.Generator(device=device).manual_seed(0)
+    tokens, vocab, hidden = spec["tokens"], spec["vocab"], spec["hidden"]
+    h = (torch.randn(tokens, hidden, device=device, generator=generator, dtype=dtype) * 0.5).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=device, generator=generator, dtype=dtype) / hidden**0.5).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    bonus = spec["entropy_bonus"]
+    if machine.cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    logits = h @ w.T
+    if spec["mode"] == "before":
+        logp, entropy = unchunked_scores(logits, targets, vocab, groups.tp, entropy_grad=bonus)
+    else:
+        logp, entropy = token_scores(logits, targets, vocab, groups.tp, chunk_bytes=spec.get("chunk_bytes", CHUNK))
+    entropy = entropy if bonus else entropy.detach()
+    del logits  # the loss function's reference to the model output ends with it
+    (-logp.mean() - (0.01 * entropy.mean() if bonus else 0.0)).backward()
+    if machine.cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {"peak_bytes": peak, "seconds": time.perf_counter() - start}
+
+
+def _free_bytes() -> int:
+    import psutil
+
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    return psutil.virtual_memory().available
+
+
+def _measure(spec: dict) -> dict | str:
+    """:func:`_one` in a fresh process (its peak is its own): the result, or why there is none."""
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.lm_head", json.dumps(spec)], cwd=REPO, capture_output=True, text=True
+    )
+    if run.returncode != 0:
+        return f"failed (exit {run.returncode}): {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ''}"
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def suite(out: Path, hardware, report: Report) -> None:
+    free, rows = _free_bytes(), []
+    dtype_bytes = 2 if torch.cuda.is_available() else 4
+    for name, vocab, hidden in HEADS:
+        for tokens in TOKENS:
+            for bonus in (False, True):
+                need = tokens * vocab * BEFORE_BYTES + (tokens + vocab) * hidden * dtype_bytes * 2
+                if need > 0.8 * free:
+                    why = f"not run: before needs about {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"
+                    rows.append([name, tokens, "bonus" if bonus else "logged", why, "", "", "", ""])
+                    continue
+                spec = dict(tokens=tokens, vocab=vocab, hidden=hidden, entropy_bonus=bonus)
+                before, after = _measure(spec | {"mode": "before"}), _measure(spec | {"mode": "after"})
+                if isinstance(before, str) or isinstance(after, str):
+                    rows.append([name, tokens, "bonus" if bonus else "logged", str(before), str(after), "", "", ""])
+                    continue
+                gib = [r["peak_bytes"] / 2**30 for r in (before, after)]
+                rows.append([name, tokens, "bonus" if bonus else "logged", f"{gib[0]:.2f}", f"{gib[1]:.2f}",
+                             f"{gib[0] / gib[1]:.1f}x", f"{before['seconds']:.3f}", f"{after['seconds']:.3f}"])  # fmt: skip
+    report.add(
+        "lm_head: the loss's log-probs and entropy, unchunked and chunked",
+        f"Peak memory above the hidden states and the output layer's weight ({hardware.device}, "
+        f"{hardware.matmul_dtype}), over logits = hidden @ W^T, log-probs and entropy and the backward of the "
+        "policy loss's part of them: with the entropy only logged (the default) or optimised (an entropy bonus). "
+        "Seconds: that forward and backward, once. Before: the whole micro-batch's fp32 softmax "
+        "(tests/lm_head_reference.py); after: chunks of 256 MiB of fp32 (mcore_rl/trainer/logprobs.py).",
+        table(
+            ["head", "tokens", "entropy", "before GiB", "after GiB", "less", "before s", "after s"],
+            rows,
+        ),
+    )
+
+
+if __name__ == "__main__":
+    print(json.dumps(_one(json.loads(sys.argv[1]))))
