@@ -2,11 +2,11 @@
 backward) over a micro-batch of 4k, 16k and 32k tokens, before (the whole micro-batch's fp32 softmax:
 :mod:`tests.lm_head_reference`) and after chunking (:func:`mcore_rl.trainer.logprobs.token_scores`).
 
-Each measurement runs in a process of its own: hidden states [tokens, hidden] and the output layer's weight [V,
-hidden] in the machine's parameter dtype (bf16 on GPUs, fp32 on CPUs) are made first, then the peak above them is
-read (CUDA: the allocator's peak; CPU: the process's peak resident set) over logits = hidden @ W^T, the scores and
-the backward of -mean log p (entropy logged) or of -mean log p - 0.01 mean H (an entropy bonus). A size whose
-"before" would not fit in 80 % of the free memory is reported as not run.
+Hidden states [tokens, hidden] and the output layer's weight [V, hidden] in the machine's parameter dtype (bf16 on
+GPUs, fp32 on CPUs) are made first, then the peak above them is read over logits = hidden @ W^T, the scores and the
+backward of -mean log p (entropy logged) or of -mean log p - 0.01 mean H (an entropy bonus): on CUDA the
+allocator's peak, in this process; on CPU the peak resident set of a process of its own per measurement. A size
+whose "before" would not fit in 80 % of the free memory is reported as not run.
 """
 
 from __future__ import annotations
@@ -30,21 +30,26 @@ BEFORE_BYTES = 22  # per logit, the unchunked peak: the logits, a fp32 copy, the
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _one(spec: dict) -> dict:
+def _world():
+    """This process as one rank (TP 1): the TP group the scores reduce over."""
+    from benchmarks import single_process_world
+    from parallel.config import ParallelConfig
+    from parallel.groups import init_parallel
+
+    single_process_world()
+    return init_parallel(ParallelConfig()).tp
+
+
+def _one(spec: dict, tp_group) -> dict:
     """One measurement, in this process (see the module's docstring); ``chunk_bytes``: the chunks' size, if not
     the trainer's."""
     import psutil
 
-    from benchmarks import single_process_world
     from mcore_rl.trainer.logprobs import token_scores
-    from parallel.config import ParallelConfig
     from parallel.device import Device
-    from parallel.groups import init_parallel
     from tests.lm_head_reference import unchunked_scores
 
-    single_process_world()
     machine = Device.current()
-    groups = init_parallel(ParallelConfig())
     device, dtype = torch.device("cuda" if machine.cuda else "cpu"), machine.params_dtype
     generator = torch.Generator(device=device).manual_seed(0)
     tokens, vocab, hidden = spec["tokens"], spec["vocab"], spec["hidden"]
@@ -54,6 +59,7 @@ def _one(spec: dict) -> dict:
     bonus = spec["entropy_bonus"]
     if machine.cuda:
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
@@ -61,9 +67,9 @@ def _one(spec: dict) -> dict:
     start = time.perf_counter()
     logits = h @ w.T
     if spec["mode"] == "before":
-        logp, entropy = unchunked_scores(logits, targets, vocab, groups.tp, entropy_grad=bonus)
+        logp, entropy = unchunked_scores(logits, targets, vocab, tp_group, entropy_grad=bonus)
     else:
-        logp, entropy = token_scores(logits, targets, vocab, groups.tp, chunk_bytes=spec.get("chunk_bytes", CHUNK))
+        logp, entropy = token_scores(logits, targets, vocab, tp_group, chunk_bytes=spec.get("chunk_bytes", CHUNK))
     entropy = entropy if bonus else entropy.detach()
     del logits  # the loss function's reference to the model output ends with it
     (-logp.mean() - (0.01 * entropy.mean() if bonus else 0.0)).backward()
@@ -84,7 +90,12 @@ def _free_bytes() -> int:
 
 
 def _measure(spec: dict) -> dict | str:
-    """:func:`_one` in a fresh process (its peak is its own): the result, or why there is none."""
+    """:func:`_one` (on CPU in a fresh process: its peak is its own): the result, or why there is none."""
+    if torch.cuda.is_available():
+        try:
+            return _one(spec, _world())
+        except torch.OutOfMemoryError as err:
+            return f"out of memory: {str(err).splitlines()[0]}"
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.lm_head", json.dumps(spec)], cwd=REPO, capture_output=True, text=True
     )
@@ -127,4 +138,4 @@ def suite(out: Path, hardware, report: Report) -> None:
 
 
 if __name__ == "__main__":
-    print(json.dumps(_one(json.loads(sys.argv[1]))))
+    print(json.dumps(_one(json.loads(sys.argv[1]), _world())))

@@ -4,8 +4,9 @@
 modules, so parameter names, TP/EP sharding, dist-checkpoint keys and HF mappings are the sequential experts'
 (checkpoints and the rollout sync do not care which one ran). The forward stacks the local experts' weights
 (one copy per step, the size of the local expert weights) and runs ``fc1`` and ``fc2`` as one grouped GEMM each
-over the tokens sorted by expert, instead of a Python loop of ``2 * num_local_experts`` small GEMMs. The
-experts' LoRA adapters, where a run trains them, add theirs per expert.
+over the tokens sorted by expert, instead of a Python loop of ``2 * num_local_experts`` small GEMMs, where that is
+the faster of the two (:meth:`parallel.device.Device.grouped_experts`); else it is the loop. The experts' LoRA
+adapters, where a run trains them, add theirs per expert.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from parallel.device import Device
 
 # grouped_mm needs every row stride (hence the output width) to be a multiple of 16 bytes.
 _ALIGN_BYTES = 16
@@ -44,10 +47,13 @@ def has_bias(linear: torch.nn.Module) -> bool:
 
 
 class GroupedExperts(SequentialMLP):
-    """``SequentialMLP``'s parameters and state dict; one grouped GEMM per projection."""
+    """``SequentialMLP``'s parameters and state dict; one grouped GEMM per projection where ``grouped_kernel``
+    (the device's choice for this many local experts; tests set it to check the kernel where it is not chosen),
+    else ``SequentialMLP``'s loop."""
 
     def __init__(self, num_local_experts, config, submodules, pg_collection=None):
         super().__init__(num_local_experts, config, submodules, pg_collection)
+        self.grouped_kernel = Device.current().grouped_experts(num_local_experts)
         fc1, fc2 = self.local_experts[0].linear_fc1.weight, self.local_experts[0].linear_fc2.weight
         per_row = _ALIGN_BYTES // fc1.element_size()
         if fc1.shape[0] % per_row or fc2.shape[0] % per_row or fc2.shape[1] % per_row:
@@ -63,6 +69,13 @@ class GroupedExperts(SequentialMLP):
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         """``hidden`` [T, h] sorted by local expert, ``tokens_per_expert`` [E], ``probs`` [T] -> ([T, h], None)."""
+        if self.grouped_kernel:
+            return self.grouped_forward(hidden, tokens_per_expert, probs)
+        return super().forward(hidden, tokens_per_expert, probs)
+
+    def grouped_forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
+        """:meth:`forward` as grouped GEMMs, whichever the device's choice (only ``SequentialMLP``'s attributes are
+        read: tests and the benchmark call it on either module)."""
         if self.config.moe_apply_probs_on_input:
             hidden = probs.unsqueeze(-1).to(hidden.dtype) * hidden
             probs = torch.ones_like(probs)

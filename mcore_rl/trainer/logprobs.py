@@ -21,14 +21,14 @@ LM_HEAD_CHUNK_BYTES = 256 << 20
 LM_HEAD_CHUNK_COPIES = 3  # fp32 chunks alive at once: logits, exponentials (probabilities), products or gradient
 
 
-def _chunk(logits: torch.Tensor, rows: slice, valid: int) -> torch.Tensor:
-    """``logits[rows]`` in fp32 (a view of fp32 logits: never written to) with the padded vocabulary (local ids >=
-    ``valid``) at the dtype's minimum."""
+def _chunk(logits: torch.Tensor, rows: slice, valid: int) -> tuple[torch.Tensor, bool]:
+    """``logits[rows]`` in fp32 with the padded vocabulary (local ids >= ``valid``) at the dtype's minimum, and
+    whether that is a copy the caller may overwrite (else a view of fp32 logits, never written to)."""
     z = logits[rows].float()
     if valid < z.shape[-1]:
         padded = torch.arange(z.shape[-1], device=z.device) >= max(valid, 0)
-        z = z.masked_fill(padded, torch.finfo(logits.dtype).min)
-    return z
+        return z.masked_fill(padded, torch.finfo(logits.dtype).min), True
+    return z, logits.dtype != torch.float32
 
 
 def _local_targets(targets: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,11 +57,12 @@ class _VocabParallelScores(torch.autograd.Function):
         mean = torch.empty_like(top) if entropy else None
         for begin in range(0, count, step):
             rows = slice(begin, begin + step)
-            z = _chunk(flat, rows, valid)
+            z, copy = _chunk(flat, rows, valid)
             top[rows] = all_reduce_(z.max(dim=-1).values, group, "max")
-            exp = (z - top[rows, None]).exp_()
             local, inside = _local_targets(ids[rows], start, width)
             picked = torch.where(inside, z.gather(-1, local[:, None]).squeeze(-1) - top[rows], 0.0)
+            shifted = z.sub_(top[rows, None]) if copy and not entropy else z - top[rows, None]  # z: for the entropy
+            exp = shifted.exp_()
             sums = all_reduce_(torch.stack([exp.sum(dim=-1), picked]), group)
             total[rows], logp[rows] = sums[0], sums[1] - torch.log(sums[0])
             if entropy:
@@ -79,27 +80,30 @@ class _VocabParallelScores(torch.autograd.Function):
         vocab_size, start, step = ctx.meta
         width = logits.shape[-1]
         flat, ids = logits.reshape(-1, width), targets.reshape(-1)
-        grad = torch.zeros_like(flat)
+        grad = torch.empty_like(flat)  # every row is written below, in the logits' dtype
         g_logp = grad_logp.reshape(-1) if grad_logp is not None else None
         g_entropy = grad_entropy.reshape(-1) if grad_entropy is not None else None
+        lse = top + torch.log(total)  # p = exp(z - lse): the forward's softmax, in one pass
         valid = vocab_size - start
         for begin in range(0, flat.shape[0], step):
             rows = slice(begin, begin + step)
-            z = _chunk(flat, rows, valid)
-            p = (z - top[rows, None]).exp_().div_(total[rows, None])
+            z, copy = _chunk(flat, rows, valid)
             if g_entropy is None:  # -p g everywhere, + g at the target below
-                chunk = p.mul_(-g_logp[rows, None])
-            else:  # -p (g + g_H (z - sum p z))
-                scale = (z - mean[rows, None]).mul_(g_entropy[rows, None])
+                p = (z.sub_(lse[rows, None]) if copy else z - lse[rows, None]).exp_()
+                torch.mul(p, -g_logp[rows, None], out=grad[rows])
+            else:  # -p (g + g_H (z - sum p z)), and the same + g at the target
+                p = (z - lse[rows, None]).exp_()
+                scale = z.sub_(mean[rows, None]) if copy else z - mean[rows, None]
+                scale.mul_(g_entropy[rows, None])
                 if g_logp is not None:
                     scale.add_(g_logp[rows, None])
-                chunk = scale.mul_(p).neg_()
+                torch.mul(scale, p.neg_(), out=grad[rows])
             if g_logp is not None:
                 local, inside = _local_targets(ids[rows], start, width)
-                chunk.scatter_add_(-1, local[:, None], torch.where(inside, g_logp[rows], 0.0)[:, None])
+                target = torch.where(inside, g_logp[rows], 0.0).to(grad.dtype)
+                grad[rows].scatter_add_(-1, local[:, None], target[:, None])
             if valid < width:
-                chunk[:, max(valid, 0) :] = 0  # padded entries: p = 0, but (z - mean) is near the dtype's minimum
-            grad[rows] = chunk
+                grad[rows, max(valid, 0) :] = 0  # padded entries: p = 0, but (z - mean) is near the dtype's minimum
         return grad.view(logits.shape), None, None, None, None, None
 
 

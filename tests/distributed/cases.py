@@ -95,9 +95,16 @@ def _grads_by_name(chunks) -> dict[str, torch.Tensor]:
     return {lp.slot: lp.param.grad.clone() for lp in local_params(chunks) if lp.param.grad is not None}
 
 
+def _grouped_kernel(chunks) -> None:
+    """Routed experts as grouped GEMMs also where the device would choose Megatron's loop (on CPU)."""
+    for module in (m for chunk in chunks for m in chunk.modules() if isinstance(m, GroupedExperts)):
+        module.grouped_kernel = True
+
+
 def experts_grouped_vs_sequential(hf_dir: str, layout: dict, tokens: torch.Tensor) -> dict[str, float]:
     """Max |grouped - sequential| of: the loss, every parameter gradient of the whole model (same weights, both
-    expert implementations); and of one experts module called directly with uneven and zero token counts."""
+    expert implementations); and of one experts module called directly with uneven and zero token counts. And the
+    kernel choices of the grouped model as built (``chosen``)."""
     runs = []
     for grouped in (True, False):
         parallel = ParallelConfig(**layout)
@@ -105,6 +112,9 @@ def experts_grouped_vs_sequential(hf_dir: str, layout: dict, tokens: torch.Tenso
         bridge = get_bridge(hf_dir)
         chunks = bridge.build_model(bridge.transformer_config(parallel, moe_grouped_gemm=grouped))
         load_weights(chunks, bridge, hf_dir, groups)
+        if grouped:  # the device's choice first (the loop, on CPU), then the kernel to compare
+            chosen = {m.grouped_kernel for chunk in chunks for m in chunk.modules() if isinstance(m, GroupedExperts)}
+            _grouped_kernel(chunks)
         positions = torch.arange(tokens.shape[1] - 1).expand(tokens.shape[0], -1)
         loss = -token_logprobs(
             chunks[0](tokens[:, :-1], positions, None), tokens[:, 1:], bridge.vocab_size, groups.tp
@@ -114,6 +124,7 @@ def experts_grouped_vs_sequential(hf_dir: str, layout: dict, tokens: torch.Tenso
     (loss_g, grads_g), (loss_s, grads_s) = runs
     assert grads_g.keys() == grads_s.keys() and any("local_experts" in n for n in grads_g)
     out = {
+        "chosen": sorted(chosen),
         "loss": (loss_g - loss_s).abs().item(),
         "grads": max((grads_g[n] - grads_s[n]).abs().max().item() for n in grads_g),
     }
@@ -125,7 +136,7 @@ def experts_grouped_vs_sequential(hf_dir: str, layout: dict, tokens: torch.Tenso
     hidden = torch.randn(int(counts.sum()), experts.config.hidden_size, generator=torch.Generator().manual_seed(3))
     probs = torch.rand(hidden.shape[0], generator=torch.Generator().manual_seed(4))
     results = []
-    for forward in (GroupedExperts.forward, SequentialMLP.forward):
+    for forward in (GroupedExperts.grouped_forward, SequentialMLP.forward):
         x = hidden.clone().requires_grad_()
         for param in experts.parameters():
             param.grad = None
@@ -807,6 +818,8 @@ def lora_sgd_step(
     from parallel.comm import all_gather_objects
 
     bridge, config, chunks, groups = _load(hf_dir, layout, **({} if grouped else {"moe_grouped_gemm": False}))
+    if grouped:
+        _grouped_kernel(chunks)  # its own LoRA path (models.experts._with_lora)
     lora = LoRAConfig(rank=rank, alpha=2.0 * rank, targets=targets, dropout=dropout, train_router=train_router)
     attach_lora(chunks, lora, seed=7, tp_group=groups.tp)
     routers = {slot: copy._router[0].weight for slot, copy in router_copies(chunks).items()}

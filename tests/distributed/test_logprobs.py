@@ -29,13 +29,14 @@ def test_chunked_scores_equal_full_vocab_and_unchunked(ranks):
                             chunk_bytes=sizes)  # fmt: skip
         for result in (r for per_rank in results for r in per_rank):
             before = result["runs"]["before"]
-            exact = 1e-6 if result["dtype"] == "torch.float32" else 1e-2  # bf16 gradients: one rounding apart
+            # gradients: fp32 within a few ulps (p from exp(z - lse), not exp(z - max) / sum), bf16 one rounding apart
+            exact = 1e-5 if result["dtype"] == "torch.float32" else 1e-2
             for size in sizes:
                 logp, entropy, grad, scored_logp, scored_entropy = result["runs"][size]
                 what = (tp, size, result["dtype"], result["weights"])
                 assert (logp - before[0]).abs().max() <= 1e-6, what
                 assert (entropy - before[1]).abs().max() <= 1e-6, what
-                assert torch.allclose(grad, before[2], rtol=exact, atol=1e-6), what
+                assert torch.allclose(grad, before[2], rtol=exact, atol=1e-6), (what, (grad - before[2]).abs().max())
                 assert torch.equal(scored_logp, logp) and torch.equal(scored_entropy, entropy), what  # scoring
             if result["dtype"] == "torch.float32":
                 ref_logp, ref_entropy, ref_grad = _reference(logits, targets, result["weights"])

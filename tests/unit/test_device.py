@@ -223,6 +223,13 @@ def test_each_device_gets_every_fix_that_is_not_about_the_cpu():
     ], run.stdout
 
 
+def test_routed_experts_are_grouped_only_where_the_kernel_is_faster():
+    """Grouped GEMMs on CUDA for more than one local expert; Megatron's loop on CPU (slower there at every
+    measured count) and for a single local expert, whatever the device."""
+    assert [CUDA.grouped_experts(n) for n in (1, 2, 8, 256)] == [False, True, True, True]
+    assert not any(Device("cpu").grouped_experts(n) for n in (1, 2, 8, 256))
+
+
 def test_a_gpu_rank_initialises_its_shards_on_its_gpu_with_its_share_of_the_cores(monkeypatch, tiny_models):
     """Defect 7: every layer's full fp32 master weight was built on CPU on GPUs too (``use_cpu_initialization``
     everywhere), by a Ray actor left with one thread. A GPU rank initialises on its GPU, with its GPU's share of
