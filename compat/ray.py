@@ -19,6 +19,10 @@ to start): the start is tried once more.
 through the state API of the dashboard (off in mcore-rl's clusters); :func:`job_actors` reads the GCS actor table
 that ``ray._private.state.actors`` returns (ray 2.60: keys ``Name``, ``Pid``, ``Address.NodeID``,
 ``ActorClassName``, checked).
+
+**Object store traffic.** What a run puts into the object store per episode (:func:`object_store_created_bytes`)
+is a raylet counter, ``cumulative_created_bytes`` of each node's store stats, reached only through
+``ray._private.internal_api.node_stats`` (ray 2.60, checked).
 """
 
 from __future__ import annotations
@@ -136,3 +140,22 @@ def job_actors() -> list[JobActor]:
                 handle = ray.get_actor(info["Name"])
         actors.append((info["StartTime"], JobActor(name, info["Pid"], info["Address"]["NodeID"], handle)))
     return [actor for _, actor in sorted(actors, key=lambda item: item[0])]
+
+
+def object_store_created_bytes() -> int:
+    """Bytes created in the object stores of the cluster's live nodes since they started (see above)."""
+    import ray
+    from ray._private import internal_api
+
+    total = 0
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        stats = internal_api.node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], False).store_stats
+        if not hasattr(stats, "cumulative_created_bytes"):
+            raise UpstreamChangedError(
+                f"ray {RAY}x's object store stats counted cumulative_created_bytes; this Ray's do not: update "
+                "object_store_created_bytes in compat/ray.py"
+            )
+        total += stats.cumulative_created_bytes
+    return total

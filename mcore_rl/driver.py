@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from compat.ray import object_store_created_bytes
 from converters.hf_io import copy_model_files
 from mcore_rl import checkpoint
 from mcore_rl.agent.trajectory import Trajectory
@@ -68,12 +69,12 @@ def save_resolved_config(config: RunConfig, out: Path) -> None:
 
 class Timer:
     """Seconds of each phase of an episode (``time/<name>``): ``with timer("train"): ...``; the hang watchdog
-    watches each phase while it runs."""
+    watches each phase while it runs. Also the bytes the episode put through Ray's object store."""
 
     def __init__(self, watchdog: Watchdog, episode: int):
         self.watchdog, self.episode = watchdog, episode
         self.metrics: dict[str, float] = {}
-        self.start = time.perf_counter()
+        self.start, self.stored = time.perf_counter(), object_store_created_bytes()
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -88,6 +89,7 @@ class Timer:
         return self.metrics | {
             "time/episode": seconds,
             "throughput/response_tokens_per_s": metrics["batch/response_tokens"] / seconds,
+            "throughput/object_store_bytes": object_store_created_bytes() - self.stored,
         }
 
 

@@ -9,6 +9,7 @@ one), so scheduling takes the same path everywhere.
 from __future__ import annotations
 
 import ray
+import torch
 from ray.util import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -113,7 +114,12 @@ class ActorGroup:
 
     def call(self, method: str, *args, **kwargs) -> list:
         """``method`` on every rank; the ranks' results in rank order. A rank's error is raised as soon as it
-        happens: its peers may be waiting for it in a collective, which would never return."""
+        happens: its peers may be waiting for it in a collective, which would never return. Batches (dicts and
+        tensors) go into the object store once and every rank reads that copy: passed by value, Ray would store
+        one per rank."""
+        if len(self.actors) > 1:
+            args = tuple(_shared(value) for value in args)
+            kwargs = {key: _shared(value) for key, value in kwargs.items()}
         refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
         pending = refs
         while pending:
@@ -124,6 +130,11 @@ class ActorGroup:
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
+
+
+def _shared(value):
+    """``value`` in the object store (a reference every rank resolves to it) if it is a batch, else itself."""
+    return ray.put(value) if isinstance(value, dict | torch.Tensor) else value
 
 
 def rendezvous(placement: Placement, count: int, bundle: int = 0) -> list[tuple[str, int]]:
