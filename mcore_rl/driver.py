@@ -231,7 +231,8 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
                     batch, run.config.runtime_args.train_global_batch_size, m.critic.micro_batch_size
                 )
                 metrics |= critic_metrics(steps, batch)
-        if system.critic is None or version > m.critic.warmup_episodes:  # the critic's warm-up trains it alone
+        trains = system.critic is None or version > m.critic.warmup_episodes  # the critic's warm-up: it alone
+        if trains:
             with timer("train"):
                 metrics |= train_policy(run, batch)
         if before_sync is not None:
@@ -241,7 +242,7 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
             system.trainer.push_weights(version)
     with timer("sync"):
         sync = system.verify_sync()  # the engines' KV caches return after the trainer's weights left
-    if "memory/trainer_bytes" in metrics:
+    if trains:
         metrics["memory/trainer_offloaded_bytes"] += weights.offloaded
     return metrics | {f"sync/{k}": v for k, v in sync.items()} | batch_sizes(batch, m.policy.num_inference_per_prompt)
 
