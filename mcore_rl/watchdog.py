@@ -157,11 +157,11 @@ class Watchdog:
                     continue
                 self._reported = True
             try:
-                self.overdue = self._report(name, episode, seconds, limit)
+                self._report(name, episode, seconds, limit)
             except Exception:  # noqa: BLE001 - the watchdog must not take the run down
                 log.exception("watchdog: reporting phase %r failed", name)
 
-    def _report(self, name: str, episode: int, seconds: float, limit: float) -> Overdue:
+    def _report(self, name: str, episode: int, seconds: float, limit: float) -> None:
         from compat.ray import job_actors
 
         actors = job_actors()
@@ -175,6 +175,7 @@ class Watchdog:
             for actor in actors:
                 state = "NOT ANSWERING" if actor.name in silent else "answering"
                 f.write(f"=== {actor.name} (pid {actor.pid}, {state}) ===\n{stacks[actor.name]}\n")
+        self.overdue = found  # before any kill: the killed call's caller reads it (raise_if_stopped)
         if self.config.action == "stop":
             import ray
 
@@ -184,7 +185,6 @@ class Watchdog:
             log.error("watchdog: %s; stopping the run (runtime_args.watchdog.action=stop)", found)
         else:
             log.error("watchdog: %s; waiting (runtime_args.watchdog.action=wait)", found)
-        return found
 
 
 def _silent(actors, seconds: float) -> set[str]:

@@ -10,7 +10,7 @@ import torch
 from mcore_rl.trainer.logprobs import token_logprobs
 from mcore_rl.trainer.packing import pack_rows
 from parallel.context import shard_micro_batch
-from tests.distributed.cases import _load
+from tests.distributed.cases import _grouped_kernel, _load
 
 
 def saved_bytes(hf_dir: str, layout: dict, lengths: list[int], seed: int = 0) -> dict[str, int]:
@@ -18,6 +18,7 @@ def saved_bytes(hf_dir: str, layout: dict, lengths: list[int], seed: int = 0) ->
     micro-batch of sequences of ``lengths``, by owner: ``layer<i>`` (global index), ``head`` (final norm, output
     layer and loss) and ``other``; and the micro-batch's ``tokens`` and ``sequence`` (mean length)."""
     bridge, _, chunks, groups = _load(hf_dir, layout)
+    _grouped_kernel(chunks)  # the experts' path the planner counts: GPUs' (the loop, on CPU, saves no stacked copy)
     (model,) = chunks
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     owner, seen = ["other"], {}
