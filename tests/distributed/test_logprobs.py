@@ -22,7 +22,7 @@ def test_chunked_scores_equal_full_vocab_and_unchunked(ranks):
     logits = torch.randn(2, 5, vocab, generator=generator) * 3
     targets = torch.randint(0, vocab, (2, 5), generator=generator)
     # one position a chunk, three (the last chunk short), and the whole micro-batch in one
-    for tp in (1, 2, 4):
+    for tp in (1, 4):  # 4: shards of the whole vocabulary, a partly padded one and a wholly padded one
         width = -(-vocab // (128 * tp)) * 128
         sizes = [4 * width, 3 * 4 * width, 1 << 30]
         results = ranks.run(cases.vocab_parallel_scores, logits=logits, targets=targets, vocab_size=vocab, tp=tp,
