@@ -111,8 +111,10 @@ def _measure(spec: dict) -> dict | str:
 
 
 def suite(out: Path, hardware, report: Report) -> None:
+    from parallel.device import Device
+
     free, rows = _free_bytes(), []
-    dtype_bytes = 2 if torch.cuda.is_available() else 4
+    dtype_bytes = Device.current().params_dtype.itemsize  # the inputs' dtype, as _one makes them
     for name, vocab, hidden in HEADS:
         for tokens in TOKENS:
             for bonus in (False, True):

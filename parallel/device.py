@@ -121,9 +121,9 @@ class Device:
         """Whether a rank's routed experts run as grouped GEMMs (:class:`models.experts.GroupedExperts`: the
         local experts' weights stacked, one kernel per projection) or as Megatron's loop over the experts. Grouped
         on CUDA for more than one local expert; the loop on CPU, where torch's ``grouped_mm`` multiplies the groups
-        one by one after the stacking copy (``python -m benchmarks experts``: the grouped kernel at 0.57-1.04x
-        the loop's rows/s over 8-128 experts on the 2-core machine), and for a single expert, where there is
-        nothing to group."""
+        one by one after the stacking copy (``python -m benchmarks experts``: the grouped kernel at 0.53-1.04x
+        the loop's rows/s over 2-256 experts on the 2-core machine, 1.5-16x on an H200), and for a single
+        expert, where there is nothing to group."""
         return self.cuda and num_local_experts > 1
 
     def layer_backend(self, requested: str) -> str:
