@@ -48,7 +48,7 @@ from mcore_rl.loggers import flat_params
 from mcore_rl.metrics import MetricsLogger, plot_curves
 from mcore_rl.rewards.judge import PARSERS, Verdicts
 from mcore_rl.rewards.user import Rewards
-from mcore_rl.roles.system import System
+from mcore_rl.roles.system import System, connect_ray
 from mcore_rl.rollout.sampler import make_sampler
 from mcore_rl.watchdog import Watchdog
 
@@ -408,17 +408,25 @@ def _load_newest(system: System, root: Path):
 
 
 def run(config: RunConfig) -> Path:
+    import ray
+
     rt = config.runtime_args
     # Missing or truncated weights, tokenizers the roles cannot share, bad data, or a reward function that returns no
-    # number: stopped before any write.
-    config.check_files()
-    data = Data(config)
-    check_user_code(config, data.train.batch(0, 1)[0].row)
+    # number: stopped before any write, while Ray starts (seconds of waiting for its processes).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        checked = pool.submit(check_inputs, config)
+        started_ray = connect_ray(config)
+        try:
+            data = checked.result()
+        except BaseException:
+            if started_ray:
+                ray.shutdown()
+            raise
     out = Path(rt.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_resolved_config(config, out)
     ckpt_root = out / "checkpoints"
-    system = System(config)
+    system = System(config, started_ray)
     log_file = setup_driver(out / "logs")
     watchdog = Watchdog(rt.watchdog, out / "logs")
     start, progress, logger = 0, DataProgress(), None
@@ -455,6 +463,14 @@ def run(config: RunConfig) -> Path:
     png = plot_curves(out / "metrics.jsonl", out / "curves.png")
     log.info("metrics: %s ; curves: %s", out / "metrics.jsonl", png)
     return out
+
+
+def check_inputs(config: RunConfig) -> Data:
+    """The model directories' files, the data, and the user's code on the first prompt: the run's data."""
+    config.check_files()
+    data = Data(config)
+    check_user_code(config, data.train.batch(0, 1)[0].row)
+    return data
 
 
 def check_user_code(config: RunConfig, row) -> None:

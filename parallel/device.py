@@ -187,6 +187,11 @@ class Device:
             return requested
         return "bfloat16" if self.cuda else "float32"
 
+    def engines_start_beside_roles(self, colocated: bool) -> bool:
+        """Whether the rollout engines start while the Megatron roles do (their imports and loads overlap), or once
+        those are up (and offloaded): on GPUs the engines share, vLLM sizes its KV cache by the memory they leave."""
+        return not (self.cuda and colocated)
+
     def engine_args(self, config, colocated: bool) -> dict:
         """``vllm.LLM`` arguments for memory and workers under a ``RolloutConfig``.
 
@@ -210,4 +215,7 @@ class Device:
             # Colocated, the trainer is idle while the engine runs; disaggregated, the engine is bound to its own
             # devices' cores: either way no core is held back.
             env |= {"VLLM_CPU_OMP_THREADS_BIND": cpu_threads_bind, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+            # The CPU engine runs eager (enforce_eager), but vLLM 0.32 still compiles its sampler's helpers with
+            # Inductor: 2 s of a process's first log-probs, for a kernel that saves one boolean copy of the logits
+            env["TORCHDYNAMO_DISABLE"] = "1"
         return env

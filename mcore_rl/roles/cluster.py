@@ -139,10 +139,14 @@ def _shared(value):
 
 def rendezvous(placement: Placement, count: int, bundle: int = 0) -> list[tuple[str, int]]:
     """``count`` distinct addresses on the node of ``bundle``, where the rank 0 of the roles that use them runs;
-    loopback ones when the cluster is that one node."""
+    loopback ones when the cluster is that one node. Chosen here when this process runs on that node (a task
+    elsewhere costs a worker's start: seconds)."""
     from parallel.transfer import free_addresses
 
-    return ray.get(ray.remote(free_addresses).options(**placement.options(bundle)).remote(count, single_node()))
+    alive = [node["NodeID"] for node in ray.nodes() if node["Alive"]]
+    if alive == [ray.get_runtime_context().get_node_id()]:
+        return free_addresses(count, loopback=True)
+    return ray.get(ray.remote(free_addresses).options(**placement.options(bundle)).remote(count, len(alive) == 1))
 
 
 def single_node() -> bool:

@@ -3,6 +3,7 @@ other user code bounded in time."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -12,7 +13,7 @@ import ray
 from mcore_rl.rewards.user import Rewards, RewardTerm
 from mcore_rl.roles.cluster import Placement
 from mcore_rl.rollout.engine import Completion, RolloutConfig, SamplingConfig, thread_binding
-from mcore_rl.rollout.remote import launch_engines, stop_engine
+from mcore_rl.rollout.remote import launch_engines, stop_engine, wait_engines
 from mcore_rl.userfile import UserCodeError
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,11 @@ class RolloutGroup:
         name: str,
         colocated: bool,
         cores: list[list[int]] | None = None,
+        wait: bool = True,
     ) -> RolloutGroup:
         """``colocated``: the engines take turns with the trainer on ``devices`` (and sleep while it trains).
-        ``cores``: each device's CPU cores, where the engines must keep to their own (CPU, disaggregated)."""
+        ``cores``: each device's CPU cores, where the engines must keep to their own (CPU, disaggregated).
+        ``wait``: until the engines are up (else :meth:`wait_ready` does)."""
         tp = config.tensor_parallel_size
         firsts = range(devices.start, devices.stop, tp)
         configs = [config] * len(firsts)
@@ -55,7 +58,10 @@ class RolloutGroup:
                 for first in firsts
             ]
         launches = [(f"{name}-{i}", placement.engine_options(first, tp)) for i, first in enumerate(firsts)]
-        return cls(launch_engines(model_dir, configs, launches, colocated), tp)
+        return cls(launch_engines(model_dir, configs, launches, colocated, wait), tp)
+
+    def wait_ready(self) -> None:
+        wait_engines(self.engines)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[Completion]]:
         """Prompts spread evenly over the replicas, generated concurrently; results in prompt order."""
@@ -106,7 +112,8 @@ class RolloutGroup:
 
     def stop(self) -> None:
         for engine in self.engines:
-            stop_engine(engine)
+            with contextlib.suppress(ray.exceptions.RayActorError):  # one that failed to start is gone already
+                stop_engine(engine)
 
 
 class BoundedPool:

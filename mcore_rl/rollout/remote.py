@@ -21,11 +21,11 @@ def launch_engines(
     config: RolloutConfig | list[RolloutConfig],
     launches: list[tuple[str | None, dict]],
     colocated: bool = True,
+    wait: bool = True,
 ) -> list:
     """Start one ``RolloutEngine`` actor per ``(name, Ray actor options)`` (with ``config``, or its own of a list;
-    ``colocated`` with the trainer, or on devices of their own) and wait until all are up: they import vLLM and load
-    the model side by side, not in turn. Start-up errors surface here, not at the first call; the engines of a
-    launch that failed are stopped."""
+    ``colocated`` with the trainer, or on devices of their own): they import vLLM and load the model side by side,
+    not in turn. ``wait``: until all are up (else :func:`wait_engines` does, so they start beside other roles)."""
     engine = ray.remote(RolloutEngine)
     configs = config if isinstance(config, list) else [config] * len(launches)
     # An engine shares its device's CPUs with the trainer it takes turns with, or has its own: it reserves none.
@@ -33,6 +33,14 @@ def launch_engines(
         engine.options(name=name, **{"num_cpus": 0} | options).remote(str(model_dir), c, colocated)
         for (name, options), c in zip(launches, configs, strict=True)
     ]
+    if wait:
+        wait_engines(actors)
+    return actors
+
+
+def wait_engines(actors: list) -> None:
+    """Wait until the engines are up: start-up errors surface here, not at the first call; the engines of a launch
+    that failed are stopped."""
     try:
         ray.get([actor.__ray_ready__.remote() for actor in actors])
     except BaseException:
@@ -40,7 +48,6 @@ def launch_engines(
             with contextlib.suppress(Exception):  # the failed one answers nothing
                 stop_engine(actor)
         raise
-    return actors
 
 
 def launch_engine(model_dir: str | Path, config: RolloutConfig, *, name: str | None = None, **options):

@@ -107,6 +107,9 @@ def test_engine_arguments_are_ones_vllm_accepts():
     assert CPU.engine_args(config, colocated=True) == dict(kv_cache_memory_bytes=1 << 30)
     for args in (cuda, own, CPU.engine_args(config, colocated=True)):
         EngineArgs(model="unused", **args)  # a misspelt or removed argument is a TypeError here
+    # GPUs shared with the trainer: vLLM sizes its KV cache by what the loaded (and offloaded) roles leave free
+    assert not CUDA.engines_start_beside_roles(colocated=True) and CUDA.engines_start_beside_roles(colocated=False)
+    assert CPU.engines_start_beside_roles(colocated=True) and CPU.engines_start_beside_roles(colocated=False)
     assert (CUDA.engine_dtype("auto"), CPU.engine_dtype("auto"), CPU.engine_dtype("bfloat16")) == (
         "bfloat16",
         "float32",
@@ -117,6 +120,7 @@ def test_engine_arguments_are_ones_vllm_accepts():
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_OMP_THREADS_BIND": "0|1",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "TORCHDYNAMO_DISABLE": "1",
     }
 
 
