@@ -259,20 +259,23 @@ def score_references(run: Run, batch: dict) -> None:
 
 
 def score_old(run: Run, batch: dict) -> None:
-    """The policy's log-probs before its steps (``old_logp``): the first step's rows score their own, unless the
-    advantages read them before any step."""
+    """The policy's log-probs before its steps, kept on its ranks for its steps: the first step's rows score their
+    own, unless the advantages read them (``old_logp``) before any step."""
     trainer = run.config.models.policy_trainer
-    first = 0 if trainer.reward_kl_coef or trainer.distill_coef else run.config.runtime_args.train_global_batch_size
+    reads = bool(trainer.reward_kl_coef or trainer.distill_coef)
+    first = 0 if reads else run.config.runtime_args.train_global_batch_size
     later = {k: v[first:] for k, v in batch.items()}
-    if len(later["tokens"]):
-        batch["old_logp"] = run.system.trainer.logprobs(later, trainer.micro_batch_size)
+    old = run.system.trainer.score_old(later, trainer.micro_batch_size, fetch=reads)
+    if reads:
+        batch["old_logp"] = old
 
 
 def train_policy(run: Run, batch: dict) -> dict[str, float]:
     """The policy's optimizer steps on the batch; ``train/*`` (means over the steps), router and memory metrics."""
     system, trainer = run.system, run.config.models.policy_trainer
     with system.on_device(system.trainer, ["optimizer"]) as optimizer:
-        steps = system.trainer.train(batch, run.config.runtime_args.train_global_batch_size, trainer.micro_batch_size)
+        kept = {k: v for k, v in batch.items() if k != "old_logp"}  # the ranks kept theirs
+        steps = system.trainer.train(kept, run.config.runtime_args.train_global_batch_size, trainer.micro_batch_size)
         memory = system.trainer.memory_bytes()
     metrics = {f"train/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
     metrics |= {f"train/first_step_{k}": steps[0][k] for k in ("ratio_mean", "kl") if k in steps[0]}

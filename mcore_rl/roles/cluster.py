@@ -127,6 +127,11 @@ class ActorGroup:
             ray.get(done)  # raises a failed rank's error
         return ray.get(refs)
 
+    def ask(self, method: str, *args, **kwargs):
+        """``method`` on every rank (:meth:`call`); rank 0's result, which every rank computes (the others keep
+        theirs: a rank's ``answer``)."""
+        return self.call("answer", method, *args, **kwargs)[0]
+
     def kill(self) -> None:
         for actor in self.actors:
             ray.kill(actor)

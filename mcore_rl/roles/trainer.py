@@ -13,7 +13,7 @@ class ReferenceGroup(ActorGroup):
     """The reference policy's ranks (:class:`mcore_rl.trainer.ranks.MegatronRank`)."""
 
     def logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
-        return self.call("logprobs", batch, micro_batch_size)[0]
+        return self.ask("logprobs", batch, micro_batch_size)
 
     def offload(self, parts: list[str] | None = None) -> int:
         """Bytes freed on the devices, summed over ranks (0 on CPU)."""
@@ -31,7 +31,7 @@ class RewardModelGroup(ReferenceGroup):
 
     def scores(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         """The score [N] of each row of ``batch`` (``tokens``, ``lengths``): its value at its last token."""
-        return self.call("sequence_scores", batch, micro_batch_size)[0]
+        return self.ask("sequence_scores", batch, micro_batch_size)
 
 
 class TrainedGroup(ReferenceGroup):
@@ -58,7 +58,7 @@ class CriticGroup(TrainedGroup):
     """PPO's critic's ranks (:class:`mcore_rl.trainer.value.ValueTrainer`)."""
 
     def values(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
-        return self.call("values", batch, micro_batch_size)[0]
+        return self.ask("values", batch, micro_batch_size)
 
 
 class TrainerGroup(TrainedGroup):
@@ -68,6 +68,11 @@ class TrainerGroup(TrainedGroup):
         self, engines: list, colocated: bool, engine_tp: int, sync: SyncConfig, dtype: str, drafts: bool = False
     ) -> None:
         self.call("connect_engines", engines, colocated, engine_tp, sync, dtype, drafts)
+
+    def score_old(self, batch: dict, micro_batch_size: int, fetch: bool) -> torch.Tensor | None:
+        """The policy's log-probs of ``batch`` (the last rows of the next :meth:`train`'s) before its steps, kept on
+        the ranks for it; returned only where the driver reads them (``fetch``)."""
+        return self.ask("score_old", batch, micro_batch_size, fetch)
 
     def push_weights(self, version: int) -> None:
         """Stream the weights into the engines as policy ``version``; :meth:`verify_sync` completes the sync."""
@@ -79,7 +84,7 @@ class TrainerGroup(TrainedGroup):
 
     def base_logprobs(self, batch: dict, micro_batch_size: int) -> torch.Tensor:
         """Log-probs of the model with its LoRA adapters off: a LoRA run's reference policy."""
-        return self.call("base_logprobs", batch, micro_batch_size)[0]
+        return self.ask("base_logprobs", batch, micro_batch_size)
 
     def router_metrics(self) -> dict:
         return self.call("router_metrics")[0]

@@ -54,6 +54,7 @@ class PolicyTrainer(TrainableRank):
             else None
         )
         self.sync: WeightSync | None = None
+        self._old_logp: torch.Tensor | None = None  # :meth:`score_old`'s, until :meth:`train` takes them
 
     def _model_overrides(self) -> dict:
         return super()._model_overrides() | self.moe.overrides(self.bridge)
@@ -94,6 +95,13 @@ class PolicyTrainer(TrainableRank):
         with adapters_off(self.chunks):
             return self.logprobs(batch, micro_batch_size)
 
+    def score_old(self, batch: dict, micro_batch_size: int, fetch: bool) -> torch.Tensor | None:
+        """The policy's log-probs of ``batch`` (the last rows of the next :meth:`train`'s, or none) before its
+        steps, kept here for them (every rank holds them after scoring): old log-probs never travel to the driver
+        and back. Returned where the driver reads them (``fetch``: a KL penalty in the reward, distillation)."""
+        self._old_logp = self.logprobs(batch, micro_batch_size) if len(batch["tokens"]) else None
+        return self._old_logp if fetch else None
+
     # ---- training -----------------------------------------------------------------------------------------
     def _loss_fn(self, batch: dict, output: torch.Tensor | MTPOutput):
         vocab = self.bridge.vocab_size
@@ -123,11 +131,12 @@ class PolicyTrainer(TrainableRank):
     def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
         """Optimizer steps over ``batch`` in global batches of ``global_batch_size`` rows; metrics per step.
 
-        ``batch["old_logp"]`` covers its last rows (all, or those after the first step): a step without them is
-        the first, whose old policy is the current one (:meth:`_loss_fn`).
+        The old log-probs (``batch["old_logp"]``, else those :meth:`score_old` kept) cover its last rows (all, or
+        those after the first step): a step without them is the first, whose old policy is the current one
+        (:meth:`_loss_fn`).
         """
         batch = dict(batch)
-        old = batch.pop("old_logp", None)
+        old, self._old_logp = batch.pop("old_logp", self._old_logp), None
         first_old = batch["tokens"].shape[0] - (old.shape[0] if old is not None else 0)
         steps = []
         for start in range(0, batch["tokens"].shape[0], global_batch_size):

@@ -96,6 +96,12 @@ class MegatronRank:
             raise ValueError("routing replay is on, but the batch has no routed_experts from the rollout engine")
         return ("routed_experts",)
 
+    def answer(self, method: str, *args, **kwargs):
+        """``method``'s result on rank 0, None on the others: where every rank computes the same result, the
+        driver reads one copy (:meth:`~mcore_rl.roles.cluster.ActorGroup.ask`) and no other travels."""
+        result = getattr(self, method)(*args, **kwargs)
+        return result if self.rank == 0 else None
+
     @property
     def dp(self) -> tuple[int, int]:
         """Data-parallel size and rank: how the rows of a batch are shared (CP ranks of one DP rank share rows)."""

@@ -622,7 +622,7 @@ def policy_trainer_steps(
     hf_dir: str, layout: dict, batch: dict, share_prompts: bool, global_batch_size: int, micro_batch_size: int
 ) -> dict:
     """The policy-trainer role's log-probs of ``batch`` and its optimizer steps over it, as the driver runs them:
-    old log-probs only for the rows after the first step (whose are its own)."""
+    old log-probs scored and kept on the ranks only for the rows after the first step (whose are its own)."""
     from mcore_rl.algorithms.grpo import PolicyLossConfig
     from mcore_rl.trainer.policy import PolicyTrainer
 
@@ -633,8 +633,13 @@ def policy_trainer_steps(
         share_prompts=share_prompts,
     )  # fmt: skip
     logprobs = trainer.logprobs(batch, micro_batch_size)
-    steps = trainer.train(batch | {"old_logp": logprobs[global_batch_size:]}, global_batch_size, micro_batch_size)
-    return dict(logprobs=logprobs * batch["mask"], steps=steps)
+    later = {k: v[global_batch_size:] for k, v in batch.items()}
+    assert trainer.score_old(later, micro_batch_size, fetch=False) is None  # kept here, not returned
+    kept = trainer._old_logp
+    steps = trainer.train(batch, global_batch_size, micro_batch_size)
+    assert trainer._old_logp is None  # taken by the steps
+    kept_diff = (kept - logprobs[global_batch_size:]).abs().max().item()  # other micro-batches: float order
+    return dict(logprobs=logprobs * batch["mask"], steps=steps, kept_diff=kept_diff)
 
 
 def layout_changes_release_threads(hf_dir: str, layouts: list[dict], tokens: torch.Tensor) -> dict:

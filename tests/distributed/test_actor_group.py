@@ -1,6 +1,6 @@
 """A role's ranks called together (:meth:`mcore_rl.roles.cluster.ActorGroup.call`): one rank's error is raised at
 once, although its peers never return (they would wait for it in a collective); a batch goes into the object store
-once for all of them."""
+once for all of them, and a result every rank computes comes back once."""
 
 import time
 
@@ -9,6 +9,7 @@ import torch
 
 from compat.ray import object_store_created_bytes
 from mcore_rl.roles.cluster import ActorGroup, Placement
+from mcore_rl.trainer.ranks import MegatronRank
 
 
 class _Rank:
@@ -28,6 +29,11 @@ class _Rank:
 
     def total(self, batch: dict, scale: float) -> float:
         return float(batch["tokens"].sum()) * scale + self.rank
+
+    def scaled(self, batch: dict, scale: float) -> torch.Tensor:
+        return batch["tokens"] * scale
+
+    answer = MegatronRank.answer  # what a Megatron role's ranks answer ``ActorGroup.ask`` with
 
 
 def test_a_failing_rank_is_raised_while_its_peers_wait(ray_address):
@@ -54,6 +60,21 @@ def test_a_batch_is_stored_once_for_every_rank(ray_address):
         assert group.call("total", batch, 0.5) == [float(2 << 20) + rank for rank in range(3)]
         created = object_store_created_bytes() - before
         assert 16 << 20 <= created < 2 * (16 << 20), created  # one copy (and small results), not three
+    finally:
+        group.kill()
+        placement.remove()
+
+
+def test_a_result_every_rank_computes_comes_back_from_rank_0_alone(ray_address):
+    placement = Placement([1, 1, 1])
+    group = ActorGroup(_Rank, placement, 3, "test/actor_group_ask", ("127.0.0.1", 0))
+    batch = {"tokens": torch.ones(4 << 20)}
+    try:
+        group.call("ok")
+        before = object_store_created_bytes()
+        assert torch.equal(group.ask("scaled", batch, 0.5), batch["tokens"] * 0.5)
+        created = object_store_created_bytes() - before
+        assert 2 * (16 << 20) <= created < 3 * (16 << 20), created  # the batch and rank 0's result, not four
     finally:
         group.kill()
         placement.remove()

@@ -204,6 +204,8 @@ def test_shared_prompts_match_padded(ranks, tiny_models, arch):
         )
         for a, b in zip(padded, shared, strict=True):
             assert a["logprobs"].abs().sum() > 0 and (a["logprobs"] - b["logprobs"]).abs().max().item() <= 1e-5
+            # The second step's old log-probs are those kept on the ranks before the first: its ratio moved off 1.
+            assert a["kept_diff"] <= 1e-5 and b["kept_diff"] <= 1e-5 and abs(a["steps"][1]["ratio_mean"] - 1) > 1e-6
             for step_a, step_b in zip(a["steps"], b["steps"], strict=True):
                 for key in ("loss", "grad_norm", "ratio_mean"):
                     assert step_b[key] == pytest.approx(step_a[key], rel=1e-5, abs=1e-7), (layout, key)
