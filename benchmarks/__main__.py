@@ -7,7 +7,8 @@ checker alone, with a reward model weighted in, and with judges), lora (LoRA aga
 (grouped vs sequential experts), packing (utilisation and speed-up on long-tailed lengths), sync (trainer -> engine
 weight sync), convert (hf2mcore and mcore2hf on a generated multi-GB checkpoint), sandbox (the code sandbox's
 start-up, per-call cost and tool calls per second), lm_head (peak memory of the loss's log-probs and entropy at
-4k-32k tokens, unchunked and chunked). No suite: all. The same commands run on a GPU machine (bf16
+4k-32k tokens, unchunked and chunked), steptime (the planner's step-time model against a peer's published runs;
+the rl suite sets it against this machine's phases). No suite: all. The same commands run on a GPU machine (bf16
 peak, NCCL, CUDA IPC).
 """
 
@@ -20,13 +21,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks import agent, algorithms, convert, experts, lm_head, lora, packing, rewards, rl, sandbox, sync
+from benchmarks import agent, algorithms, convert, experts, lm_head, lora, packing, rewards, rl, sandbox, steptime, sync
 from benchmarks.hardware import measure
 from benchmarks.report import Report, table
 
 SUITES = {
     "rl": rl, "agent": agent, "algorithms": algorithms, "rewards": rewards, "lora": lora, "experts": experts,
-    "packing": packing, "sync": sync, "convert": convert, "sandbox": sandbox, "lm_head": lm_head,
+    "packing": packing, "sync": sync, "convert": convert, "sandbox": sandbox, "lm_head": lm_head, "steptime": steptime,
 }  # fmt: skip
 
 

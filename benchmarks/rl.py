@@ -85,6 +85,7 @@ class Run:
     startup: float
     episodes: list[dict]
     flops_per_token: dict | None = None  # {"body": 2 x non-embedding params, "head": 2 x LM-head params}
+    config: Path | None = None  # mcore-rl's resolved run config
 
     def median(self, key: str) -> float:
         values = [e[key] for e in self.episodes if key in e]
@@ -148,12 +149,13 @@ def run_mcore(variant: Variant, out: Path, episodes: int, repeat: int) -> Run:
                 "trainer_rss": r.get("process/trainer_rss_bytes", 0.0),
                 "engine_rss": r.get("process/engine_rss_bytes", 0.0),
                 "trainer_memory": r.get("memory/trainer_bytes", 0.0),
+                "object_store": r.get("throughput/object_store_bytes", 0.0),
             }
             | {phase: r.get(f"time/{phase}", 0.0) for phase in PHASES}
             | {k: v for k, v in r.items() if k.startswith("staleness/")}
         )
     flops = flops_per_token(config["models"]["policy_trainer"]["load"])
-    return Run(variant.name, synced - launch, rows, flops)
+    return Run(variant.name, synced - launch, rows, flops, directory / "config.yaml")
 
 
 def run_peer(out: Path, episodes: int, repeat: int, prompts: Path) -> Run:
@@ -229,6 +231,7 @@ def summary(run: Run, peak_flops: float) -> dict:
             "sync s": run.median("sync"),
             "trainer RSS GB": max(run.per_episode("trainer_rss")) / 1e9,
             "engine RSS GB": max(run.per_episode("engine_rss")) / 1e9,
+            "object store MB": run.median("object_store") / 1e6,
         }
     return out
 
@@ -243,6 +246,7 @@ def suite(out: Path, hardware: Hardware, report: Report, episodes: int, repeats:
     others = [run_mcore(v, out, episodes, 0) for v in VARIANTS if v.name in variants]
     _headline(report, ours, peers, peak, repeats, episodes)
     _phases(report, [ours[0], *others], peak)
+    _predicted(report, [ours[0], *(r for r in others if not r.name.startswith("split-"))], hardware)
     modes = [r for r in others if r.name.startswith("split-")]
     if modes:
         _modes(report, modes)
@@ -279,7 +283,8 @@ def _headline(report: Report, ours: list[Run], peers: list[Run], peak: float, re
 
 def _phases(report: Report, runs: list[Run], peak: float) -> None:
     keys = ("s/episode", "samples/s", "trained tok/s", "response tok/s", "train s", "train GFLOP/s", "train MFU",
-            "old logp s", "old logp MFU", "rollout+reward s", "sync s", "start-up s", "trainer RSS GB", "engine RSS GB")  # fmt: skip
+            "old logp s", "old logp MFU", "rollout+reward s", "sync s", "start-up s", "trainer RSS GB", "engine RSS GB",
+            "object store MB")  # fmt: skip
     sums = [summary(r, peak) for r in runs]
     rows = [[r.name, *(s.get(k, "") for k in keys)] for r, s in zip(runs, sums, strict=True)]
     plt = pyplot()
@@ -297,6 +302,42 @@ def _phases(report: Report, runs: list[Run], peak: float) -> None:
         "\n".join(f"- `{r.name}`: {what[r.name]}" for r in runs),
         table(["run", *keys], rows),
         report.figure(fig, "rl_phases", "seconds per phase"),
+    )
+
+
+# The step-time model's phases and the measured ones they predict (the rollout's includes the rewards).
+PREDICTED = {"rollout": "rollout_and_reward", "old_logprobs": "old_logprobs", "train": "train", "sync": "sync"}
+
+
+def _predicted(report: Report, runs: list[Run], hardware: Hardware) -> None:
+    """The planner's step-time model (mcore_rl/planner/steptime.py) for each run's config at its measured mean
+    lengths, on this CPU as measured above, against the run's median phases."""
+    from mcore_rl.config.schema import load_run_config
+    from mcore_rl.planner.steptime import CPU_EFFICIENCY, DeviceSpec, Lengths, step_time
+
+    rows = []
+    for run in runs:
+        config = load_run_config(run.config)
+        rt = config.runtime_args
+        # each logical device has its share of the cores (and of their matmul rate and memory bandwidth)
+        device = DeviceSpec.cpu(hardware.matmul_tflops * 1e12 / rt.num_devices, hardware.memcpy_gbps * 1e9 / rt.num_devices,
+                                CPU_EFFICIENCY, hardware.cores)  # fmt: skip
+        samples = run.median("samples")
+        response = run.median("response_tokens") / samples
+        lengths = Lengths(run.median("tokens") / samples - response, response,
+                          config.models.policy.rollout.train.max_new_tokens)  # fmt: skip
+        predicted = step_time(config, device, lengths).phases
+        for phase, measured in PREDICTED.items():
+            m = run.median(measured)
+            rows.append([run.name, phase, f"{predicted[phase]:.3g}", f"{m:.3g}", f"{predicted[phase] / m:.2f}"])
+    report.add(
+        "rl: the step-time model against the measured phases",
+        "`python -m mcore_rl.planner`'s step-time model for each run's config at its measured mean lengths (the "
+        "longest response: max_new_tokens), on this machine as measured above: each logical device with its share of "
+        f"the matmul rate and memcpy bandwidth, whole layers at {CPU_EFFICIENCY} of the matmul rate (the main job's "
+        "train MFU in benchmarks/reports/2026-11-24_cpu2: the train phase of that job is calibrated, the others are "
+        "predictions). The rollout's measured time includes the rewards.",
+        table(["run", "phase", "predicted s", "measured s", "predicted / measured"], rows),
     )
 
 

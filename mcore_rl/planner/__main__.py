@@ -3,7 +3,8 @@
 Validates the config as a run would, builds every pipeline stage of the trainer (and of the reference, when its
 layout differs) on the meta device at ``runtime_args.num_devices``, checks the whole HF <-> Megatron mapping
 against transformers' model, plans the rollout sync, and plans each phase's memory per device
-(:mod:`mcore_rl.planner.memory`, with layouts that fit when the configured one does not). Exit status 2: bad
+(:mod:`mcore_rl.planner.memory`, with layouts that fit when the configured one does not), and predicts each
+phase's time on a GPU of the device table (:mod:`mcore_rl.planner.steptime`). Exit status 2: bad
 config; 1: the mapping check found errors or the run does not fit (each printed); 0: the report (also written as
 JSON with ``--json``).
 """
@@ -14,6 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from mcore_rl.planner.steptime import DEVICES
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -23,6 +26,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device-memory-gb", type=float, help="GiB per device to plan memory for (default: runtime_args')"
     )
+    parser.add_argument(
+        "--device",
+        choices=sorted(DEVICES),
+        default="h100",
+        help="the GPU whose datasheet the step time is predicted for",
+    )
+    parser.add_argument(
+        "--lengths", type=float, nargs=3, metavar=("PROMPT", "RESPONSE", "LONGEST"),
+        help="mean prompt and response tokens and the longest response, for the step time (default: half the "
+        "config's max_prompt_tokens, half its max_new_tokens, and max_new_tokens)",
+    )  # fmt: skip
     # options and overrides in any order (the train scripts put theirs first); before the imports: --help answers
     args = parser.parse_intermixed_args(argv)
     import compat
@@ -38,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return dry_run(config, args.device_memory_gb, args.json)
+    return dry_run(config, args.device_memory_gb, args.json, DEVICES[args.device], args.lengths)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from mcore_rl.planner.memory import (
     stage_params,
 )
 from mcore_rl.planner.meta import hf_tensors, pipeline_stages
+from mcore_rl.planner.steptime import DEVICES, DeviceSpec, Lengths, step_time
+from mcore_rl.planner.steptime import describe as describe_time
 from models.registry import get_bridge
 from parallel.config import ParallelConfig
 
@@ -82,8 +84,16 @@ def _print(name: str, role: dict) -> None:
         print(f"  error: {error}")
 
 
-def dry_run(config, device_memory_gb: float | None, json_path: Path | None) -> int:
-    """Print the report of ``config`` (a validated RunConfig); 1 if the mapping check failed or it does not fit."""
+def dry_run(
+    config,
+    device_memory_gb: float | None,
+    json_path: Path | None,
+    device: DeviceSpec = DEVICES["h100"],
+    lengths: tuple[float, float, float] | None = None,
+) -> int:
+    """Print the report of ``config`` (a validated RunConfig), with its step time on ``device``s at ``lengths``
+    (mean prompt, mean response, longest response; default: from the config's limits); 1 if the mapping check
+    failed or it does not fit."""
     m, world = config.models, config.runtime_args.trainer_devices
     bridge = get_bridge(m.policy_trainer.load)
     hf = hf_tensors(bridge.hf)
@@ -118,6 +128,14 @@ def dry_run(config, device_memory_gb: float | None, json_path: Path | None) -> i
         report["memory"] = dataclasses.asdict(plan) | {"fits": fits}
     else:
         print("memory: not planned (no GPU here; give runtime_device_memory_gb or --device-memory-gb)")
+    policy = m.policy
+    shape = Lengths(*lengths) if lengths else Lengths(
+        policy.max_prompt_tokens / 2, policy.rollout.train.max_new_tokens / 2, policy.rollout.train.max_new_tokens
+    )  # fmt: skip
+    timed = step_time(config, device, shape, Architecture.from_bridge(bridge))
+    print(f"lengths: prompt {shape.prompt:g}, response {shape.response:g} (longest {shape.longest:g}) tokens")
+    print("\n".join(describe_time(timed, device)))
+    report["step_time"] = dataclasses.asdict(timed) | {"device": device.name, "lengths": dataclasses.asdict(shape)}
     if json_path:
         json_path.write_text(json.dumps(report, indent=1) + "\n")
     return 1 if not fits or any(role["errors"] for role in report["roles"].values()) else 0

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import agent, experts, hardware, lm_head, packing, rl
+from benchmarks import agent, experts, hardware, lm_head, packing, rl, steptime
 from benchmarks.report import Report, pyplot, table
 from converters.gguf2hf import default_model_dir
 
@@ -120,3 +120,12 @@ def test_agent_cold_start_examples_are_trajectories_of_unseen_problems():
         )
     seen = {r.messages[0]["content"] for split in word_problem_splits(2000, 64, seed=1) for r in split}
     assert not seen & {r.messages[0]["content"] for r in rows}
+
+
+def test_the_step_time_suite_predicts_each_published_run_on_its_terms():
+    """Each published row's layout is a valid run config, and the prediction counts tokens as the peer does."""
+    for row in steptime.PUBLISHED:
+        t = steptime.predict(row)
+        assert t.devices == row.gpus and t.tokens == pytest.approx(row.samples * row.mean_seq)
+        assert t.tokens_per_device_second == pytest.approx(t.tokens / t.seconds / row.gpus)
+        assert t.phases["rollout"] > 0 and t.phases["train"] > 0 and t.phases["sync"] > 0

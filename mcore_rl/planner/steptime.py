@@ -1,0 +1,266 @@
+"""Seconds per phase of an episode, from the model's shapes, the run config and a device's numbers: the planner's
+step-time model, printed beside the memory plan in every dry run.
+
+Every phase is its compute (model FLOPs at the device's matmul rate times the fraction the run's kernels reach),
+or its memory traffic where that is larger (decoding reads every weight and the KV cache for each token), plus
+its communication, counted as not overlapped (mcore-rl's Megatron layouts keep the overlap options off):
+
+* rollout: prefill of each prompt once (prefix caching shares it among the prompt's samples), then decoding the
+  responses in waves of what the KV cache holds, over the engines;
+* scoring (reference, old log-probs): one forward over the positions the trainer computes (a prompt once per group
+  where samples share it); train: forward and backward (plus a forward where layers are recomputed) with the
+  pipeline's bubble, the tensor-, sequence-, context- and expert-parallel exchanges of every layer, and the
+  data-parallel gradient reduce-scatter and parameter all-gather of the distributed optimizer, then Adam;
+* sync: the trainer ranks gather the weights and the engines load them (colocated: device copies; else a broadcast
+  over the network); offload: the trainer's state out to the host and back, where colocated roles take turns on
+  GPUs.
+
+A device is its datasheet (:data:`DEVICES`: dense bf16 FLOP/s, HBM, NVLink and per-GPU network bandwidth) or, for
+the CPU, what the benchmark suite measures (``python -m benchmarks``; :meth:`DeviceSpec.cpu`); ``efficiency`` is
+the fraction of the matmul rate whole layers reach, measured for mcore-rl's trainer (its sources are named).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mcore_rl.planner.memory import Architecture, Workload, engine_memory, layer_params, stage_params
+from parallel.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    flops: float  # dense matmul FLOP/s in the training dtype (bf16 on GPUs; fp32 on the CPU)
+    memory_bw: float  # device memory bytes/s
+    link_bw: float  # bytes/s from one device to a peer of its node, one way (NVLink; CPU: shared memory)
+    network_bw: float  # bytes/s per device to other nodes (InfiniBand)
+    host_bw: float  # device <-> host bytes/s (offload)
+    per_node: int  # devices per node
+    memory_bytes: int  # per device (the engines' KV cache is what their share leaves)
+    efficiency: float  # fraction of ``flops`` whole transformer layers reach in mcore-rl (forward and backward)
+    memory_efficiency: float  # fraction of ``memory_bw`` decoding reaches
+    param_bytes: int  # bytes per parameter in training and in the engines (bf16: 2; the CPU build: fp32)
+    source: str
+
+    @classmethod
+    def cpu(cls, matmul_flops: float, memcpy_bw: float, efficiency: float, cores: int) -> DeviceSpec:
+        """This machine as the suite measures it: one node whose logical devices share the cores."""
+        return cls("cpu", matmul_flops, memcpy_bw, memcpy_bw, memcpy_bw, memcpy_bw, cores, 0, efficiency, 1.0, 4,
+                   "measured by python -m benchmarks")  # fmt: skip
+
+
+# The CPU build's layers (fp32, Megatron's local modules) reach this fraction of the machine's matmul rate: the main
+# job's train MFU on the 2-core reference machine (benchmarks/reports/2026-11-24_cpu2).
+CPU_EFFICIENCY = 0.355
+
+# Datasheets (dense bf16 without sparsity; NVLink: half the bidirectional figure; one 400 Gb/s NIC per GPU on the
+# reference nodes; PCIe Gen5 x16). ``efficiency``: 0.255, mcore-rl's measured model FLOP/s of a 4-layer
+# Qwen3-30B-A3B step on an H200 over its datasheet peak (benchmarks/reports/2026-11-26_gpu_h200); the same kernels
+# on an H100 and a B200 are assumed to reach the same fraction. ``memory_efficiency``: 0.7 of HBM for decoding.
+DEVICES = {
+    "h100": DeviceSpec("H100 SXM", 989e12, 3.35e12, 450e9, 50e9, 55e9, 8, 80 << 30, 0.255, 0.7, 2,
+                       "NVIDIA H100 datasheet: 989 TFLOP/s bf16, 3.35 TB/s HBM3, NVLink 900 GB/s"),
+    "h200": DeviceSpec("H200 SXM", 989e12, 4.8e12, 450e9, 50e9, 55e9, 8, 141 << 30, 0.255, 0.7, 2,
+                       "NVIDIA H200 datasheet: 989 TFLOP/s bf16, 4.8 TB/s HBM3e, NVLink 900 GB/s"),
+    "b200": DeviceSpec("B200", 2250e12, 8e12, 900e9, 50e9, 55e9, 8, 180 << 30, 0.255, 0.7, 2,
+                       "NVIDIA DGX B200 datasheet: 2.25 PFLOP/s bf16 per GPU, 8 TB/s HBM3e, NVLink 1.8 TB/s"),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Mean tokens of a prompt and of a response, and the longest response (a wave of decoding lasts until its
+    longest sample ends; the rollout's ``max_new_tokens`` where the samples are unknown)."""
+
+    prompt: float
+    response: float
+    longest: float
+
+
+def forward_flops(a: Architecture, tokens: float, context: float, head_tokens: float) -> float:
+    """FLOPs of one forward over ``tokens`` positions with ``context`` mean attended positions each, the LM head on
+    ``head_tokens`` of them: 2 per multiply-add of the active weights (MoE: the top-k routed and the shared
+    experts), and the attention's scores and weighted sums."""
+    one = ParallelConfig()
+    active = 0.0
+    for moe in a.moe_layers:
+        params, experts = layer_params(a, moe, one)
+        active += params - experts + (a.topk * 3 * a.moe_ffn * a.hidden if moe else 0)
+    qk = (a.qk_dim + a.rope_dim) if a.mla else a.head_dim
+    v = a.v_dim if a.mla else a.head_dim
+    attention = 2 * a.layers * a.heads * (qk + v) * context
+    return tokens * (2 * active + attention) + head_tokens * 2 * a.vocab * a.hidden
+
+
+def _bandwidth(device: DeviceSpec, group_span: int) -> float:
+    """A group's collectives run over NVLink where the group's devices (``group_span`` consecutive ones) share a
+    node, else over the network."""
+    return device.link_bw if group_span <= device.per_node else device.network_bw
+
+
+def _ring(size: int, nbytes: float, bw: float) -> float:
+    """Seconds of a ring all-gather or reduce-scatter of ``nbytes`` (the whole tensor) over ``size`` devices."""
+    return (size - 1) / size * nbytes / bw if size > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of each phase of one episode (0: the run has no such phase), and what the episode processes."""
+
+    phases: dict[str, float]
+    detail: dict[str, float]  # train's parts: compute, bubble, tp, cp, ep, pp, dp, optimizer
+    tokens: float  # prompt + response tokens of the episode's samples
+    devices: int
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.phases.values())
+
+    @property
+    def tokens_per_device_second(self) -> float:
+        return self.tokens / self.seconds / self.devices
+
+
+def step_time(config, device: DeviceSpec, lengths: Lengths, arch: Architecture | None = None) -> StepTime:
+    """The phases of one on-policy (``sync`` mode) episode of ``config`` on ``device``s at ``lengths``."""
+    from models.registry import get_bridge
+
+    rt, m = config.runtime_args, config.models
+    a = arch or Architecture.from_bridge(get_bridge(m.policy_trainer.load))
+    trainer = m.policy_trainer
+    n, samples = m.policy.num_inference_per_prompt, rt.sample_per_episode
+    prompts, seq = samples / n, lengths.prompt + lengths.response
+    shared = trainer.share_prompts
+    # Positions the trainer computes: a prompt once per group where samples share it; the head only where a
+    # response token is predicted there, else everywhere.
+    positions = samples * lengths.response + prompts * lengths.prompt if shared else samples * seq
+    head = samples * lengths.response if shared else positions
+    forward = forward_flops(a, positions, seq / 2, head)
+    phases = {"rollout": rollout_seconds(a, config, device, lengths)}
+    phases["ref_logprobs"] = score_seconds(forward, rt.trainer_devices, device) * sum(
+        m.uses(role) for role in ("ref_policy", "teacher")
+    )
+    old_rows = 1.0 if (trainer.reward_kl_coef or trainer.distill_coef) else 1 - rt.train_global_batch_size / samples
+    phases["old_logprobs"] = score_seconds(forward * old_rows, rt.trainer_devices, device)
+    train, detail = train_seconds(a, config, device, forward, positions)
+    phases["train"] = train
+    phases["sync"] = sync_seconds(a, config, device)
+    phases["offload"] = offload_seconds(a, config, device)
+    return StepTime(phases, detail, samples * seq, rt.num_devices)
+
+
+def score_seconds(forward: float, devices: int, device: DeviceSpec) -> float:
+    """A forward of ``forward`` FLOPs over the role's devices (its communication is train's forward share)."""
+    return forward / (devices * device.flops * device.efficiency)
+
+
+def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, positions: float):
+    """Forward and backward of every optimizer step, the pipeline's bubble, each parallel dimension's exchanges and
+    Adam; and those parts."""
+    rt, trainer = config.runtime_args, config.models.policy_trainer
+    p, world = trainer.parallel, rt.trainer_devices
+    work = Workload.from_config(config)
+    passes = 3 + (1 if trainer.recompute == "full" else 0)  # backward = 2 forwards; recomputation one more
+    # the busiest pipeline stage sets the pace (DeepSeek-V3's 61 layers do not split evenly)
+    stage_layers = max(p.stage_layers(a.layers))
+    compute = passes * forward / (world * device.flops * device.efficiency) * stage_layers * p.pp / a.layers
+    bubble = compute * (p.pp - 1) / (work.micro_batches * p.vpp) if p.pp > 1 else 0.0
+    dp = p.dp(world)
+    per_rank = positions / dp  # positions one data-parallel rank (its TP x CP x PP devices) computes
+    act = device.param_bytes
+    exchanges = passes - 1  # forward (and recomputation) once, backward once more: each exchanges activations
+    # TP (sequence parallel or not): two all-gather/reduce-scatter pairs (or two all-reduces) per layer
+    tp = exchanges * stage_layers * 2 * 2 * _ring(p.tp, per_rank / p.cp * a.hidden * act, _bandwidth(device, p.tp))
+    # CP: each rank's keys and values travel the ring once per layer (and their gradients back)
+    kv = (2 * a.kv_lora if a.mla else 2 * a.kv_heads * a.head_dim) * act
+    cp = exchanges * stage_layers * (p.cp - 1) * per_rank / p.cp * kv / _bandwidth(device, p.tp * p.cp)
+    # EP: every MoE layer dispatches each token to its top-k experts and combines them back
+    moe_layers = sum(a.moe_layers) / a.layers * stage_layers
+    routed = per_rank / (p.tp * p.cp) * a.topk * a.hidden * act  # sent by one device (all-to-all: (ep-1)/ep leave)
+    ep = exchanges * moe_layers * 2 * _ring(p.ep, routed, _bandwidth(device, p.ep * p.expert_tp))
+    # PP: each micro-batch's activations cross every stage boundary, forward and backward
+    pipeline = 2 * per_rank / p.cp / p.tp * a.hidden * act / _bandwidth(device, p.tp * p.cp * p.pp) if p.pp > 1 else 0
+    # DP: the distributed optimizer reduce-scatters fp32 gradients and all-gathers the parameters, each step
+    params, experts = max(stage_params(a, p), key=lambda s: s[0])
+    steps = rt.sample_per_episode // rt.train_global_batch_size
+    dense_dp, expert_dp = dp * p.cp, dp * p.cp * p.tp // (p.ep * p.expert_tp)
+    wide = _bandwidth(device, world)
+    grads = _ring(dense_dp, (params - experts) * (4 + act), wide) + _ring(expert_dp, experts * (4 + act), wide)
+    data = steps * grads
+    # Adam over this device's shard: fp32 main weights, gradients and moments read, weights and moments written
+    optimizer = steps * 36 * (params - experts) / dense_dp / device.memory_bw
+    optimizer += steps * 36 * experts / expert_dp / device.memory_bw
+    parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, ep=ep, pp=pipeline, dp=data, optimizer=optimizer)
+    return sum(parts.values()), parts
+
+
+def rollout_seconds(a: Architecture, config, device: DeviceSpec, lengths: Lengths) -> float:
+    """Prefill (each prompt once) and decoding over the engines, in waves of the sequences the KV cache holds."""
+    rt, m = config.runtime_args, config.models
+    rollout = m.policy.rollout
+    tp = rollout.tensor_parallel_size
+    engines = max(1, len(rt.devices("rollout")) // tp)
+    samples = rt.sample_per_episode
+    prompts = samples / m.policy.num_inference_per_prompt
+    prefill = forward_flops(a, prompts * lengths.prompt, lengths.prompt / 2, prompts)
+    prefill /= engines * tp * device.flops * device.efficiency
+    per_engine = samples / engines
+    memory = engine_memory(a, rollout, device.memory_bytes)
+    kv_bytes = memory.kv_bytes_per_token * device.param_bytes / 2  # one device's, counted in bf16 there
+    kv_tokens = rollout.cpu_kv_cache_bytes / kv_bytes if not device.memory_bytes else max(memory.kv_tokens, 1)
+    seq = lengths.prompt + lengths.response
+    waves = math.ceil(per_engine / max(1.0, min(per_engine, kv_tokens / seq)))
+    batch = per_engine / waves
+    weights = a.engine_params() * device.param_bytes / tp
+    if a.experts:  # the experts a decoding step's batch reaches
+        touched = 1 - (1 - a.topk / a.experts) ** batch
+        routed = 3 * a.moe_ffn * a.hidden * a.experts * sum(a.moe_layers) * device.param_bytes / tp
+        weights -= routed * (1 - touched)
+    one_token = forward_flops(a, batch, lengths.prompt + lengths.response / 2, batch)
+    step = max(
+        (weights + batch * (lengths.prompt + lengths.response / 2) * kv_bytes)
+        / (device.memory_bw * device.memory_efficiency),
+        one_token / (tp * device.flops * device.efficiency),
+    )
+    return prefill + waves * lengths.longest * step
+
+
+def sync_seconds(a: Architecture, config, device: DeviceSpec) -> float:
+    """The weights into the engines: colocated, the trainer ranks gather each engine's share over their links and
+    hand it over as a device copy the engine loads (two copies); on devices of their own, one broadcast over the
+    network."""
+    rt, m = config.runtime_args, config.models
+    nbytes = a.engine_params() * device.param_bytes
+    p = m.policy_trainer.parallel
+    gather = _ring(p.tp * p.pp * p.ep, nbytes, _bandwidth(device, p.tp * p.pp * p.ep))
+    if not rt.colocated:
+        return gather + nbytes / device.network_bw
+    tp = m.policy.rollout.tensor_parallel_size
+    return gather + 2 * nbytes / tp / device.memory_bw
+
+
+def offload_seconds(a: Architecture, config, device: DeviceSpec) -> float:
+    """Colocated on GPUs with offload: the trainer's weights and optimizer state out to the host and back once an
+    episode (CPU roles never move)."""
+    rt, trainer = config.runtime_args, config.models.policy_trainer
+    if not device.memory_bytes or not (rt.colocated and trainer.offload):
+        return 0.0
+    p = trainer.parallel
+    params, experts = max(stage_params(a, p), key=lambda s: s[0])
+    dp = p.dp(rt.trainer_devices) * p.cp
+    state = params * device.param_bytes + 12 * (params - experts) / dp + 12 * experts / (dp * p.tp // p.ep)
+    return 2 * state / device.host_bw
+
+
+def describe(t: StepTime, device: DeviceSpec) -> list[str]:
+    """The dry run's lines: each phase's seconds, the episode's, and its tokens per device-second."""
+    phases = ", ".join(f"{name} {s:.3g}" for name, s in t.phases.items() if s)
+    train = ", ".join(f"{name} {s:.3g}" for name, s in t.detail.items() if s)
+    return [
+        f"step time on {device.name} ({device.source}; {device.efficiency:.3g} of peak in layers):",
+        f"  {t.seconds:.3g} s per episode: {phases}",
+        f"  train: {train}",
+        f"  {t.tokens_per_device_second:.4g} tokens per device-second ({t.tokens:.4g} tokens per episode)",
+    ]

@@ -1,0 +1,95 @@
+"""The step-time model against what it models: model FLOPs equal 2 x the active parameters of transformers' own
+model per token (plus attention and head), each parallel dimension's exchange appears exactly when it is used and
+scales with its group, decoding is bound by memory at small batches, and every dry run prints its prediction."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from mcore_rl.config.schema import load_run_config
+from mcore_rl.planner.memory import Architecture
+from mcore_rl.planner.steptime import DEVICES, Lengths, forward_flops, step_time
+from models.registry import get_bridge
+
+REPO = Path(__file__).resolve().parents[2]
+PUBLIC = REPO / "models" / "configs"
+LENGTHS = Lengths(prompt=256, response=1024, longest=2048)
+
+
+def _active_hf_params(model_dir: Path) -> float:
+    """Parameters a token goes through in transformers' model (meta): all but the embedding and the head, routed
+    experts weighted by top-k / experts."""
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    experts = getattr(config, "n_routed_experts", None) or getattr(config, "num_experts", None)
+    active = 0.0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name or "lm_head" in name or ".mtp" in name or "layers.61." in name:
+            continue  # DeepSeek-V3's layer 61 is its MTP layer
+        routed = ".experts." in name and "shared" not in name
+        active += p.numel() * (config.num_experts_per_tok / experts if routed else 1)
+    return active
+
+
+@pytest.mark.parametrize("model", ["qwen3_8b", "qwen3_30b_a3b", "deepseek_v3"])
+def test_model_flops_are_twice_the_active_parameters_of_transformers_model(model):
+    a = Architecture.from_bridge(get_bridge(str(PUBLIC / model)))
+    hf = _active_hf_params(PUBLIC / model)
+    # the router's weights count whole (each token scores every expert), as in transformers' model
+    assert forward_flops(a, tokens=1, context=0, head_tokens=0) == pytest.approx(2 * hf, rel=1e-6)
+    head = forward_flops(a, 1, 0, 1) - forward_flops(a, 1, 0, 0)
+    assert head == 2 * a.vocab * a.hidden
+    # attention: QK^T and the weighted sum, per head and attended position
+    qk, v = (a.qk_dim + a.rope_dim, a.v_dim) if a.mla else (a.head_dim, a.head_dim)
+    assert forward_flops(a, 1, 100, 0) - forward_flops(a, 1, 0, 0) == 2 * a.layers * a.heads * (qk + v) * 100
+
+
+@pytest.fixture(autouse=True)
+def _model(monkeypatch):
+    monkeypatch.setenv("MCORE_RL_MODEL", str(PUBLIC / "qwen3_30b_a3b"))
+
+
+def _config(layout: dict, **runtime):
+    overrides = [f"models.policy_trainer.parallel.{k}={v}" for k, v in layout.items()]
+    overrides += [f"runtime_args.{k}={v}" for k, v in runtime.items()]
+    return load_run_config(REPO / "scripts/configs/qwen3_30b_a3b_gspo.yaml", overrides)
+
+
+def test_each_parallel_exchange_appears_where_its_dimension_is_used():
+    device = DEVICES["h100"]
+    base = step_time(_config(dict(tp=1, ep=1, sequence_parallel="false")), device, LENGTHS).detail
+    assert base["tp"] == base["ep"] == base["cp"] == base["pp"] == base["bubble"] == 0 and base["dp"] > 0
+    tp = step_time(_config(dict(tp=2, ep=1)), device, LENGTHS).detail
+    assert tp["tp"] > 0 and tp["ep"] == 0 and tp["compute"] == pytest.approx(base["compute"])
+    ep = step_time(_config(dict(tp=1, ep=8, sequence_parallel="false")), device, LENGTHS).detail
+    assert ep["ep"] > 0 and ep["tp"] == 0 and ep["dp"] < base["dp"]  # experts no longer replicated over DP
+    pp = step_time(_config(dict(tp=1, ep=1, pp=2, sequence_parallel="false")), device, LENGTHS).detail
+    assert pp["bubble"] > 0 and pp["pp"] > 0
+    # the same layout over twice the devices (two nodes): the gradients' exchange leaves NVLink for the network
+    wide = step_time(_config(dict(tp=1, ep=1, sequence_parallel="false"), num_devices=32), device, LENGTHS).detail
+    assert wide["dp"] > base["dp"] and wide["compute"] == pytest.approx(base["compute"] / 2)
+
+
+def test_decoding_a_few_samples_is_bound_by_memory_and_many_by_compute():
+    config = _config(dict(tp=2, ep=8), sample_per_episode=16, train_global_batch_size=16)
+    h100 = DEVICES["h100"]
+    faster_memory = dataclasses.replace(h100, memory_bw=2 * h100.memory_bw)
+    faster_math = dataclasses.replace(h100, flops=2 * h100.flops)
+    few = [step_time(config, d, LENGTHS).phases["rollout"] for d in (h100, faster_memory, faster_math)]
+    assert few[1] < 0.6 * few[0] and few[2] > 0.9 * few[0]
+
+
+def test_a_dry_run_prints_and_writes_the_step_time(tmp_path):
+    from mcore_rl.planner.dry_run import dry_run
+
+    out = tmp_path / "plan.json"
+    config = _config(dict(tp=2, ep=8))
+    assert dry_run(config, 80, out, DEVICES["h200"], (128, 512, 1024)) == 0
+    report = json.loads(out.read_text())["step_time"]
+    assert report["device"] == "H200 SXM" and report["lengths"] == dict(prompt=128, response=512, longest=1024)
+    assert all(report["phases"][p] > 0 for p in ("rollout", "old_logprobs", "train", "sync", "offload"))
