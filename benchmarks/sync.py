@@ -150,7 +150,7 @@ def suite(out: Path, hardware, report: Report, syncs: int = 4, bucket_mb: int = 
         for r in reports:
             trainer = r.bytes / max(r.seconds - r.engine_wait_seconds, 1e-9) / 1e9
             rows.append([name, "first" if r.index == 0 else r.index, r.seconds, r.engine_wait_seconds,
-                         r.bytes / 1e6, r.buckets, r.gb_per_s, f"{100 * r.gb_per_s / memcpy:.0f}%",
+                         r.probe_seconds, r.bytes / 1e6, r.buckets, r.gb_per_s, f"{100 * r.gb_per_s / memcpy:.0f}%",
                          f"{100 * trainer / memcpy:.0f}%", f"{r.probe_max_abs_diff:.2g}"])  # fmt: skip
         later = sum(r.seconds for r in reports[1:]) / max(1, len(reports) - 1)
         summary.append([name, f"{reports[0].seconds / later:.2f}x"])
@@ -165,13 +165,15 @@ def suite(out: Path, hardware, report: Report, syncs: int = 4, bucket_mb: int = 
     report.add(
         "sync: trainer -> rollout engine",
         f"Trainer: 1 rank (TP=PP=1); engine: vLLM in a Ray actor, TP=1; bucket {bucket_mb} MiB; "
-        f"memcpy {memcpy:.2f} GB/s. Trainer side = bytes / (seconds - waiting on the engine).",
+        f"memcpy {memcpy:.2f} GB/s. Seconds: the transfer (export, pack, the engine's loads); the trainer's "
+        "forward of the probe batch before it apart. Trainer side = bytes / (seconds - waiting on the engine).",
         table(
             [
                 "model",
                 "sync",
                 "seconds",
                 "waiting on engine s",
+                "probe forward s",
                 "MB",
                 "buckets",
                 "GB/s",

@@ -67,8 +67,9 @@ class SyncConfig:
 @dataclass(frozen=True)
 class SyncReport:
     index: int  # 0 for the first sync (buffers allocated), then 1, 2, ...
-    seconds: float
+    seconds: float  # the weights' transfer: export, pack and the engine's loads
     engine_wait_seconds: float  # of ``seconds``, time the owner rank waited for the engine to take buckets in
+    probe_seconds: float  # the trainer's forward of the probe batch, before the transfer
     bytes: int
     buckets: int
     probe_max_abs_diff: float | None
@@ -270,6 +271,7 @@ class WeightSync:
         wait = 0.0
         repairs: tuple[str, ...] = ()
         self._trainer_logprobs = self._score() if self.config.probe else None
+        probed, start = time.perf_counter() - start, time.perf_counter()
         if self.adapter is not None:  # the adapters alone, as PEFT tensors
             exported = export_peft(self.chunks, self.bridge, self.groups, self.config.bucket_bytes)
         else:  # LoRA-adapted weights leave merged with their adapters (any engine loads them as plain weights);
@@ -292,7 +294,8 @@ class WeightSync:
                 nbytes, buckets, wait = nbytes + size, buckets + 1, wait + waited
             waited, repairs = self.route.finish(self.count if version is None else version)
             wait += waited
-        self._pushed = SyncReport(self.count, time.perf_counter() - start, wait, nbytes, buckets, None, None, repairs)
+        seconds = time.perf_counter() - start
+        self._pushed = SyncReport(self.count, seconds, wait, probed, nbytes, buckets, None, None, repairs)
         self.count += 1
         return self._pushed
 

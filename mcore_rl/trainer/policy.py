@@ -182,6 +182,7 @@ class PolicyTrainer(TrainableRank):
         return {
             "sync_seconds": report.seconds,
             "sync_engine_wait_seconds": report.engine_wait_seconds,
+            "sync_probe_seconds": report.probe_seconds,
             "sync_gb_per_s": report.gb_per_s if report.bytes else 0.0,
             "sync_bytes": float(report.bytes),
             "probe_max_abs_diff": report.probe_max_abs_diff,
