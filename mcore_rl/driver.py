@@ -223,7 +223,7 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
             score_old(run, batch)
         if system.critic is not None:
             with timer("critic"), system.on_device(system.critic):
-                batch["values"] = system.critic.values(batch, m.critic.micro_batch_size) * batch["mask"]
+                batch["values"] = system.critic.values(scored(batch), m.critic.micro_batch_size) * batch["mask"]
         metrics |= add_advantages(batch, m.policy_trainer, m.policy.num_inference_per_prompt)
         if system.critic is not None:
             with timer("critic"), system.on_device(system.critic):
@@ -247,15 +247,24 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
     return metrics | {f"sync/{k}": v for k, v in sync.items()} | batch_sizes(batch, m.policy.num_inference_per_prompt)
 
 
+# What scoring reads of a batch (the rest stays here): the rows, their lengths, and the rollout's routing.
+SCORED = ("tokens", "lengths", "prompt_lengths", "routed_experts")
+
+
+def scored(batch: dict, first: int = 0) -> dict:
+    """The part of ``batch`` a scoring call sends to the ranks, from row ``first`` on."""
+    return {k: v[first:] for k, v in batch.items() if k in SCORED}
+
+
 def score_references(run: Run, batch: dict) -> None:
     """The reference's and the teacher's log-probs where the run uses them (``ref_logp``, ``teacher_logp``)."""
     system, m = run.system, run.config.models
     for role, key, section in ((system.ref, "ref_logp", m.ref_policy), (system.teacher, "teacher_logp", m.teacher)):
         if role is not None:
             with system.on_device(role):
-                batch[key] = role.logprobs(batch, section.micro_batch_size)
+                batch[key] = role.logprobs(scored(batch), section.micro_batch_size)
     if m.needs_reference and m.policy_trainer.lora.rank:  # the reference is the trainer's model without adapters
-        batch["ref_logp"] = system.trainer.base_logprobs(batch, m.policy_trainer.micro_batch_size)
+        batch["ref_logp"] = system.trainer.base_logprobs(scored(batch), m.policy_trainer.micro_batch_size)
 
 
 def score_old(run: Run, batch: dict) -> None:
@@ -264,8 +273,7 @@ def score_old(run: Run, batch: dict) -> None:
     trainer = run.config.models.policy_trainer
     reads = bool(trainer.reward_kl_coef or trainer.distill_coef)
     first = 0 if reads else run.config.runtime_args.train_global_batch_size
-    later = {k: v[first:] for k, v in batch.items()}
-    old = run.system.trainer.score_old(later, trainer.micro_batch_size, fetch=reads)
+    old = run.system.trainer.score_old(scored(batch, first), trainer.micro_batch_size, fetch=reads)
     if reads:
         batch["old_logp"] = old
 
