@@ -12,20 +12,18 @@ import contextlib
 import dataclasses
 import functools
 import re
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from converters.mapping import QKV, Direct, GatedMLP, Mapping, Vocab
-from models.mtp import MTPModel
-from models.spec import block_spec, mtp_block_spec
-from models.value_head import attach_value_heads
 from parallel.config import ParallelConfig
 from parallel.device import Device
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
 # (HF config.json key, TransformerConfig attribute): read one way on load, the other way on export.
 # Every family's decoder fields; DENSE_CONFIG adds grouped-query attention's (MLA families add their own).
@@ -66,7 +64,7 @@ class Bridge:
 
     architecture: ClassVar[str]
     model_type: ClassVar[str]
-    config_class: ClassVar[type[TransformerConfig]] = TransformerConfig
+    mla: ClassVar[bool] = False  # multi-latent attention (Megatron's MLATransformerConfig)
     config_table: ClassVar[tuple[tuple[str, str], ...]] = DENSE_CONFIG
     qk_norm: ClassVar[bool] = False
     rope_types: ClassVar[tuple[str, ...]] = ("default",)
@@ -141,7 +139,7 @@ class Bridge:
 
     @property
     def multi_latent_attention(self) -> bool:
-        return issubclass(self.config_class, MLATransformerConfig)
+        return self.mla
 
     def padded_vocab_size(self, tp: int) -> int:
         return padded_vocab(self.vocab_size, tp)
@@ -201,7 +199,9 @@ class Bridge:
         )
         fields.update(self.extra_config())
         fields.update(overrides)
-        return self.config_class(**fields)
+        from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+        return (MLATransformerConfig if self.mla else TransformerConfig)(**fields)
 
     def extra_config(self) -> dict:
         """Family-specific TransformerConfig fields (MoE, ...)."""
@@ -229,6 +229,10 @@ class Bridge:
         reward model's with a value head for its LM head);
         ``meta``: on the meta device instead (shapes without memory, for full-size dry runs);
         ``padded_vocab_size``: instead of this layout's padding (a checkpoint converted for another TP size)."""
+        from megatron.core import parallel_state
+
+        from models.value_head import attach_value_heads
+
         machine = Device.current()
         backend = machine.layer_backend(backend)
         vocab = padded_vocab_size or self.padded_vocab_size(parallel_state.get_tensor_model_parallel_world_size())
@@ -245,6 +249,12 @@ class Bridge:
         return chunks
 
     def _gpt_model(self, config, backend, vp_stage, vocab_size, max_sequence_length) -> GPTModel:
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+
+        from models.mtp import MTPModel
+        from models.spec import block_spec, mtp_block_spec
+
         model = MTPModel if config.mtp_num_layers else GPTModel
         return model(
             config=config,

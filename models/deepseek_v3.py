@@ -15,8 +15,6 @@
 
 from __future__ import annotations
 
-from megatron.core.transformer.transformer_config import MLATransformerConfig
-
 from compat.vllm import mla_engine_args
 from converters.mapping import Direct, GatedMLP, Mapping, RopeRows
 from models.bridge import _HL, _L, DECODER_CONFIG, ROUTED_EXPERTS, Bridge
@@ -50,7 +48,7 @@ _HA = _HL + "self_attn."
 class DeepseekV3Bridge(Bridge):
     architecture = "DeepseekV3ForCausalLM"
     model_type = "deepseek_v3"
-    config_class = MLATransformerConfig
+    mla = True
     config_table = MLA_CONFIG
     qk_norm = True  # MLA's latent norms (q_a_layernorm, kv_a_layernorm)
     rope_types = ("default", "yarn")
