@@ -15,8 +15,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from mcore_rl.planner.steptime import DEVICES
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -27,10 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         "--device-memory-gb", type=float, help="GiB per device to plan memory for (default: runtime_args')"
     )
     parser.add_argument(
-        "--device",
-        choices=sorted(DEVICES),
-        default="h100",
-        help="the GPU whose datasheet the step time is predicted for",
+        "--device", default="h100", help="the GPU whose datasheet the step time is predicted for: h100, h200 or b200"
     )
     parser.add_argument(
         "--lengths", type=float, nargs=3, metavar=("PROMPT", "RESPONSE", "LONGEST"),
@@ -46,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
     from mcore_rl.config.loader import ConfigError
     from mcore_rl.config.schema import load_run_config
     from mcore_rl.planner.dry_run import dry_run
+    from mcore_rl.planner.steptime import DEVICES
+
+    if args.device not in DEVICES:
+        parser.error(f"--device {args.device}: expected one of {', '.join(sorted(DEVICES))}")
 
     try:
         config = load_run_config(args.config, args.overrides)

@@ -93,3 +93,11 @@ def test_a_dry_run_prints_and_writes_the_step_time(tmp_path):
     report = json.loads(out.read_text())["step_time"]
     assert report["device"] == "H200 SXM" and report["lengths"] == dict(prompt=128, response=512, longest=1024)
     assert all(report["phases"][p] > 0 for p in ("rollout", "old_logprobs", "train", "sync", "offload"))
+
+
+def test_an_unknown_device_is_refused_by_name(capsys):
+    from mcore_rl.planner.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([str(REPO / "scripts/configs/qwen3_30b_a3b_gspo.yaml"), "--device", "a100"])
+    assert exit_.value.code == 2 and "--device a100: expected one of b200, h100, h200" in capsys.readouterr().err
