@@ -282,8 +282,8 @@ def train_policy(run: Run, batch: dict) -> dict[str, float]:
     """The policy's optimizer steps on the batch; ``train/*`` (means over the steps), router and memory metrics."""
     system, trainer = run.system, run.config.models.policy_trainer
     with system.on_device(system.trainer, ["optimizer"]) as optimizer:
-        kept = {k: v for k, v in batch.items() if k != "old_logp"}  # the ranks kept theirs
-        steps = system.trainer.train(kept, run.config.runtime_args.train_global_batch_size, trainer.micro_batch_size)
+        sent = {k: v for k, v in batch.items() if k != "old_logp"}  # the ranks kept theirs
+        steps = system.trainer.train(sent, run.config.runtime_args.train_global_batch_size, trainer.micro_batch_size)
         memory = system.trainer.memory_bytes()
     metrics = {f"train/{k}": sum(s[k] for s in steps) / len(steps) for k in steps[0]}
     metrics |= {f"train/first_step_{k}": steps[0][k] for k in ("ratio_mean", "kl") if k in steps[0]}

@@ -231,6 +231,12 @@ def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, i
 
 
 # ---- activations ---------------------------------------------------------------------------------------------
+def optimizer_shards(parallel: ParallelConfig, world: int) -> tuple[int, int]:
+    """Over how many devices the distributed optimizer shards a dense parameter (its DP x CP group) and an expert
+    parameter (its expert-data-parallel group): the ways its gradients are reduce-scattered."""
+    return world // (parallel.tp * parallel.pp), world // (parallel.ep * parallel.expert_tp * parallel.pp)
+
+
 def device_tokens(parallel: ParallelConfig, tokens: float) -> tuple[float, float]:
     """Of a micro-batch's ``tokens``: those one device holds (CP splits them), and those in its sequence-sharded
     (hidden-sized) tensors, which sequence parallelism splits over TP too."""
@@ -385,8 +391,7 @@ def trainer_memory(
     """Per-device bytes of a trainer rank at ``parallel`` (the pipeline rank with the largest total); with ``lora``
     adapters (a LoRAConfig of rank > 0) only they have gradients and optimizer state. MTP layers train (gradients,
     optimizer state, their layer's activations and logits) only with ``mtp_loss_coef``."""
-    dp_cp = world // (parallel.tp * parallel.pp)
-    expert_dp = world // (parallel.ep * parallel.expert_tp * parallel.pp)
+    dp_cp, expert_dp = optimizer_shards(parallel, world)
     opt_per_param = 8 + (4 if param_bytes != 4 else 0)  # Adam moments (+ fp32 main weights of bf16 parameters)
     tokens = work.micro_batch_tokens
     _, st = device_tokens(parallel, tokens)

@@ -25,7 +25,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mcore_rl.planner.memory import Architecture, Workload, engine_memory, layer_params, stage_params
+from mcore_rl.planner.memory import (
+    Architecture,
+    Workload,
+    engine_memory,
+    layer_params,
+    optimizer_shards,
+    stage_params,
+)
 from parallel.config import ParallelConfig
 
 
@@ -185,7 +192,7 @@ def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, p
     # DP: the distributed optimizer reduce-scatters fp32 gradients and all-gathers the parameters, each step
     params, experts = max(stage_params(a, p), key=lambda s: s[0])
     steps = rt.sample_per_episode // rt.train_global_batch_size
-    dense_dp, expert_dp = dp * p.cp, dp * p.cp * p.tp // (p.ep * p.expert_tp)
+    dense_dp, expert_dp = optimizer_shards(p, world)
     wide = _bandwidth(device, world)
     grads = _ring(dense_dp, (params - experts) * (4 + act), wide) + _ring(expert_dp, experts * (4 + act), wide)
     data = steps * grads
@@ -249,8 +256,8 @@ def offload_seconds(a: Architecture, config, device: DeviceSpec) -> float:
         return 0.0
     p = trainer.parallel
     params, experts = max(stage_params(a, p), key=lambda s: s[0])
-    dp = p.dp(rt.trainer_devices) * p.cp
-    state = params * device.param_bytes + 12 * (params - experts) / dp + 12 * experts / (dp * p.tp // p.ep)
+    dense_dp, expert_dp = optimizer_shards(p, rt.trainer_devices)
+    state = params * device.param_bytes + 12 * (params - experts) / dense_dp + 12 * experts / expert_dp
     return 2 * state / device.host_bw
 
 
