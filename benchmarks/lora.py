@@ -30,7 +30,7 @@ RUNS = (
 def trained_parameters() -> dict[str, int]:
     """SmolLM2's parameters, and its rank-16 adapters' (the planner's count, equal to the built model's)."""
     from converters.gguf2hf import default_model_dir
-    from mcore_rl.planner.memory import Architecture, lora_params
+    from mcore_rl.planner.params import Architecture, lora_params
     from models.lora import LoRAConfig
     from models.registry import get_bridge
     from parallel.config import ParallelConfig

@@ -18,7 +18,7 @@ import torch
 
 from benchmarks import single_process_world
 from benchmarks.report import Report, pyplot, table
-from mcore_rl.sync import ColocatedRoute, SyncConfig, WeightSync
+from mcore_rl.trainer.sync import ColocatedRoute, SyncConfig, WeightSync
 
 # A Llama-architecture model ~4x SmolLM2 (about 0.5B parameters, 2 GB in fp32), random weights.
 SYNTHETIC = dict(

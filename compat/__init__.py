@@ -1,4 +1,4 @@
-"""Upstream quirks, one module per upstream: :mod:`compat.megatron_core`, :mod:`compat.torch`, :mod:`compat.vllm`,
+"""Upstream quirks, one module (or package) per upstream: :mod:`compat.megatron_core`, :mod:`compat.torch`, :mod:`compat.vllm`,
 :mod:`compat.ray`.
 
 Every workaround of the project lives here. Each names the upstream version it was written against and checks
@@ -58,7 +58,7 @@ def check_versions() -> list[str]:
     if megatron != MEGATRON_CORE:
         errors.append(
             f"megatron-core {megatron or '(not installed)'}: mcore-rl patches megatron-core=={MEGATRON_CORE}'s "
-            "internals (compat/megatron_core.py); install that version (scripts/setup_env.sh)"
+            "internals (compat/megatron_core/); install that version (scripts/setup_env.sh)"
         )
     torch = _installed("torch")
     if torch is not None and not torch.startswith(TORCH):

@@ -123,6 +123,13 @@ def partition_groups(samples: list[Sample], rewards: list[float], group_size: in
     return parts
 
 
+def fill_with_spares(kept: list, spares: list, need: int) -> tuple[list, list]:
+    """Dynamic sampling's fill rule, for the sync loop and the async buffer alike: the ``kept`` groups (those with
+    a learning signal) first, then constant-reward ``spares`` up to ``need`` items; (batch, unused spares)."""
+    short = max(need - len(kept), 0)
+    return kept + spares[:short], spares[short:]
+
+
 def shape_overlong(samples: list[Sample], rewards: list[float], trainer, max_new_tokens: int):
     """DAPO's overlong shaping (``trainer``: the policy trainer's config): the rewards with the soft penalty of
     responses within ``overlong_buffer`` tokens of ``max_new_tokens`` added, and its metrics."""

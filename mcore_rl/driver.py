@@ -30,6 +30,7 @@ from mcore_rl.agent.trajectory import Trajectory
 from mcore_rl.algorithms.ppo import explained_variance
 from mcore_rl.batch import (
     add_advantages,
+    fill_with_spares,
     filter_truncated,
     partition_groups,
     reward_part_stats,
@@ -46,8 +47,7 @@ from mcore_rl.data.run_data import Data
 from mcore_rl.evaluation import accuracy_metrics, eval_table
 from mcore_rl.loggers import flat_params
 from mcore_rl.metrics import MetricsLogger, plot_curves
-from mcore_rl.rewards.judge import PARSERS, Verdicts
-from mcore_rl.rewards.user import Rewards
+from mcore_rl.preflight import check_inputs
 from mcore_rl.roles.system import System, connect_ray
 from mcore_rl.rollout.sampler import make_sampler
 from mcore_rl.watchdog import Watchdog
@@ -203,8 +203,9 @@ def rollout_phase(run: Run) -> tuple[list, list[float], list[int]]:
         spare, spare_rewards = spare + constant, spare_rewards + constant_rewards
         if len(kept) == need:
             break
-    short = need - len(kept)  # after the refill rounds, constant groups (zero advantage) fill the batch
-    return kept + spare[:short], kept_rewards + spare_rewards[:short], positions
+    samples, _ = fill_with_spares(kept, spare, need)  # after the refill rounds, constant groups fill the batch
+    rewards, _ = fill_with_spares(kept_rewards, spare_rewards, need)
+    return samples, rewards, positions
 
 
 def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=None) -> dict:
@@ -474,38 +475,6 @@ def run(config: RunConfig) -> Path:
     png = plot_curves(out / "metrics.jsonl", out / "curves.png")
     log.info("metrics: %s ; curves: %s", out / "metrics.jsonl", png)
     return out
-
-
-def check_inputs(config: RunConfig) -> Data:
-    """The model directories' files, the data, and the user's code on the first prompt: the run's data."""
-    config.check_files()
-    data = Data(config)
-    check_user_code(config, data.train.batch(0, 1)[0].row)
-    return data
-
-
-def check_user_code(config: RunConfig, row) -> None:
-    """The reward function, or the environment and tools, on the first training prompt answered with its reference
-    answer: code that cannot load or answer at all fails in seconds, before any actor starts."""
-    reward = config.models.reward
-    answered = [*row.messages, {"role": "assistant", "content": row.answer}]
-    if not reward.multi_turn:
-        if config.models.judge.load and config.models.judge.parser not in PARSERS:
-            Verdicts(config.models.judge.parser)  # it loads
-        return Rewards(reward.weighted_terms).check(answered, row.answer)
-    from mcore_rl.agent.envs import EnvError, check_messages, check_step, environment_factory
-    from mcore_rl.agent.tools import load_tools
-
-    load_tools(reward.tools, reward.sandbox)
-    env = environment_factory(reward.environment, reward.fn, reward.sandbox)()
-    what = f"models.reward.env={reward.environment!r} on the first training prompt (row {row.id!r})"
-    try:
-        check_messages(env.reset(row.as_dict()), "reset")
-        check_step(env.step(answered[-1]))
-    except EnvError as err:
-        raise EnvError(f"{what}: {err}") from None
-    except Exception as err:  # noqa: BLE001 - the user's environment, reported by key
-        raise EnvError(f"{what} raised {type(err).__name__}: {err}") from None
 
 
 def process_metrics(system: System) -> dict[str, float]:

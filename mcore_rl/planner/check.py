@@ -1,7 +1,7 @@
 """The full mapping of a model at a layout, checked on meta tensors: every Megatron shard of every rank resolves
 to exactly one mapping, its HF tensors exist in transformers' model with the shapes the mapping produces, and
 every HF tensor comes from exactly one Megatron parameter. Then the rollout sync's plan for the same layout:
-the gather buckets of :func:`converters.stream.export_hf` and the send buckets of :mod:`mcore_rl.sync`, by
+the gather buckets of :func:`converters.stream.export_hf` and the send buckets of :mod:`mcore_rl.trainer.sync`, by
 the same functions the real sync runs."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from converters.mapping import MappingTable, Target, check_tensors, unexpected_t
 from converters.plan import LocalParam, global_expert_name
 from converters.stream import bucket_layout, buckets, export_plan, stage_meta
 from converters.transforms import full_shape
-from mcore_rl.sync import send_buckets
+from mcore_rl.trainer.sync import send_buckets
 from parallel.config import ParallelConfig
 
 

@@ -12,16 +12,9 @@ import torch
 
 from mcore_rl.config.schema import SCORING_ROLES
 from mcore_rl.planner.check import check_mappings, sync_plan
-from mcore_rl.planner.memory import (
-    Architecture,
-    describe,
-    device_bytes,
-    layout_text,
-    plan_memory,
-    remedies,
-    stage_params,
-)
+from mcore_rl.planner.memory import describe, device_bytes, layout_text, plan_memory, remedies
 from mcore_rl.planner.meta import hf_tensors, pipeline_stages
+from mcore_rl.planner.params import Architecture, stage_params
 from mcore_rl.planner.steptime import DEVICES, DeviceSpec, Lengths, step_time
 from mcore_rl.planner.steptime import describe as describe_time
 from models.registry import get_bridge

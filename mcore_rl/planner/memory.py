@@ -12,11 +12,8 @@ Everything is counted per device of the busiest pipeline rank:
   memory, the rest KV cache (GQA: ``2 L kv_heads/TP d`` per token; MLA: the latent ``L (kv_lora + rope)``,
   replicated over TP).
 
-Parameters are exact: :func:`stage_params` equals Megatron's meta-built model (checked by every dry run).
-Activations count what autograd saves, layer by layer, for Megatron's modules: ``te`` (TransformerEngine, GPU) and
-``local`` (Megatron's local modules with :mod:`models.attention`; the CPU build), balanced MoE routing assumed.
-The ``local`` terms are checked against the tensors autograd saves on tiny models (``tests/planner``); the ``te``
-terms follow what TransformerEngine's modules save and are not measured here.
+Parameters come from :mod:`mcore_rl.planner.params` (exact), activations from
+:mod:`mcore_rl.planner.activations`.
 """
 
 from __future__ import annotations
@@ -27,306 +24,25 @@ from dataclasses import dataclass
 
 import torch
 
-from mcore_rl.trainer.logprobs import LM_HEAD_CHUNK_BYTES, LM_HEAD_CHUNK_COPIES
-from models.bridge import padded_vocab
+from mcore_rl.planner.activations import (
+    device_tokens,
+    head_activation_bytes,
+    layer_activation_bytes,
+    lm_head_backward_bytes,
+)
+from mcore_rl.planner.params import (
+    Architecture,
+    lora_params,
+    mtp_params,
+    optimizer_shards,
+    rank_layers,
+    stage_params,
+    trained_router,
+)
 from models.registry import get_bridge
-from models.spec import moe_layers
 from parallel.config import ParallelConfig, divisors
 
 GiB = 1 << 30
-BACKENDS = ("te", "local")
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """The shapes memory depends on, read from a bridge's Megatron config (every family through its own
-    declaration; no per-family code here)."""
-
-    layers: int
-    hidden: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    qk_norm: bool
-    qkv_bias: bool
-    vocab: int
-    tied: bool
-    moe_layers: tuple[bool, ...]
-    experts: int = 0
-    topk: int = 0
-    moe_ffn: int = 0
-    shared_ffn: int = 0
-    router_groups: int = 1
-    expert_bias: bool = False  # a routing bias per expert: a buffer in Megatron, a tensor of the checkpoint
-    mla: bool = False
-    q_lora: int = 0  # 0: MLA queries without a low-rank projection
-    kv_lora: int = 0
-    qk_dim: int = 0  # MLA: the non-rotary part of a query/key head
-    rope_dim: int = 0
-    v_dim: int = 0
-    value_head: bool = False  # a value head ([1, hidden]) for the LM head: a reward model or a critic
-    mtp_layers: int = 0  # multi-token-prediction layers (models/mtp.py), on the last pipeline stage
-
-    @classmethod
-    def from_bridge(cls, bridge) -> Architecture:
-        c = bridge.transformer_config(ParallelConfig(), params_dtype=torch.bfloat16)
-        mla = getattr(c, "multi_latent_attention", False)
-        return cls(
-            layers=c.num_layers,
-            hidden=c.hidden_size,
-            ffn=c.ffn_hidden_size,
-            heads=c.num_attention_heads,
-            kv_heads=c.num_query_groups,
-            head_dim=c.kv_channels,
-            qk_norm=c.qk_layernorm,
-            qkv_bias=c.add_qkv_bias,
-            vocab=bridge.vocab_size,
-            tied=bridge.tie_word_embeddings,
-            moe_layers=tuple(moe_layers(c)),
-            experts=c.num_moe_experts or 0,
-            topk=c.moe_router_topk if c.num_moe_experts else 0,
-            moe_ffn=c.moe_ffn_hidden_size or 0,
-            shared_ffn=c.moe_shared_expert_intermediate_size or 0,
-            router_groups=c.moe_router_num_groups or 1,
-            expert_bias=bool(c.moe_router_enable_expert_bias),
-            mla=mla,
-            q_lora=(c.q_lora_rank or 0) if mla else 0,
-            kv_lora=c.kv_lora_rank if mla else 0,
-            qk_dim=c.qk_head_dim if mla else 0,
-            rope_dim=c.qk_pos_emb_head_dim if mla else 0,
-            v_dim=c.v_head_dim if mla else 0,
-            value_head=bridge.value_model,
-            mtp_layers=c.mtp_num_layers or 0,
-        )
-
-    def padded_vocab(self, tp: int) -> int:
-        return padded_vocab(self.vocab, tp)
-
-    def hf_params(self) -> int:
-        """Parameters of the HF checkpoint: the model's, and its MTP layers' with their copies of the embedding and
-        the head."""
-        total = sum(params for params, _ in stage_params(self, ParallelConfig()))
-        padding = (self.padded_vocab(1) - self.vocab) * self.hidden * (1 if self.tied else 2)
-        moe_layers = sum(self.moe_layers) + (self.mtp_layers if self.moe_layers[-1] else 0)
-        copies = 2 * self.mtp_layers * self.vocab * self.hidden
-        return total - padding + copies + (self.experts * moe_layers if self.expert_bias else 0)
-
-    def engine_params(self, drafts: bool = False) -> int:
-        """Parameters a rollout engine holds: the checkpoint's but the MTP layers, which only an engine that drafts
-        with them holds (``drafts``; their copies of the embedding and head are the model's)."""
-        mtp, _ = mtp_params(self, ParallelConfig())
-        bias = self.experts * self.mtp_layers if self.expert_bias and self.moe_layers[-1] else 0
-        return self.hf_params() - (0 if drafts else mtp + bias) - 2 * self.mtp_layers * self.vocab * self.hidden
-
-
-# ---- parameters ----------------------------------------------------------------------------------------------
-def rank_layers(parallel: ParallelConfig, layers: int) -> list[list[int]]:
-    """Global indices of the layers each pipeline rank holds (all its virtual stages)."""
-    counts = parallel.stage_layers(layers)
-    if parallel.vpp == 1:
-        starts = [sum(counts[:r]) for r in range(parallel.pp)]
-        return [list(range(s, s + n)) for s, n in zip(starts, counts, strict=True)]
-    chunk = layers // (parallel.pp * parallel.vpp)
-    return [
-        [v * layers // parallel.vpp + r * chunk + i for v in range(parallel.vpp) for i in range(chunk)]
-        for r in range(parallel.pp)
-    ]
-
-
-def _attention_params(a: Architecture, tp: int) -> int:
-    h, d = a.hidden, a.head_dim
-    if a.mla:
-        q_head = a.qk_dim + a.rope_dim
-        q = h * a.q_lora + a.q_lora + a.q_lora * a.heads * q_head // tp if a.q_lora else h * a.heads * q_head // tp
-        kv = h * (a.kv_lora + a.rope_dim) + a.kv_lora + a.kv_lora * a.heads * (a.qk_dim + a.v_dim) // tp
-        return h + q + kv + a.heads * a.v_dim * h // tp
-    qkv = (a.heads + 2 * a.kv_heads) * d
-    return h + qkv * h // tp + (qkv // tp if a.qkv_bias else 0) + (2 * d if a.qk_norm else 0) + a.heads * d * h // tp
-
-
-def layer_params(a: Architecture, moe: bool, parallel: ParallelConfig) -> tuple[int, int]:
-    """(parameters, of which expert parameters) of one layer on one device."""
-    tp, h = parallel.tp, a.hidden
-    dense = _attention_params(a, tp) + h
-    if not moe:
-        return dense + 3 * a.ffn * h // tp, 0
-    experts = a.experts // parallel.ep * 3 * a.moe_ffn * h // parallel.expert_tp
-    return dense + a.experts * h + 3 * a.shared_ffn * h // tp + experts, experts
-
-
-def adaptable_linears(a: Architecture, moe: bool) -> set[str]:
-    """The LoRA targets (models/lora.py) a layer has: MLA has its own projections for ``linear_qkv`` (queries
-    direct or through a latent); an MoE layer's ``linear_fc1`` and ``linear_fc2`` are its shared experts',
-    ``experts.linear_fc1`` and ``experts.linear_fc2`` its routed experts'."""
-    mlp = {"linear_fc1", "linear_fc2"} if a.shared_ffn or not moe else set()
-    experts = {"experts.linear_fc1", "experts.linear_fc2"} if moe else set()
-    queries = {"linear_q_down_proj", "linear_q_up_proj"} if a.q_lora else {"linear_q_proj"}
-    attention = queries | {"linear_kv_down_proj", "linear_kv_up_proj"} if a.mla else {"linear_qkv"}
-    return {"linear_proj"} | attention | mlp | experts
-
-
-def lora_params(a: Architecture, moe: bool, parallel: ParallelConfig, lora) -> tuple[int, int]:
-    """(LoRA adapter parameters, of which routed experts') of one layer on one device (models/lora.py): a
-    column-parallel linear's A [r, in] whole and B [out/tp, r], a row-parallel one's A [r, in/tp] and B [out, r]
-    whole, a replicated one's (MLA's down projections) both whole; each local routed expert's A and B whole
-    (expert-TP 1)."""
-    if not lora.rank:
-        return 0, 0
-    tp, h, r = parallel.tp, a.hidden, lora.rank
-    ffn = a.shared_ffn if moe else a.ffn
-    shapes = {
-        "linear_qkv": (h, (a.heads + 2 * a.kv_heads) * a.head_dim // tp),
-        "linear_proj": (a.heads * (a.v_dim if a.mla else a.head_dim) // tp, h),
-        "linear_fc1": (h, 2 * ffn // tp),
-        "linear_fc2": (ffn // tp, h),
-        "linear_q_proj": (h, a.heads * (a.qk_dim + a.rope_dim) // tp),
-        "linear_q_down_proj": (h, a.q_lora),
-        "linear_q_up_proj": (a.q_lora, a.heads * (a.qk_dim + a.rope_dim) // tp),
-        "linear_kv_down_proj": (h, a.kv_lora + a.rope_dim),
-        "linear_kv_up_proj": (a.kv_lora, a.heads * (a.qk_dim + a.v_dim) // tp),
-    }
-    local = a.experts // parallel.ep
-    experts = {"experts.linear_fc1": (h, 2 * a.moe_ffn), "experts.linear_fc2": (a.moe_ffn, h)}
-    targets = adaptable_linears(a, moe) & set(lora.targets)
-    dense = sum(r * (inp + out) for name, (inp, out) in shapes.items() if name in targets)
-    routed = sum(local * r * (inp + out) for name, (inp, out) in experts.items() if name in targets)
-    return dense + routed, routed
-
-
-def trained_router(a: Architecture, moe: bool, lora) -> tuple[int, int]:
-    """(the router parameters [experts, hidden] a LoRA run trains in one layer (``train_router``), the elements of
-    the reference's copy of the router as loaded (models.lora.RouterCopy): those and the expert bias)."""
-    if not (moe and lora.train_router):
-        return 0, 0
-    return a.experts * a.hidden, a.experts * a.hidden + (a.experts if a.expert_bias else 0)
-
-
-def mtp_params(a: Architecture, parallel: ParallelConfig) -> tuple[int, int]:
-    """(parameters, expert parameters) of the MTP layers on a device of the last pipeline rank: each a decoder layer
-    of the last layer's kind, norms of the embedding, the hidden state and the output, and the column-parallel
-    projection [hidden, 2 hidden]."""
-    params, experts = layer_params(a, a.moe_layers[-1], parallel)
-    own = 3 * a.hidden + 2 * a.hidden * a.hidden // parallel.tp
-    return a.mtp_layers * (params + own), a.mtp_layers * experts
-
-
-def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, int]]:
-    """Per pipeline rank: (parameters, expert parameters) one of its devices holds, tied copies included (the
-    embedding's copy on the last rank for its MTP layers too)."""
-    vocab = a.padded_vocab(parallel.tp) * a.hidden // parallel.tp
-    out = []
-    for rank, layers in enumerate(rank_layers(parallel, a.layers)):
-        per_layer = [layer_params(a, a.moe_layers[i], parallel) for i in layers]
-        total, experts = sum(p for p, _ in per_layer), sum(e for _, e in per_layer)
-        if rank == 0:
-            total += vocab
-        if rank == parallel.pp - 1:  # the final norm and the LM head (its tied copy under PP), or a value head
-            head = a.hidden if a.value_head else (vocab if not a.tied or parallel.pp > 1 else 0)
-            mtp, mtp_experts = mtp_params(a, parallel)
-            copy = vocab if a.mtp_layers and parallel.pp > 1 else 0
-            total, experts = total + a.hidden + head + mtp + copy, experts + mtp_experts
-        out.append((total, experts))
-    return out
-
-
-# ---- activations ---------------------------------------------------------------------------------------------
-def optimizer_shards(parallel: ParallelConfig, world: int) -> tuple[int, int]:
-    """Over how many devices the distributed optimizer shards a dense parameter (its DP x CP group) and an expert
-    parameter (its expert-data-parallel group): the ways its gradients are reduce-scattered."""
-    return world // (parallel.tp * parallel.pp), world // (parallel.ep * parallel.expert_tp * parallel.pp)
-
-
-def device_tokens(parallel: ParallelConfig, tokens: float) -> tuple[float, float]:
-    """Of a micro-batch's ``tokens``: those one device holds (CP splits them), and those in its sequence-sharded
-    (hidden-sized) tensors, which sequence parallelism splits over TP too."""
-    t = tokens / parallel.cp
-    return t, t / parallel.tp if parallel.sequence_parallel else t
-
-
-def layer_activation_bytes(
-    a: Architecture,
-    moe: bool,
-    parallel: ParallelConfig,
-    tokens: int,
-    backend: str,
-    act_bytes: int,
-    sequence: float = 0.0,
-) -> float:
-    """Bytes autograd keeps for one layer's backward, on one device, for a micro-batch of ``tokens`` (whole
-    sequences; CP and sequence parallelism divide them here). Hidden-sized tensors are split over TP only with
-    sequence parallelism; head- and FFN-sized ones always. ``sequence``: the token-weighted mean sequence length
-    (the longest sample bounds it), which only the local build's CP attention mask depends on."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
-    tp, h = parallel.tp, a.hidden
-    t, st = device_tokens(parallel, tokens)
-    local = backend == "local"
-    heads = a.heads // tp
-    fp32 = 4 / act_bytes  # an fp32 element in activation elements
-    norm = 2 if local else 1  # torch's RMSNorm keeps its input and normalised input; TE's the input (+ rstd)
-    # attention block: the input norm and what the first projection keeps (TE: its fused norm's output)
-    elems = st * (norm * h + fp32 + h)
-    if a.mla:
-        q_head = a.qk_dim + a.rope_dim
-        # the latents stay sequence-sharded: the up projections gather them
-        if a.q_lora:
-            elems += st * ((norm + 1) * a.q_lora + fp32)  # query latent, its norm, the up projection's input
-        elems += st * (a.kv_lora + a.rope_dim + norm * a.kv_lora + fp32)  # key/value latent, its norm
-        if local:  # RoPE's cos/sin; q, k, v and output at the query head size; the projection's input copy
-            core = 4 * a.rope_dim + heads * (4 * q_head + a.v_dim)
-        else:  # rotated q and k, the up projection's output (k_nope, v), the attention output
-            core = heads * (2 * q_head + a.qk_dim + 2 * a.v_dim)
-        elems += t * (core + heads * fp32)
-        if parallel.cp > 1:  # keys and values of the whole sequence, gathered, replace the local keys
-            elems += t * heads * (parallel.cp * (q_head + a.v_dim) - q_head)
-    else:
-        d, kv = a.head_dim, a.kv_heads // tp
-        elems += t * (heads + 2 * kv) * d  # the QKV output (values are views of it)
-        if a.qk_norm:  # normalised q and k; the local norm keeps its input too, a copy when q spans groups
-            copy = heads * d if local and kv > 1 else 0
-            elems += t * (copy + (heads + kv) * d + (heads + kv) * fp32)
-        rope = 4 * d if local else 0  # the local RoPE keeps cos and sin per call
-        elems += t * (rope + (heads + kv) * d + heads * d + heads * fp32)  # rotated q, k; attention output
-        elems += t * heads * d * local  # the local build's projection input is a copy of the output
-        if parallel.cp > 1:  # keys and values of the whole sequence, gathered, replace the local keys
-            elems += t * kv * d * (2 * parallel.cp - 1)
-    if local and parallel.cp > 1:
-        elems += t * sequence * fp32  # the mask of which gathered keys each local query sees
-    # MLP block: the pre-MLP norm and what the next projection (or the router) keeps
-    elems += st * (norm * h + fp32 + h)
-    act = 5 if local else 3  # SwiGLU: fc1's output (2F) and the activation's (F); the local build keeps 2F more
-    if not moe:
-        return (elems + t * act * a.ffn / tp) * act_bytes
-    elems += t * act * a.shared_ffn / tp
-    routed = st * a.topk * parallel.expert_tp  # expert-token rows this device computes (balanced routing)
-    elems += routed * (h + act * a.moe_ffn / parallel.expert_tp + fp32)
-    routing_bytes = st * (10 * a.experts + 24 * a.topk + 16 * a.router_groups)  # scores, maps, indices
-    weights = a.experts // parallel.ep * 3 * a.moe_ffn // parallel.expert_tp * h if local else 0  # stacked copy
-    return (elems + weights) * act_bytes + routing_bytes
-
-
-def head_activation_bytes(a: Architecture, parallel: ParallelConfig, tokens: int, backend: str, act_bytes: int):
-    """Bytes the last stage keeps for the final norm, the output layer and the loss (the logits over V/TP in the
-    model's dtype; per token the target and the chunked softmax's max, sum and mean logit: 8 + 3 x 4 bytes); with
-    a value head, the whole sequence's hidden states it gathers and a value per token."""
-    t, st = device_tokens(parallel, tokens)
-    norm = 2 if backend == "local" else 1
-    if a.value_head:
-        return st * (norm + 1) * a.hidden * act_bytes + t * a.hidden * act_bytes + t * 8
-    return (
-        st * (norm + 1) * a.hidden * act_bytes
-        + st * 4
-        + t * (act_bytes * a.padded_vocab(parallel.tp) / parallel.tp + 20)
-    )
-
-
-def lm_head_backward_bytes(a: Architecture, parallel: ParallelConfig, tokens: int, param_bytes: int) -> float:
-    """What the loss's backward adds on the last stage: the logits' gradient (the model's dtype) and the working
-    set of one chunk of the fp32 softmax (:mod:`mcore_rl.trainer.logprobs`), never the whole micro-batch's."""
-    t, _ = device_tokens(parallel, tokens)
-    vocab_t = 0 if a.value_head else t * a.padded_vocab(parallel.tp) / parallel.tp
-    return vocab_t * param_bytes + LM_HEAD_CHUNK_COPIES * min(LM_HEAD_CHUNK_BYTES, 4 * vocab_t)
 
 
 # ---- roles and phases ----------------------------------------------------------------------------------------

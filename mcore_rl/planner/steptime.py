@@ -25,14 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from mcore_rl.planner.memory import (
-    Architecture,
-    Workload,
-    engine_memory,
-    layer_params,
-    optimizer_shards,
-    stage_params,
-)
+from mcore_rl.planner.memory import Workload, engine_memory
+from mcore_rl.planner.params import Architecture, layer_params, optimizer_shards, stage_params
 from parallel.config import ParallelConfig
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from mcore_rl.roles.cluster import ActorGroup
-from mcore_rl.sync import SyncConfig
+from mcore_rl.trainer.sync import SyncConfig
 
 
 class ReferenceGroup(ActorGroup):

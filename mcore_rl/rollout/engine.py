@@ -2,7 +2,7 @@
 
 Prompts go in and completions come out as token ids (never re-tokenised), with the sampled tokens' log-probs and
 the policy version that sampled each token. The engine sleeps while a colocated trainer runs and takes new weights
-in place, bucket by bucket, from :mod:`mcore_rl.sync`: the whole model, or (a LoRA policy with
+in place, bucket by bucket, from :mod:`mcore_rl.trainer.sync`: the whole model, or (a LoRA policy with
 ``sync.lora: adapter``) its adapters only, which the engine then serves with vLLM's LoRA over the base weights it
 started with. Where the two builds differ (sleep mode, repairs after a
 reload) the difference is decided here and in :mod:`compat.vllm`, nowhere else.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mcore_rl.algorithms.grpo import constant_groups
-from mcore_rl.batch import Sample
+from mcore_rl.batch import Sample, fill_with_spares
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,8 @@ class SampleBuffer:
                     taken, self._groups = self._groups[:need], self._groups[need:]
                     break
                 if self._constant and len(self._constant) >= self.refill_rounds * need:
-                    short = need - len(self._groups)
-                    taken, self._groups = self._groups + self._constant[:short], []
-                    self._constant = self._constant[short:]
+                    taken, self._constant = fill_with_spares(self._groups, self._constant, need)
+                    self._groups = []
                     break
                 self._ready.wait()
             spares, self._constant = self._constant, []  # they would only grow older

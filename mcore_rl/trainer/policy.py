@@ -14,11 +14,11 @@ from converters.stream import export_hf
 from converters.torch_dist import LORA_FILE, find_megatron
 from mcore_rl.algorithms.grpo import PolicyLossConfig, policy_loss
 from mcore_rl.algorithms.mtp import mtp_logprobs, mtp_loss
-from mcore_rl.sync import BroadcastRoute, ColocatedRoute, SyncConfig, WeightSync
 from mcore_rl.trainer.logprobs import token_scores
 from mcore_rl.trainer.moe import MoEConfig, RouterLoad
 from mcore_rl.trainer.packing import rows_of
 from mcore_rl.trainer.ranks import TrainableRank
+from mcore_rl.trainer.sync import BroadcastRoute, ColocatedRoute, SyncConfig, WeightSync
 from models.lora import LoRAConfig, adapters_off, attach_lora, keep_routers, merged
 from models.mtp import MTPOutput, freeze_mtp, mtp_active
 

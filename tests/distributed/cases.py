@@ -293,7 +293,7 @@ def train_and_sync(
     """
     import ray
 
-    from mcore_rl.sync import ColocatedRoute, ProbeMismatchError, SyncConfig, WeightSync
+    from mcore_rl.trainer.sync import ColocatedRoute, ProbeMismatchError, SyncConfig, WeightSync
     from models.lora import LoRAConfig, attach_lora
 
     rank = torch.distributed.get_rank()
@@ -383,7 +383,7 @@ def perturb_and_sync(
 ) -> dict:
     """Megatron's greedy continuation before and after perturbing its weights, and the sync's report (rank 0
     feeds the engine)."""
-    from mcore_rl.sync import ColocatedRoute, SyncConfig, WeightSync
+    from mcore_rl.trainer.sync import ColocatedRoute, SyncConfig, WeightSync
 
     bridge, _, chunks, groups = _load(hf_dir, layout)
     model = MegatronModel(chunks, groups)

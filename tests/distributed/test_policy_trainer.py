@@ -3,7 +3,8 @@ changes nothing (parameters, gradients' buffers and Adam state come back bit-ide
 
 import pytest
 
-from mcore_rl.planner.memory import Architecture, Workload, trainer_memory
+from mcore_rl.planner.memory import Workload, trainer_memory
+from mcore_rl.planner.params import Architecture
 from models.registry import get_bridge
 from parallel.config import ParallelConfig
 from tests.distributed import cases

@@ -567,7 +567,7 @@ def hf_sync() -> tuple[str, dict]:
 
     from converters.stream import export_hf, load_weights
     from mcore_rl.rollout.transport import BucketSender
-    from mcore_rl.sync import send_buckets
+    from mcore_rl.trainer.sync import send_buckets
     from mcore_rl.trainer.training import MegatronModel
     from models.registry import get_bridge
     from parallel.config import ParallelConfig

@@ -10,25 +10,19 @@ from pathlib import Path
 import pytest
 
 from mcore_rl.config.schema import load_run_config
+from mcore_rl.planner.activations import head_activation_bytes, layer_activation_bytes
 from mcore_rl.planner.memory import (
-    Architecture,
     GiB,
     Workload,
     engine_memory,
-    head_activation_bytes,
     in_flight,
-    layer_activation_bytes,
-    lora_params,
-    mtp_params,
     plan_memory,
-    rank_layers,
     remedies,
-    stage_params,
     suggest_layouts,
-    trained_router,
     trainer_memory,
 )
 from mcore_rl.planner.meta import hf_tensors
+from mcore_rl.planner.params import Architecture, lora_params, mtp_params, rank_layers, stage_params, trained_router
 from mcore_rl.rollout.engine import RolloutConfig
 from models.lora import LINEARS, MLA, LoRAConfig
 from models.registry import get_bridge

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from mcore_rl.config.schema import load_run_config
-from mcore_rl.planner.memory import Architecture
+from mcore_rl.planner.params import Architecture
 from mcore_rl.planner.steptime import DEVICES, Lengths, forward_flops, step_time
 from models.registry import get_bridge
 

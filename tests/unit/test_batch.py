@@ -5,6 +5,7 @@ import torch
 
 from mcore_rl.batch import (
     add_advantages,
+    fill_with_spares,
     filter_truncated,
     partition_groups,
     rollout_stats,
@@ -49,6 +50,9 @@ def test_dynamic_sampling_drops_constant_groups_and_stats_report_them():
     stats = rollout_stats(samples, rewards, 2)
     assert stats["reward/constant_group_fraction"] == 0.5
     assert stats["response/length_mean"] == 7 / 4 and stats["response/truncated_fraction"] == 0.25
+    # the fill rule: kept groups first, then spares up to the batch, the rest left over; a full batch takes none
+    assert fill_with_spares(["k1", "k2"], ["s1", "s2", "s3"], 4) == (["k1", "k2", "s1", "s2"], ["s3"])
+    assert fill_with_spares(["k1", "k2"], ["s1"], 2) == (["k1", "k2"], ["s1"])
 
 
 def test_routed_experts_are_kept_per_input_position_and_checked():

@@ -15,6 +15,7 @@ import torch
 
 import compat
 from compat import megatron_core, vllm
+from compat.megatron_core import cpu as megatron_core_cpu
 
 
 def test_a_changed_signature_is_refused_with_its_name():
@@ -32,7 +33,7 @@ def test_installed_upstreams_are_the_ones_the_workarounds_were_read_from(caplog)
     with caplog.at_level(logging.WARNING, logger="compat"):
         assert compat.check_versions() == []
     assert caplog.records == []
-    megatron_core._check_targets()  # every patched megatron-core function has its 0.16.1 parameters
+    megatron_core_cpu.check_targets()  # every patched megatron-core function has its 0.16.1 parameters
     vllm._layerwise()  # and vLLM's layer-wise reload its 0.32 ones
 
 
@@ -51,7 +52,7 @@ def test_another_megatron_core_is_an_error_and_other_torch_or_vllm_a_warning(mon
 
 def test_a_missing_megatron_target_is_named():
     with pytest.raises(compat.UpstreamChangedError, match=r"megatron\.core\.utils\.no_such_function: not found"):
-        megatron_core._target("megatron.core.utils", "no_such_function")
+        megatron_core.target("megatron.core.utils", "no_such_function")
 
 
 def test_the_silenced_notices_are_what_megatron_core_prints_and_nothing_else():

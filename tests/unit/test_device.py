@@ -214,8 +214,8 @@ def test_each_device_gets_every_fix_that_is_not_about_the_cpu():
         "torch.testing.assert_close(router_gating_linear(inp, weight, bias, torch.float64), "
         "(inp.double() @ weight.double().t() + bias.double()))\n"
         "assert D.load_state_dict.__wrapped__ and D._set_main_param_and_optimizer_states.__wrapped__\n"
-        "print(getattr(megatron.core, m._INSTALLED_MARK, False))\n"
-        "print(m.install_fixes(cpu=True), getattr(megatron.core, m._INSTALLED_MARK, False))\n"
+        "print(getattr(megatron.core, m.INSTALLED_MARK, False))\n"
+        "print(m.install_fixes(cpu=True), getattr(megatron.core, m.INSTALLED_MARK, False))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

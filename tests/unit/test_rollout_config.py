@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mcore_rl.rollout.engine import RolloutConfig, SamplingConfig, cpu_thread_binding
-from mcore_rl.sync import SyncConfig, probe_tokens
+from mcore_rl.trainer.sync import SyncConfig, probe_tokens
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,5 @@
-"""megatron-core 0.16.1's quirks: CPU support (:func:`install_cpu_compat`), the MoE router without
-TransformerEngine (:func:`router_without_te`), torch Adam's checkpoints (:func:`install_adam_fixes`), multi-latent
-attention without TransformerEngine (:func:`mla_without_te`), models and process groups that outlive a layout
-(:func:`release_dispatcher_graphs`, :func:`destroy_groups`), and an import that pulls in torch's compiler for
-nothing (:func:`compile_on_first_call`).
-
-**On CPU** (gloo), for CI and laptops; installed by :func:`install_fixes` on CPU machines only. Megatron-Core
+"""megatron-core 0.16.1 **on CPU** (gloo), for CI and laptops; installed by
+:func:`compat.megatron_core.install_fixes` on CPU machines only. Megatron-Core
 calls CUDA unconditionally in places that have no extension point. Rather than a global ``TorchFunctionMode``
 (measured +30% per step on tiny models, and it disables dynamo), this module rebinds the name ``torch`` *inside
 the listed Megatron modules only* to a proxy that forwards everything to torch except:
@@ -56,20 +51,6 @@ What a module-level proxy cannot reach is patched narrowly:
   > 1) as lists of different sizes, which NCCL accepts and gloo rejects. The CPU versions pad to the longest
   split (gather) or all-reduce and slice (reduce-scatter); even splits still take Megatron's path.
 
-**On every device** (:func:`install_fixes` installs these wherever Megatron-Core runs, the CPU support on CPU
-only, and returns their names: ``tests/unit/test_device.py`` lists what each device gets, so a fix that is not
-about the CPU cannot end up in the CPU support by accident):
-
-* The MoE router's gating GEMM (moe_utils.py:1192) reads ``te_general_gemm``, which is unbound when
-  TransformerEngine does not import: every MoE model raised ``NameError`` on its first forward. It is bound to
-  None, the value Megatron tests for, so the router takes its torch path.
-* torch Adam's checkpoints. Megatron-Core falls back to ``torch.optim.AdamW`` where neither TransformerEngine nor
-  Apex imports: always on CPU, and on GPUs without them. Its distributed optimizer then fails to load its own
-  checkpoint with ``KeyError: 'step'`` (distrib_optimizer.py:940; the loaded tensors get the already-restored step
-  added), and its load shares one ``step`` tensor among all parameters (:825), which Adam then advances once per
-  parameter per step (the loaded states get their own copies). :func:`install_adam_fixes` installs both wherever
-  that fallback is in use.
-
 ``torch_norm``'s sequence-parallel assert is not patched: our layer spec substitutes its own norm module
 (:mod:`models.spec`), Megatron's intended extension point. ``tests/distributed/test_cpu_compat.py`` fails when a
 training step reaches a CUDA call site that this module does not cover.
@@ -86,7 +67,8 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from compat import MEGATRON_CORE, UpstreamChangedError, expect_parameters
+from compat import expect_parameters
+from compat.megatron_core import INSTALLED_MARK, check_version, set_attr_path, target
 
 PROXIED_MODULES = (
     "megatron.core.tensor_parallel.random",
@@ -111,6 +93,7 @@ PROXIED_MODULES = (
     "megatron.core.transformer.multi_token_prediction",
 )
 
+
 # (module, attribute path) of functions that check tensor.type() against CUDA names or call tensor.cuda().
 _CUDA_TENSOR_CALLERS = (
     ("megatron.core.models.common.language_module.language_module", "LanguageModule.setup_embeddings_and_output_layer"),
@@ -124,6 +107,7 @@ _CUDA_TENSOR_CALLERS = (
     ("megatron.core.models.common.embeddings.rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
     ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "get_pos_emb_on_this_cp_rank"),
 )
+
 
 _FACTORIES = (
     "arange",
@@ -302,51 +286,6 @@ def _gloo_uneven_reduce_scatter(original):
     return wrapped
 
 
-def _keep_adam_step(original):
-    """distrib_optimizer.py:940 copies every key of torch Adam's state, ``step`` included, from the loaded
-    tensors, which carry no ``step`` (it travels in the param groups and is already restored): KeyError."""
-
-    @functools.wraps(original)
-    def wrapped(self, model_param, tensors):
-        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            group, order = self.model_param_group_index_map[model_param]
-            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
-            if "step" in state:
-                tensors = {**tensors, "step": state["step"]}
-        return original(self, model_param, tensors)
-
-    return wrapped
-
-
-def _unshare_adam_steps(original):
-    """distrib_optimizer.py:825 gives every parameter's Adam state the *same* ``step`` tensor; torch's Adam
-    increments each in place, so after a resume the step (and the bias correction) advanced once per parameter."""
-
-    @functools.wraps(original)
-    def wrapped(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        for state in self.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-        return result
-
-    return wrapped
-
-
-def _set_attr_path(module, path: str, wrap) -> None:
-    owner = module
-    *parents, name = path.split(".")
-    for parent in parents:
-        owner = getattr(owner, parent)
-    raw = vars(owner)[name]
-    if isinstance(raw, staticmethod | classmethod):
-        setattr(owner, name, type(raw)(wrap(raw.__func__)))
-    else:
-        setattr(owner, name, wrap(raw))
-
-
-_INSTALLED_MARK = "_mcore_rl_installed"
-
 # Functions the CPU support wraps, with the parameters they had in 0.16.1 (checked before wrapping).
 _WRAPPED = {
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"): (
@@ -369,60 +308,15 @@ _WRAPPED = {
     ("megatron.core.tensor_parallel.random", "_lazy_call"): ("callable", "kwargs"),  # torch.cuda's, by name
 }
 
-# The distributed optimizer's methods the torch-Adam fixes wrap: their 0.16.1 parameters, and the wrapper.
-_ADAM_WRAPPED = {
-    "DistributedOptimizer._set_main_param_and_optimizer_states": (("self", "model_param", "tensors"), _keep_adam_step),
-    "DistributedOptimizer.load_state_dict": (("self", "state_dict"), _unshare_adam_steps),
-}
 
-
-def _target(module_name: str, path: str):
-    owner = importlib.import_module(module_name)
-    for part in path.split("."):
-        if not hasattr(owner, part):
-            raise UpstreamChangedError(
-                f"{module_name}.{path}: not found in megatron-core (the CPU support targets 0.16.1)"
-            )
-        owner = getattr(owner, part)
-    return owner
-
-
-def _check_targets() -> None:
+def check_targets() -> None:
     """Every patched module, function and attribute is there, with the parameters it had in 0.16.1."""
     for name in PROXIED_MODULES:
-        _target(name, "torch")
+        target(name, "torch")
     for module_name, path in _CUDA_TENSOR_CALLERS:
-        _target(module_name, path)
+        target(module_name, path)
     for (module_name, path), params in _WRAPPED.items():
-        expect_parameters(_target(module_name, path), params, f"{module_name}.{path}")
-
-
-def _check_version(what: str) -> None:
-    import megatron.core
-
-    if megatron.core.__version__ != MEGATRON_CORE:
-        raise UpstreamChangedError(
-            f"compat.megatron_core's {what} targets megatron-core=={MEGATRON_CORE}, found "
-            f"{megatron.core.__version__}; re-read its call sites before changing the pin"
-        )
-
-
-def install_adam_fixes() -> bool:
-    """Fix torch Adam's distributed-optimizer checkpoints (module docstring) where Megatron-Core uses torch's
-    AdamW; returns whether they are installed. Idempotent; checks its targets first."""
-    optimizer = importlib.import_module("megatron.core.optimizer")
-    if optimizer.Adam is not torch.optim.AdamW:  # TransformerEngine's or Apex's FusedAdam: nothing to fix
-        return False
-    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
-    if getattr(distrib.DistributedOptimizer, _INSTALLED_MARK, False):
-        return True
-    _check_version("torch-Adam fix")
-    for path, (params, _) in _ADAM_WRAPPED.items():  # every target checked before any is patched
-        expect_parameters(_target(distrib.__name__, path), params, f"{distrib.__name__}.{path}")
-    for path, (_, wrap) in _ADAM_WRAPPED.items():
-        _set_attr_path(distrib, path, wrap)
-    setattr(distrib.DistributedOptimizer, _INSTALLED_MARK, True)
-    return True
+        expect_parameters(target(module_name, path), params, f"{module_name}.{path}")
 
 
 def install_cpu_compat() -> bool:
@@ -432,21 +326,21 @@ def install_cpu_compat() -> bool:
     """
     import megatron.core
 
-    if getattr(megatron.core, _INSTALLED_MARK, False):
+    if getattr(megatron.core, INSTALLED_MARK, False):
         return True
-    _check_version("CPU support")
-    _check_targets()
+    check_version("CPU support")
+    check_targets()
 
     cpu_torch = _CpuTorch()
     for name in PROXIED_MODULES:
         importlib.import_module(name).torch = cpu_torch
 
     random = importlib.import_module("megatron.core.tensor_parallel.random")
-    random._lazy_call = functools.wraps(random._lazy_call)(_call_now)  # _check_targets still sees its signature
+    random._lazy_call = functools.wraps(random._lazy_call)(_call_now)  # check_targets still sees its signature
     random._lazy_init = _noop
 
     for module_name, path in _CUDA_TENSOR_CALLERS:
-        _set_attr_path(importlib.import_module(module_name), path, _under_cuda_type_names)
+        set_attr_path(importlib.import_module(module_name), path, _under_cuda_type_names)
 
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     dispatcher.maybe_move_tensor_to_cpu = _move_splits_to_numpy(dispatcher.maybe_move_tensor_to_cpu)
@@ -455,143 +349,5 @@ def install_cpu_compat() -> bool:
     mappings._gather_along_first_dim = _gloo_uneven_gather(mappings._gather_along_first_dim)
     mappings._reduce_scatter_along_first_dim = _gloo_uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
 
-    setattr(megatron.core, _INSTALLED_MARK, True)
-    return True
-
-
-def router_without_te() -> bool:
-    """Bind the router's ``te_general_gemm`` to None where TransformerEngine does not import (module docstring);
-    returns whether it was needed. Idempotent."""
-    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
-    if moe_utils.HAVE_TE:
-        return False
-    if not hasattr(moe_utils, "te_general_gemm"):
-        _check_version("router without TransformerEngine")
-        moe_utils.te_general_gemm = None
-    return True
-
-
-def install_fixes(cpu: bool) -> list[str]:
-    """Every megatron-core patch a process needs: the fixes for every device (those its Megatron-Core needs), and
-    the CPU support where ``cpu``. Returns the names of those installed. Idempotent."""
-    fixes = {
-        "router_without_te": router_without_te,
-        "torch_adam_checkpoints": install_adam_fixes,
-        "cpu_support": install_cpu_compat if cpu else lambda: False,
-    }
-    return [name for name, install in fixes.items() if install()]
-
-
-# ---- import time ---------------------------------------------------------------------------------------------------
-def compile_on_first_call(jit: types.ModuleType) -> None:
-    """``megatron/core/jit.py`` sets ``jit_fuser = torch.compile``, and ~40 fused functions are decorated with it
-    at import: building each decorator imports torch's whole compiler stack (dynamo, inductor: 2 of Megatron-Core's
-    6 s of import), even in processes that never call one of them (rollout engines, converters, the planner, dense
-    models on CPU; MoE routers call ``_apply_expert_bias`` on every forward). Each decorated function is compiled
-    by ``torch.compile`` as before, on its first call. Runs after ``jit.py`` executes
-    (:data:`compat.AFTER_IMPORT`), before any module imports ``jit_fuser`` from it."""
-    if jit.jit_fuser is not torch.compile:  # 0.16.1 on torch >= 2.2; anything else is left as Megatron chose
-        return
-
-    def jit_fuser(fn):
-        compiled = None
-
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            nonlocal compiled
-            if compiled is None:
-                compiled = torch.compile(fn)
-            return compiled(*args, **kwargs)
-
-        return call
-
-    jit.jit_fuser = jit_fuser
-
-
-# ---- MLA without TransformerEngine --------------------------------------------------------------------------------
-def mla_without_te() -> None:
-    """0.16.1 builds its TE wrappers on a MagicMock when TE is absent, so multi-latent attention believes TE is there
-    and fails on ``isinstance(..., TELinear)`` (multi_latent_attention.py:185; fixed upstream in 0.19). Tell it TE
-    is absent, where it is. Idempotent."""
-    if importlib.util.find_spec("transformer_engine") is not None:
-        return
-    module = "megatron.core.transformer.multi_latent_attention"
-    _target(module, "HAVE_TE")
-    importlib.import_module(module).HAVE_TE = False
-
-
-# ---- layout changes -----------------------------------------------------------------------------------------------
-# Module methods wrapped in ``functools.lru_cache`` (0.16.1): the cache keys hold the modules, and so every model's
-# rotary embedding (with its context-parallel group) stays alive after the model is gone.
-_CACHED_METHODS = (
-    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.forward"),
-    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding.forward"),
-)
-# Module-level dicts that keep a layout's groups (0.16.1): the MoE aux-loss logging tracker stores each loss's
-# reduce and average groups (moe_utils.py:898), and its per-layer values are sized for the model that filled it.
-_LAYOUT_DICTS = (("megatron.core.transformer.moe.moe_utils", "_MOE_LAYER_WISE_LOGGING_TRACKER"),)
-
-
-def release_dispatcher_graphs(chunks: list[torch.nn.Module]) -> None:
-    """Drop the autograd graphs Megatron's MoE token dispatchers keep from the last forward.
-
-    0.16.1's dispatchers store the batch's routing probabilities as attributes (token_dispatcher.py:610 ``probs``,
-    :291 ``local_probs``). Through their graph the router weight's gradient accumulator, DDP's hook on it, and
-    so the model refer back to the dispatcher: a cycle through C++ autograd nodes, which Python's collector cannot
-    see, so a model that took a training step was never freed (nor its process groups and their gloo threads).
-    Every tensor attribute with a graph is dropped; the next forward sets them again."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, MoELayer):
-                state = vars(module.token_dispatcher)
-                for name, value in state.items():
-                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
-                        state[name] = None
-
-
-def _held_groups(module) -> dict[str, list[torch.distributed.ProcessGroup]]:
-    """The process groups (other than the default one) each of ``module``'s globals holds, alone or in a list."""
-    held = {}
-    for name, value in vars(module).items():
-        groups = [
-            g
-            for g in (value if isinstance(value, list | tuple) else [value])
-            if isinstance(g, torch.distributed.ProcessGroup) and g is not torch.distributed.GroupMember.WORLD
-        ]
-        if groups:
-            held[name] = groups
-    return held
-
-
-def destroy_groups() -> bool:
-    """Tear down Megatron's parallel state *and its process groups*; whether there were any.
-
-    0.16.1's ``destroy_model_parallel`` only drops its references, and not all of them (it leaves
-    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` set): the groups stay alive, and on gloo each keeps its connection
-    threads. Here every group the module holds is destroyed and its reference dropped, and the caches and MoE
-    tracker that keep old models (and their groups) alive are cleared; the threads stop once nothing refers to the groups (see
-    :func:`compat.torch.release_groups`).
-    """
-    from megatron.core import parallel_state
-
-    if not parallel_state.model_parallel_is_initialized():
-        return False
-    held = _held_groups(parallel_state)
-    parallel_state.destroy_model_parallel()
-    for name in _held_groups(parallel_state).keys() & held.keys():  # what destroy_model_parallel forgot
-        setattr(parallel_state, name, None)
-    for group in {id(g): g for groups in held.values() for g in groups}.values():
-        torch.distributed.destroy_process_group(group)
-    for module_name, path in _CACHED_METHODS:
-        method = _target(module_name, path)
-        if not hasattr(method, "cache_clear"):
-            raise UpstreamChangedError(f"{module_name}.{path}: no longer an lru_cache; drop it from _CACHED_METHODS")
-        method.cache_clear()
-    for module_name, name in _LAYOUT_DICTS:
-        state = _target(module_name, name)
-        if not isinstance(state, dict):
-            raise UpstreamChangedError(f"{module_name}.{name}: no longer a dict; drop it from _LAYOUT_DICTS")
-        state.clear()
+    setattr(megatron.core, INSTALLED_MARK, True)
     return True

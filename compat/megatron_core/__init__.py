@@ -1,0 +1,269 @@
+"""megatron-core 0.16.1's quirks: CPU support (:mod:`compat.megatron_core.cpu`), the MoE router without
+TransformerEngine (:func:`router_without_te`), torch Adam's checkpoints (:func:`install_adam_fixes`), multi-latent
+attention without TransformerEngine (:func:`mla_without_te`), models and process groups that outlive a layout
+(:func:`release_dispatcher_graphs`, :func:`destroy_groups`), and an import that pulls in torch's compiler for
+nothing (:func:`compile_on_first_call`).
+
+**On CPU**: :mod:`compat.megatron_core.cpu`.
+
+**On every device** (:func:`install_fixes` installs these wherever Megatron-Core runs, the CPU support on CPU
+only, and returns their names: ``tests/unit/test_device.py`` lists what each device gets, so a fix that is not
+about the CPU cannot end up in the CPU support by accident):
+
+* The MoE router's gating GEMM (moe_utils.py:1192) reads ``te_general_gemm``, which is unbound when
+  TransformerEngine does not import: every MoE model raised ``NameError`` on its first forward. It is bound to
+  None, the value Megatron tests for, so the router takes its torch path.
+* torch Adam's checkpoints. Megatron-Core falls back to ``torch.optim.AdamW`` where neither TransformerEngine nor
+  Apex imports: always on CPU, and on GPUs without them. Its distributed optimizer then fails to load its own
+  checkpoint with ``KeyError: 'step'`` (distrib_optimizer.py:940; the loaded tensors get the already-restored step
+  added), and its load shares one ``step`` tensor among all parameters (:825), which Adam then advances once per
+  parameter per step (the loaded states get their own copies). :func:`install_adam_fixes` installs both wherever
+  that fallback is in use.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import types
+
+import torch
+
+from compat import MEGATRON_CORE, UpstreamChangedError, expect_parameters
+
+
+def _keep_adam_step(original):
+    """distrib_optimizer.py:940 copies every key of torch Adam's state, ``step`` included, from the loaded
+    tensors, which carry no ``step`` (it travels in the param groups and is already restored): KeyError."""
+
+    @functools.wraps(original)
+    def wrapped(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group, order = self.model_param_group_index_map[model_param]
+            state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
+            if "step" in state:
+                tensors = {**tensors, "step": state["step"]}
+        return original(self, model_param, tensors)
+
+    return wrapped
+
+
+def _unshare_adam_steps(original):
+    """distrib_optimizer.py:825 gives every parameter's Adam state the *same* ``step`` tensor; torch's Adam
+    increments each in place, so after a resume the step (and the bias correction) advanced once per parameter."""
+
+    @functools.wraps(original)
+    def wrapped(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+        return result
+
+    return wrapped
+
+
+def set_attr_path(module, path: str, wrap) -> None:
+    owner = module
+    *parents, name = path.split(".")
+    for parent in parents:
+        owner = getattr(owner, parent)
+    raw = vars(owner)[name]
+    if isinstance(raw, staticmethod | classmethod):
+        setattr(owner, name, type(raw)(wrap(raw.__func__)))
+    else:
+        setattr(owner, name, wrap(raw))
+
+
+INSTALLED_MARK = "_mcore_rl_installed"
+
+
+# The distributed optimizer's methods the torch-Adam fixes wrap: their 0.16.1 parameters, and the wrapper.
+_ADAM_WRAPPED = {
+    "DistributedOptimizer._set_main_param_and_optimizer_states": (("self", "model_param", "tensors"), _keep_adam_step),
+    "DistributedOptimizer.load_state_dict": (("self", "state_dict"), _unshare_adam_steps),
+}
+
+
+def target(module_name: str, path: str):
+    owner = importlib.import_module(module_name)
+    for part in path.split("."):
+        if not hasattr(owner, part):
+            raise UpstreamChangedError(
+                f"{module_name}.{path}: not found in megatron-core (the CPU support targets 0.16.1)"
+            )
+        owner = getattr(owner, part)
+    return owner
+
+
+def check_version(what: str) -> None:
+    import megatron.core
+
+    if megatron.core.__version__ != MEGATRON_CORE:
+        raise UpstreamChangedError(
+            f"compat.megatron_core's {what} targets megatron-core=={MEGATRON_CORE}, found "
+            f"{megatron.core.__version__}; re-read its call sites before changing the pin"
+        )
+
+
+def install_adam_fixes() -> bool:
+    """Fix torch Adam's distributed-optimizer checkpoints (module docstring) where Megatron-Core uses torch's
+    AdamW; returns whether they are installed. Idempotent; checks its targets first."""
+    optimizer = importlib.import_module("megatron.core.optimizer")
+    if optimizer.Adam is not torch.optim.AdamW:  # TransformerEngine's or Apex's FusedAdam: nothing to fix
+        return False
+    distrib = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    if getattr(distrib.DistributedOptimizer, INSTALLED_MARK, False):
+        return True
+    check_version("torch-Adam fix")
+    for path, (params, _) in _ADAM_WRAPPED.items():  # every target checked before any is patched
+        expect_parameters(target(distrib.__name__, path), params, f"{distrib.__name__}.{path}")
+    for path, (_, wrap) in _ADAM_WRAPPED.items():
+        set_attr_path(distrib, path, wrap)
+    setattr(distrib.DistributedOptimizer, INSTALLED_MARK, True)
+    return True
+
+
+def router_without_te() -> bool:
+    """Bind the router's ``te_general_gemm`` to None where TransformerEngine does not import (module docstring);
+    returns whether it was needed. Idempotent."""
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    if moe_utils.HAVE_TE:
+        return False
+    if not hasattr(moe_utils, "te_general_gemm"):
+        check_version("router without TransformerEngine")
+        moe_utils.te_general_gemm = None
+    return True
+
+
+def _cpu_support() -> bool:
+    from compat.megatron_core.cpu import install_cpu_compat  # it builds on this module's helpers
+
+    return install_cpu_compat()
+
+
+def install_fixes(cpu: bool) -> list[str]:
+    """Every megatron-core patch a process needs: the fixes for every device (those its Megatron-Core needs), and
+    the CPU support where ``cpu``. Returns the names of those installed. Idempotent."""
+    fixes = {
+        "router_without_te": router_without_te,
+        "torch_adam_checkpoints": install_adam_fixes,
+        "cpu_support": _cpu_support if cpu else lambda: False,
+    }
+    return [name for name, install in fixes.items() if install()]
+
+
+# ---- import time ---------------------------------------------------------------------------------------------------
+def compile_on_first_call(jit: types.ModuleType) -> None:
+    """``megatron/core/jit.py`` sets ``jit_fuser = torch.compile``, and ~40 fused functions are decorated with it
+    at import: building each decorator imports torch's whole compiler stack (dynamo, inductor: 2 of Megatron-Core's
+    6 s of import), even in processes that never call one of them (rollout engines, converters, the planner, dense
+    models on CPU; MoE routers call ``_apply_expert_bias`` on every forward). Each decorated function is compiled
+    by ``torch.compile`` as before, on its first call. Runs after ``jit.py`` executes
+    (:data:`compat.AFTER_IMPORT`), before any module imports ``jit_fuser`` from it."""
+    if jit.jit_fuser is not torch.compile:  # 0.16.1 on torch >= 2.2; anything else is left as Megatron chose
+        return
+
+    def jit_fuser(fn):
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = torch.compile(fn)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    jit.jit_fuser = jit_fuser
+
+
+# ---- MLA without TransformerEngine --------------------------------------------------------------------------------
+def mla_without_te() -> None:
+    """0.16.1 builds its TE wrappers on a MagicMock when TE is absent, so multi-latent attention believes TE is there
+    and fails on ``isinstance(..., TELinear)`` (multi_latent_attention.py:185; fixed upstream in 0.19). Tell it TE
+    is absent, where it is. Idempotent."""
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return
+    module = "megatron.core.transformer.multi_latent_attention"
+    target(module, "HAVE_TE")
+    importlib.import_module(module).HAVE_TE = False
+
+
+# ---- layout changes -----------------------------------------------------------------------------------------------
+# Module methods wrapped in ``functools.lru_cache`` (0.16.1): the cache keys hold the modules, and so every model's
+# rotary embedding (with its context-parallel group) stays alive after the model is gone.
+_CACHED_METHODS = (
+    ("megatron.core.models.common.embeddings.rotary_pos_embedding", "RotaryEmbedding.forward"),
+    ("megatron.core.models.common.embeddings.yarn_rotary_pos_embedding", "YarnRotaryEmbedding.forward"),
+)
+# Module-level dicts that keep a layout's groups (0.16.1): the MoE aux-loss logging tracker stores each loss's
+# reduce and average groups (moe_utils.py:898), and its per-layer values are sized for the model that filled it.
+_LAYOUT_DICTS = (("megatron.core.transformer.moe.moe_utils", "_MOE_LAYER_WISE_LOGGING_TRACKER"),)
+
+
+def release_dispatcher_graphs(chunks: list[torch.nn.Module]) -> None:
+    """Drop the autograd graphs Megatron's MoE token dispatchers keep from the last forward.
+
+    0.16.1's dispatchers store the batch's routing probabilities as attributes (token_dispatcher.py:610 ``probs``,
+    :291 ``local_probs``). Through their graph the router weight's gradient accumulator, DDP's hook on it, and
+    so the model refer back to the dispatcher: a cycle through C++ autograd nodes, which Python's collector cannot
+    see, so a model that took a training step was never freed (nor its process groups and their gloo threads).
+    Every tensor attribute with a graph is dropped; the next forward sets them again."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                state = vars(module.token_dispatcher)
+                for name, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                        state[name] = None
+
+
+def _held_groups(module) -> dict[str, list[torch.distributed.ProcessGroup]]:
+    """The process groups (other than the default one) each of ``module``'s globals holds, alone or in a list."""
+    held = {}
+    for name, value in vars(module).items():
+        groups = [
+            g
+            for g in (value if isinstance(value, list | tuple) else [value])
+            if isinstance(g, torch.distributed.ProcessGroup) and g is not torch.distributed.GroupMember.WORLD
+        ]
+        if groups:
+            held[name] = groups
+    return held
+
+
+def destroy_groups() -> bool:
+    """Tear down Megatron's parallel state *and its process groups*; whether there were any.
+
+    0.16.1's ``destroy_model_parallel`` only drops its references, and not all of them (it leaves
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP`` set): the groups stay alive, and on gloo each keeps its connection
+    threads. Here every group the module holds is destroyed and its reference dropped, and the caches and MoE
+    tracker that keep old models (and their groups) alive are cleared; the threads stop once nothing refers to the groups (see
+    :func:`compat.torch.release_groups`).
+    """
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return False
+    held = _held_groups(parallel_state)
+    parallel_state.destroy_model_parallel()
+    for name in _held_groups(parallel_state).keys() & held.keys():  # what destroy_model_parallel forgot
+        setattr(parallel_state, name, None)
+    for group in {id(g): g for groups in held.values() for g in groups}.values():
+        torch.distributed.destroy_process_group(group)
+    for module_name, path in _CACHED_METHODS:
+        method = target(module_name, path)
+        if not hasattr(method, "cache_clear"):
+            raise UpstreamChangedError(f"{module_name}.{path}: no longer an lru_cache; drop it from _CACHED_METHODS")
+        method.cache_clear()
+    for module_name, name in _LAYOUT_DICTS:
+        state = target(module_name, name)
+        if not isinstance(state, dict):
+            raise UpstreamChangedError(f"{module_name}.{name}: no longer a dict; drop it from _LAYOUT_DICTS")
+        state.clear()
+    return True
