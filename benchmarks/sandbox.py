@@ -57,7 +57,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 def _calls_per_s(spec: str, sandbox: SandboxConfig) -> float:
     from mcore_rl.agent.actors import ToolPool
-    from mcore_rl.agent.chat import ToolCall
+    from mcore_rl.agent.tool_calls import ToolCall
 
     pool = ToolPool([spec], sandbox, ACTORS, timeout_s=60, max_chars=8192)
     name = "python" if spec == "python" else "bare"

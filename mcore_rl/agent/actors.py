@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import ray
 
-from mcore_rl.agent.chat import ToolCall, clip
+from mcore_rl.agent.chat import clip
 from mcore_rl.agent.envs import check_messages, check_step, environment_factory
 from mcore_rl.agent.sandbox import SandboxConfig
+from mcore_rl.agent.tool_calls import ToolCall
 from mcore_rl.agent.tools import ToolError, invoke, load_tools, schema
 
 # An environment actor's threads: trajectories whose steps run at once (most wait on the policy, not on it).

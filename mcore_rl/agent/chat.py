@@ -1,5 +1,5 @@
-"""The chat side of a multi-turn trajectory: tool calls parsed in the Hermes / Qwen format, and the tokens that go
-between two assistant turns, rendered by the model's own chat template.
+"""The chat side of a multi-turn trajectory: the tokens that go between two assistant turns, rendered by the model's
+own chat template (the tool calls in those turns are read by :mod:`mcore_rl.agent.tool_calls`).
 
 A trajectory is one token sequence that only grows: the engine's sampled ids are appended as they are (never
 decoded and re-encoded, which can merge or split tokens differently), and each observation is appended as the
@@ -13,14 +13,8 @@ messages follow works, also one that renders the assistant message itself differ
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-_MARK = "\u2063mcore_rl\u2063"
-MAX_CALL_CHARS = (
-    1 << 16
-)  # one tool call's JSON: far past any real call, short enough to parse at once  # an assistant message's content, to find what the template puts after it
+_MARK = "\u2063mcore_rl\u2063"  # an assistant message's content, to find what the template puts after it
 
 # For templates that ignore ``tools`` (SmolLM2's, for one): the Hermes instructions Qwen's template renders.
 HERMES_SYSTEM = (
@@ -29,61 +23,6 @@ HERMES_SYSTEM = (
     "For each function call, return a json object with function name and arguments within <tool_call></tool_call> "
     'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
 )
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict
-    error: str = ""  # why the call could not be parsed (then it is not made; the error is its result)
-    kind: str = ""  # the error's kind, counted in agent/tool_errors/<kind>
-
-
-def _json(text: str, max_chars: int):
-    """``text`` as JSON, or the reason it is not: too long, malformed, nested too deep (RecursionError), or a
-    number past Python's digit limit (ValueError); nothing the model writes raises past here."""
-    if len(text) > max_chars:
-        raise ValueError(f"it is {len(text)} characters, more than the {max_chars} allowed")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{err.msg} at character {err.pos}") from None
-    except (ValueError, RecursionError) as err:
-        raise ValueError(f"{type(err).__name__}: {str(err)[:200]}") from None
-
-
-def parse_tool_calls(text: str, max_calls: int, max_chars: int = MAX_CALL_CHARS) -> list[ToolCall]:
-    """The first ``max_calls`` ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` of an assistant message,
-    in order (and one error call when there were more); a malformed one (not JSON, too long, no name, arguments
-    not an object, no closing tag) comes back with its ``error``."""
-    calls = []
-    for match in _TOOL_CALL.finditer(text):
-        if len(calls) == max_calls:
-            error = f"more than {max_calls} tool calls in one turn; only the first {max_calls} were made"
-            calls.append(ToolCall("", {}, error, "too_many_calls"))
-            break
-        body = match.group(1).strip()
-        if not match.group(0).endswith("</tool_call>"):
-            calls.append(ToolCall("", {}, "a <tool_call> without </tool_call>", "parse"))
-            continue
-        try:
-            call = _json(body, max_chars)
-        except ValueError as err:
-            calls.append(ToolCall("", {}, f"the tool call is not JSON ({err})", "parse"))
-            continue
-        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = _json(arguments, max_chars)
-            except ValueError:
-                arguments = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append(ToolCall("", {}, 'the tool call has no "name" string', "parse"))
-        elif not isinstance(arguments, dict):
-            calls.append(ToolCall(call["name"][:100], {}, '"arguments" must be a JSON object', "parse"))
-        else:
-            calls.append(ToolCall(call["name"], arguments))
-    return calls
 
 
 def clip(text: str, max_chars: int) -> str:
@@ -96,11 +35,17 @@ def clip(text: str, max_chars: int) -> str:
 class ChatFormat:
     """Token ids of a trajectory's opening prompt and of the observations between its turns."""
 
-    def __init__(self, tokenizer, tool_schemas: list[dict]):
+    def __init__(self, tokenizer, tool_schemas: list[dict], tool_format: str = "hermes"):
         self.tokenizer, self.tools = tokenizer, tool_schemas or None
         probe = [{"role": "user", "content": "?"}]
         # A template that ignores ``tools`` gets them in a system message of Hermes instructions instead.
         self.tools_in_system = bool(self.tools) and self._render(probe, tools=self.tools) == self._render(probe)
+        if self.tools_in_system and tool_format != "hermes":
+            raise ValueError(
+                f"models.policy.rollout.multi_turn.tool_format={tool_format!r}: the chat template does not render "
+                "tools, and the instructions put in their place are Hermes's; use tool_format 'hermes' (or "
+                "'auto'), or a template that renders the tools"
+            )
         self._opening = self._render(probe, generation=True)  # what the marker turn was sampled after
         self._base = [*probe, {"role": "assistant", "content": _MARK}]
         self._eos = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import ray
 
 from mcore_rl.agent.actors import EnvPool, ToolPool, ToolResult
-from mcore_rl.agent.chat import ChatFormat, clip, parse_tool_calls
+from mcore_rl.agent.chat import ChatFormat, clip
 from mcore_rl.agent.envs import EnvError
+from mcore_rl.agent.tool_calls import parse_tool_calls, resolve_format
 from mcore_rl.agent.trajectory import TrajectoryBuilder, trajectory_stats
 from mcore_rl.batch import Sample
 from mcore_rl.data.prompts import Prompt
@@ -72,7 +73,9 @@ class AgentLoop:
     def __init__(self, rollout, envs: EnvPool, tools: ToolPool | None, tokenizer, limits: MultiTurnConfig,
                  max_model_len: int, env_timeout_s: float):  # fmt: skip
         self.rollout, self.envs, self.tools, self.tokenizer = rollout, envs, tools, tokenizer
-        self.chat = ChatFormat(tokenizer, tools.schemas if tools else [])
+        key = "models.policy.rollout.multi_turn.tool_format"
+        self.tool_format = resolve_format(key, limits.tool_format, tokenizer.chat_template)
+        self.chat = ChatFormat(tokenizer, tools.schemas if tools else [], self.tool_format)
         self.max_turns, self.max_tokens = limits.max_turns, limits.total_tokens(max_model_len)
         self.max_calls, self.max_chars = limits.max_tool_calls_per_turn, limits.max_observation_chars
         self.env_timeout_s = env_timeout_s
@@ -240,7 +243,10 @@ class AgentLoop:
         live.traj.add_turn(completion, message)
         if completion.finish_reason == "length":
             return self._finish(live, "max_tokens" if len(live.traj.context) >= self.max_tokens else "length")
-        calls = parse_tool_calls(text, self.max_calls) if self.tools is not None else []
+        calls = []
+        if self.tools is not None:  # read with the special tokens: several formats' markers are special tokens
+            raw = self.tokenizer.decode(completion.token_ids, skip_special_tokens=False)
+            calls = parse_tool_calls(raw, self.max_calls, self.tool_format, self.tools.schemas)
         if not calls:
             ref = live.env.step.remote(live.name, message)
             self._env_steps[ref] = (live, "step", time.monotonic())

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mcore_rl.agent.tool_calls import resolve_format
 from mcore_rl.config.loader import check_bounds
 from mcore_rl.console import setup_actor
 from mcore_rl.rollout.transport import BucketHandle
@@ -72,9 +73,12 @@ class MultiTurnConfig:
     max_total_tokens: int = 0  # prompt, turns and observations together; 0: the engine's max_model_len
     max_tool_calls_per_turn: int = 8  # more in one turn: the first ones are made, the policy reads an error
     max_observation_chars: int = 8192  # of each tool result or environment message; the rest is cut
+    # How the policy writes tool calls (mcore_rl.agent.tool_calls.FORMATS); "auto": from its chat template
+    tool_format: str = "auto"
 
     def validate(self, prefix: str, max_model_len: int) -> None:
         check_bounds(prefix, self, ("max_turns", "max_tool_calls_per_turn", "max_observation_chars"), 1, "at least 1")
+        resolve_format(f"{prefix}.tool_format", self.tool_format, None)
         if not 0 <= self.max_total_tokens <= max_model_len:
             raise ValueError(
                 f"{prefix}.max_total_tokens={self.max_total_tokens}: expected 0 (max_model_len) up to "

@@ -13,10 +13,10 @@ import torch
 import transformers
 
 from mcore_rl.agent.actors import EnvPool, ToolPool
-from mcore_rl.agent.chat import ToolCall
 from mcore_rl.agent.envs import EnvError
 from mcore_rl.agent.loop import AgentLoop
 from mcore_rl.agent.sandbox import SandboxConfig
+from mcore_rl.agent.tool_calls import ToolCall
 from mcore_rl.agent.tools import Calculator, schema
 from mcore_rl.algorithms.grpo import group_advantages
 from mcore_rl.batch import add_advantages, training_batch

@@ -159,6 +159,9 @@ def test_hermes_instructions_join_an_existing_system_message(smollm2):
     assert messages[0]["content"].startswith("Be brief.\n\nYou may call one or more functions")
     assert HERMES_SYSTEM.splitlines()[0] in messages[0]["content"] and messages[1:] == OPENING
     assert ChatFormat(smollm2, []).with_tools(OPENING) == OPENING  # no tools, no instructions
+    # the instructions put in place of tools are Hermes's: another format on such a template is refused by its key
+    with pytest.raises(ValueError, match=r"multi_turn.tool_format='qwen3_coder': the chat template does not render"):
+        ChatFormat(smollm2, [schema(Calculator())], "qwen3_coder")
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2):

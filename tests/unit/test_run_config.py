@@ -227,6 +227,10 @@ def test_shared_prompts_are_checked_up_front(run_yaml, tmp_path):
             ["models.reward.tools=[calculator]", "models.policy.rollout.multi_turn.max_observation_chars=0"],
             r"multi_turn.max_observation_chars=0: expected at least 1",
         ),
+        (
+            ["models.reward.tools=[calculator]", "models.policy.rollout.multi_turn.tool_format=json"],
+            r"multi_turn.tool_format='json': expected 'auto' or one of \['deepseek_v3', 'glm45', ",
+        ),
         (["models.reward.timeout_s=0"], r"models.reward.timeout_s=0.0: expected a positive number of seconds"),
         (
             ["models.policy_trainer.overlong_buffer=64", "models.policy.rollout.train.max_new_tokens=64"],
