@@ -51,8 +51,16 @@ def _blocks(text: str, open_: str, close: str) -> Iterator[tuple[str, bool]]:
         start = text.find(open_, end + len(close))
 
 
-def _unclosed(open_: str, close: str) -> _Raw:
-    return _Raw("", "", f"a {open_} without {close}")
+def _between(open_: str, close: str, body: Callable[[str], _Raw]) -> Callable[[str], Iterator[_Raw]]:
+    """A format whose calls sit between two markers: each closed block read by ``body``, an unclosed one (the
+    turn ran out of tokens inside it) an error."""
+
+    def parse(text: str) -> Iterator[_Raw]:
+        for block, closed in _blocks(text, open_, close):
+            yield body(block) if closed else _Raw("", "", f"a {open_} without {close}")
+
+    parse.__doc__ = body.__doc__
+    return parse
 
 
 def _json_object_call(body: str, arguments_keys: tuple[str, ...] = ("arguments",)) -> _Raw:
@@ -67,10 +75,9 @@ def _json_object_call(body: str, arguments_keys: tuple[str, ...] = ("arguments",
     return _Raw(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
 
 
-def _hermes(text: str) -> Iterator[_Raw]:
+def _hermes(body: str) -> _Raw:
     """Hermes, Qwen2.5/Qwen3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
-    for body, closed in _blocks(text, "<tool_call>", "</tool_call>"):
-        yield _json_object_call(body.strip()) if closed else _unclosed("<tool_call>", "</tool_call>")
+    return _json_object_call(body.strip())
 
 
 def _xml_parameters(body: str, open_: str, separator: str, close: str) -> dict[str, str]:
@@ -83,34 +90,24 @@ def _xml_parameters(body: str, open_: str, separator: str, close: str) -> dict[s
     return found
 
 
-def _qwen3_coder(text: str) -> Iterator[_Raw]:
+def _qwen3_coder(body: str) -> _Raw:
     """Qwen3-Coder: ``<tool_call><function=NAME><parameter=KEY>\\nVALUE\\n</parameter></function></tool_call>``."""
-    for body, closed in _blocks(text, "<tool_call>", "</tool_call>"):
-        if not closed:
-            yield _unclosed("<tool_call>", "</tool_call>")
-            continue
-        head, found, rest = body.partition("<function=")
-        name, gt, rest = rest.partition(">")
-        if not found or not gt or "</function>" not in rest:
-            yield _Raw("", "", "expected <function=NAME>...</function> in the <tool_call>")
-            continue
-        values = _xml_parameters(rest, "<parameter=", ">", "</parameter>")
-        yield _Raw(name.strip(), {k: v.removeprefix("\n").removesuffix("\n") for k, v in values.items()})
+    _, found, rest = body.partition("<function=")
+    name, gt, rest = rest.partition(">")
+    if not found or not gt or "</function>" not in rest:
+        return _Raw("", "", "expected <function=NAME>...</function> in the <tool_call>")
+    values = _xml_parameters(rest, "<parameter=", ">", "</parameter>")
+    return _Raw(name.strip(), {k: v.removeprefix("\n").removesuffix("\n") for k, v in values.items()})
 
 
-def _glm45(text: str) -> Iterator[_Raw]:
+def _glm45(body: str) -> _Raw:
     """GLM-4.5: ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...</tool_call>``."""
-    for body, closed in _blocks(text, "<tool_call>", "</tool_call>"):
-        if not closed:
-            yield _unclosed("<tool_call>", "</tool_call>")
-            continue
-        name = body.split("<arg_key>", 1)[0].strip()
-        keys = [k for k, ok in _blocks(body, "<arg_key>", "</arg_key>") if ok]
-        values = [v for v, ok in _blocks(body, "<arg_value>", "</arg_value>") if ok]
-        if len(keys) != len(values):
-            yield _Raw(name, "", f"{len(keys)} <arg_key> against {len(values)} <arg_value>")
-            continue
-        yield _Raw(name, {k.strip(): v for k, v in zip(keys, values, strict=True)})
+    name = body.split("<arg_key>", 1)[0].strip()
+    keys = [k for k, ok in _blocks(body, "<arg_key>", "</arg_key>") if ok]
+    values = [v for v, ok in _blocks(body, "<arg_value>", "</arg_value>") if ok]
+    if len(keys) != len(values):
+        return _Raw(name, "", f"{len(keys)} <arg_key> against {len(values)} <arg_value>")
+    return _Raw(name, {k.strip(): v for k, v in zip(keys, values, strict=True)})
 
 
 def _llama3_json(text: str) -> Iterator[_Raw]:
@@ -131,44 +128,31 @@ def _llama3_json(text: str) -> Iterator[_Raw]:
 _DS_CALL, _DS_END, _DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 
 
-def _deepseek_v3(text: str) -> Iterator[_Raw]:
+def _deepseek_v3(body: str) -> _Raw:
     """DeepSeek-V3: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>``;
     V3.1 and later: ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>``."""
-    for body, closed in _blocks(text, _DS_CALL, _DS_END):
-        if not closed:
-            yield _unclosed(_DS_CALL, _DS_END)
-            continue
-        head, sep, rest = body.partition(_DS_SEP)
-        if not sep:
-            yield _Raw("", "", f"no {_DS_SEP} in the tool call")
-        elif head.strip() == "function" and "```" in rest:  # V3: the name, then the arguments in a json fence
-            name, _, fenced = rest.partition("\n")
-            yield _Raw(name.strip(), fenced.strip().removeprefix("```json").removesuffix("```").strip())
-        else:
-            yield _Raw(head.strip(), rest.strip())
+    head, sep, rest = body.partition(_DS_SEP)
+    if not sep:
+        return _Raw("", "", f"no {_DS_SEP} in the tool call")
+    if head.strip() == "function" and "```" in rest:  # V3: the name, then the arguments in a json fence
+        name, _, fenced = rest.partition("\n")
+        return _Raw(name.strip(), fenced.strip().removeprefix("```json").removesuffix("```").strip())
+    return _Raw(head.strip(), rest.strip())
 
 
-def _kimi_k2(text: str) -> Iterator[_Raw]:
+def _kimi_k2(body: str) -> _Raw:
     """Kimi-K2: ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGS<|tool_call_end|>``."""
-    for body, closed in _blocks(text, "<|tool_call_begin|>", "<|tool_call_end|>"):
-        if not closed:
-            yield _unclosed("<|tool_call_begin|>", "<|tool_call_end|>")
-            continue
-        call_id, sep, arguments = body.partition("<|tool_call_argument_begin|>")
-        name = call_id.strip().removeprefix("functions.").rsplit(":", 1)[0]
-        yield _Raw(name, arguments.strip()) if sep else _Raw("", "", "no <|tool_call_argument_begin|> in the call")
+    call_id, sep, arguments = body.partition("<|tool_call_argument_begin|>")
+    name = call_id.strip().removeprefix("functions.").rsplit(":", 1)[0]
+    return _Raw(name, arguments.strip()) if sep else _Raw("", "", "no <|tool_call_argument_begin|> in the call")
 
 
-def _gpt_oss(text: str) -> Iterator[_Raw]:
+def _gpt_oss(body: str) -> _Raw:
     """gpt-oss (harmony): ``...commentary to=functions.NAME <|constrain|>json<|message|>ARGS<|call|>``; the
     recipient may also come before ``<|channel|>``."""
-    for body, closed in _blocks(text, "to=functions.", "<|call|>"):
-        if not closed:
-            yield _unclosed("to=functions.", "<|call|>")
-            continue
-        header, sep, arguments = body.partition("<|message|>")
-        name = header.split("<|", 1)[0].split()[0] if header.strip() else ""
-        yield _Raw(name, arguments.strip()) if sep else _Raw("", "", "no <|message|> in the call")
+    header, sep, arguments = body.partition("<|message|>")
+    name = (header.split("<|", 1)[0].split() or [""])[0]
+    return _Raw(name, arguments.strip()) if sep else _Raw("", "", "no <|message|> in the call")
 
 
 def _mistral(text: str) -> Iterator[_Raw]:
@@ -194,13 +178,13 @@ def _mistral(text: str) -> Iterator[_Raw]:
 
 
 FORMATS: dict[str, Callable[[str], Iterator[_Raw]]] = {
-    "hermes": _hermes,
-    "qwen3_coder": _qwen3_coder,
+    "hermes": _between("<tool_call>", "</tool_call>", _hermes),
+    "qwen3_coder": _between("<tool_call>", "</tool_call>", _qwen3_coder),
     "llama3_json": _llama3_json,
-    "deepseek_v3": _deepseek_v3,
-    "glm45": _glm45,
-    "kimi_k2": _kimi_k2,
-    "gpt_oss": _gpt_oss,
+    "deepseek_v3": _between(_DS_CALL, _DS_END, _deepseek_v3),
+    "glm45": _between("<tool_call>", "</tool_call>", _glm45),
+    "kimi_k2": _between("<|tool_call_begin|>", "<|tool_call_end|>", _kimi_k2),
+    "gpt_oss": _between("to=functions.", "<|call|>", _gpt_oss),
     "mistral": _mistral,
 }
 
