@@ -4,6 +4,7 @@ that code that cannot load or answer fails in seconds with the key that names it
 
 from __future__ import annotations
 
+from mcore_rl.config.loader import ConfigError
 from mcore_rl.config.schema import RunConfig
 from mcore_rl.data.run_data import Data
 from mcore_rl.rewards.judge import PARSERS, Verdicts
@@ -30,7 +31,9 @@ def check_user_code(config: RunConfig, row) -> None:
     from mcore_rl.agent.envs import EnvError, check_messages, check_step, environment_factory
     from mcore_rl.agent.tools import load_tools
 
-    load_tools(reward.tools, reward.sandbox)
+    tools = load_tools(reward.tools, reward.sandbox)
+    if tools:
+        check_tool_format(config, tools)
     env = environment_factory(reward.environment, reward.fn, reward.sandbox)()
     what = f"models.reward.env={reward.environment!r} on the first training prompt (row {row.id!r})"
     try:
@@ -40,3 +43,21 @@ def check_user_code(config: RunConfig, row) -> None:
         raise EnvError(f"{what}: {err}") from None
     except Exception as err:  # noqa: BLE001 - the user's environment, reported by key
         raise EnvError(f"{what} raised {type(err).__name__}: {err}") from None
+
+
+def check_tool_format(config: RunConfig, tools: dict) -> None:
+    """The policy's chat template with the tool-call format it is read in (``auto``: the template's own): a
+    template that does not render tools takes Hermes's instructions, so another format is refused here, by key."""
+    from transformers import AutoTokenizer
+
+    from mcore_rl.agent.chat import ChatFormat
+    from mcore_rl.agent.tool_calls import resolve_format
+    from mcore_rl.agent.tools import schema
+
+    key = "models.policy.rollout.multi_turn.tool_format"
+    tokenizer = AutoTokenizer.from_pretrained(config.models.policy.load)
+    try:
+        fmt = resolve_format(key, config.models.policy.rollout.multi_turn.tool_format, tokenizer.chat_template)
+        ChatFormat(tokenizer, [schema(t) for t in tools.values()], fmt)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

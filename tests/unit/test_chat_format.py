@@ -10,6 +10,9 @@ from converters.gguf2hf import default_model_dir
 from mcore_rl.agent.chat import HERMES_SYSTEM, ChatFormat
 from mcore_rl.agent.tools import Calculator, schema
 from mcore_rl.agent.trajectory import TrajectoryBuilder
+from mcore_rl.config.loader import ConfigError
+from mcore_rl.config.schema import RunConfig
+from mcore_rl.preflight import check_tool_format
 from mcore_rl.rollout.engine import Completion
 
 # Qwen2.5's way with tools, in short: schemas in the system turn; consecutive tool results grouped in one user turn
@@ -159,9 +162,16 @@ def test_hermes_instructions_join_an_existing_system_message(smollm2):
     assert messages[0]["content"].startswith("Be brief.\n\nYou may call one or more functions")
     assert HERMES_SYSTEM.splitlines()[0] in messages[0]["content"] and messages[1:] == OPENING
     assert ChatFormat(smollm2, []).with_tools(OPENING) == OPENING  # no tools, no instructions
-    # the instructions put in place of tools are Hermes's: another format on such a template is refused by its key
+    # the instructions put in place of tools are Hermes's: another format on such a template is refused by its key,
+    # before a run starts anything
     with pytest.raises(ValueError, match=r"multi_turn.tool_format='qwen3_coder': the chat template does not render"):
         ChatFormat(smollm2, [schema(Calculator())], "qwen3_coder")
+    config = RunConfig()
+    config.models.policy.load, config.models.policy.rollout.multi_turn.tool_format = smollm2.name_or_path, "kimi_k2"
+    with pytest.raises(ConfigError, match=r"multi_turn.tool_format='kimi_k2': the chat template does not render"):
+        check_tool_format(config, {"calculator": Calculator()})
+    config.models.policy.rollout.multi_turn.tool_format = "auto"  # auto: Hermes, as SmolLM2's template shows none
+    check_tool_format(config, {"calculator": Calculator()})
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2):
