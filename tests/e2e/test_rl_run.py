@@ -148,11 +148,13 @@ def run_to_end(command: list[str]) -> str:
     return done.stderr
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+def _wait_for(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 3600) -> None:
+    """Until ``path`` appears, or the run exits without it. The deadline only ends a run that hangs past the
+    run's own watchdog: it is no measure of speed (a loaded CI machine took over 300 s for two tiny episodes)."""
     deadline = time.monotonic() + timeout
     while not path.is_dir():
         assert proc.poll() is None, f"the run exited ({proc.returncode}) before {path} appeared:\n{log.read_text()}"
-        assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s"
+        assert time.monotonic() < deadline, f"{path} did not appear in {timeout} s: hung?\n{log.read_text()}"
         time.sleep(0.05)
 
 

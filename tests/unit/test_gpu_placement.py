@@ -18,6 +18,8 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 DEVICES, TP, SHARE = 4, 2, 3  # colocated: trainer, reference and rollout share every GPU
+# Only a hang ends a wait: a loaded machine starts a dozen actors (five importing vLLM) in minutes, not seconds.
+HANG_S = 600
 
 
 class _Probe:
@@ -57,7 +59,7 @@ class _Probe:
             .remote()
             for rank, (bundle, _, _) in enumerate(bundles)
         ]
-        return ray.get([w.gpus.remote() for w in workers], timeout=60)
+        return ray.get([w.gpus.remote() for w in workers], timeout=HANG_S)
 
 
 def _scenario() -> None:
@@ -69,22 +71,22 @@ def _scenario() -> None:
     assert placement.resource == "GPU"
     probe = ray.remote(_Probe)
     ranks = [probe.options(**placement.options(r)).remote() for _ in ("trainer", "reference") for r in range(DEVICES)]
-    rank_gpus = ray.get([r.gpus.remote() for r in ranks], timeout=60)[:DEVICES]
+    rank_gpus = ray.get([r.gpus.remote() for r in ranks], timeout=HANG_S)[:DEVICES]
     for first in range(0, DEVICES, TP):
         engine = probe.options(**placement.engine_options(first, TP)).remote()
-        env, gpus, group = ray.get(engine.engine_view.remote(), timeout=60)
+        env, gpus, group = ray.get(engine.engine_view.remote(), timeout=HANG_S)
         assert gpus == [] and group == placement.group.id.hex(), (gpus, group)
         assert env == {"VLLM_RAY_BUNDLE_INDICES": f"{first},{first + 1}", "VLLM_RAY_PER_WORKER_GPUS": str(1 / SHARE)}
-        assert ray.get(engine.workers_as_vllm_asks.remote(TP), timeout=120) == rank_gpus[first : first + TP]
+        assert ray.get(engine.workers_as_vllm_asks.remote(TP), timeout=HANG_S) == rank_gpus[first : first + TP]
     placement.remove()
     # Disaggregated: the trainer and reference share GPUs 0-1; the engine's two workers take whole GPUs 2-3.
     placement = Placement.pools(2, 2, trainer_roles=2)
     ranks = [probe.options(**placement.options(r)).remote() for _ in ("trainer", "reference") for r in range(2)]
-    trainer_gpus = {g for gpus in ray.get([r.gpus.remote() for r in ranks], timeout=60) for g in gpus}
+    trainer_gpus = {g for gpus in ray.get([r.gpus.remote() for r in ranks], timeout=HANG_S) for g in gpus}
     engine = probe.options(**placement.engine_options(2, TP)).remote()
-    env, _, _ = ray.get(engine.engine_view.remote(), timeout=60)
+    env, _, _ = ray.get(engine.engine_view.remote(), timeout=HANG_S)
     assert env == {"VLLM_RAY_BUNDLE_INDICES": "2,3", "VLLM_RAY_PER_WORKER_GPUS": "1.0"}, env
-    engine_gpus = {g for gpus in ray.get(engine.workers_as_vllm_asks.remote(TP), timeout=120) for g in gpus}
+    engine_gpus = {g for gpus in ray.get(engine.workers_as_vllm_asks.remote(TP), timeout=HANG_S) for g in gpus}
     assert len(trainer_gpus) == len(engine_gpus) == 2 and not trainer_gpus & engine_gpus, (trainer_gpus, engine_gpus)
     placement.remove()
     # A judge's engines beside the policy's on GPUs 1-2 (half of each), a reward model on GPU 3 of its own.
@@ -92,11 +94,11 @@ def _scenario() -> None:
     trainer = probe.options(**placement.options(0)).remote()
     reward_model = probe.options(**placement.options(3)).remote()
     engines = {name: probe.options(**placement.engine_options(1, TP)).remote() for name in ("policy", "judge")}
-    workers = [ray.get(e.workers_as_vllm_asks.remote(TP, name), timeout=120) for name, e in engines.items()]
+    workers = [ray.get(e.workers_as_vllm_asks.remote(TP, name), timeout=HANG_S) for name, e in engines.items()]
     for engine in engines.values():
-        assert ray.get(engine.engine_view.remote(), timeout=60)[0]["VLLM_RAY_PER_WORKER_GPUS"] == "0.5"
+        assert ray.get(engine.engine_view.remote(), timeout=HANG_S)[0]["VLLM_RAY_PER_WORKER_GPUS"] == "0.5"
     assert workers[0] == workers[1] and len({g for gpus in workers[0] for g in gpus}) == 2, workers
-    (trainer_gpu,), (rm_gpu,) = ray.get([trainer.gpus.remote(), reward_model.gpus.remote()], timeout=60)
+    (trainer_gpu,), (rm_gpu,) = ray.get([trainer.gpus.remote(), reward_model.gpus.remote()], timeout=HANG_S)
     assert len({trainer_gpu, rm_gpu, *(g for gpus in workers[0] for g in gpus)}) == 4, (trainer_gpu, rm_gpu, workers)
     print("placement ok")
 
