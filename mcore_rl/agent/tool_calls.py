@@ -72,7 +72,12 @@ def _json_object_call(body: str, arguments_keys: tuple[str, ...] = ("arguments",
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return _Raw("", "", 'the tool call has no "name" string')
     arguments = next((call[k] for k in arguments_keys if k in call), {})
-    return _Raw(call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments))
+    if isinstance(arguments, str):
+        return _Raw(call["name"], arguments)
+    try:  # back to text for the one validation (json.dumps may nest less deep than json.loads did)
+        return _Raw(call["name"], json.dumps(arguments))
+    except (ValueError, RecursionError) as err:
+        return _Raw(call["name"], "", f"the arguments cannot be read ({type(err).__name__})")
 
 
 def _hermes(body: str) -> _Raw:
