@@ -51,13 +51,12 @@ def check_tool_format(config: RunConfig, tools: dict) -> None:
     from transformers import AutoTokenizer
 
     from mcore_rl.agent.chat import ChatFormat
-    from mcore_rl.agent.tool_calls import resolve_format
+    from mcore_rl.agent.tool_calls import KEY, resolve_format
     from mcore_rl.agent.tools import schema
 
-    key = "models.policy.rollout.multi_turn.tool_format"
     tokenizer = AutoTokenizer.from_pretrained(config.models.policy.load)
     try:
-        fmt = resolve_format(key, config.models.policy.rollout.multi_turn.tool_format, tokenizer.chat_template)
+        fmt = resolve_format(KEY, config.models.policy.rollout.multi_turn.tool_format, tokenizer.chat_template)
         ChatFormat(tokenizer, [schema(t) for t in tools.values()], fmt)
     except ValueError as err:
         raise ConfigError(str(err)) from None

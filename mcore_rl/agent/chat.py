@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 
+from mcore_rl.agent import tool_calls
+
 _MARK = "\u2063mcore_rl\u2063"  # an assistant message's content, to find what the template puts after it
 
 # For templates that ignore ``tools`` (SmolLM2's, for one): the Hermes instructions Qwen's template renders.
@@ -42,7 +44,7 @@ class ChatFormat:
         self.tools_in_system = bool(self.tools) and self._render(probe, tools=self.tools) == self._render(probe)
         if self.tools_in_system and tool_format != "hermes":
             raise ValueError(
-                f"models.policy.rollout.multi_turn.tool_format={tool_format!r}: the chat template does not render "
+                f"{tool_calls.KEY}={tool_format!r}: the chat template does not render "
                 "tools, and the instructions put in their place are Hermes's; use tool_format 'hermes' (or "
                 "'auto'), or a template that renders the tools"
             )

@@ -25,7 +25,7 @@ import ray
 from mcore_rl.agent.actors import EnvPool, ToolPool, ToolResult
 from mcore_rl.agent.chat import ChatFormat, clip
 from mcore_rl.agent.envs import EnvError
-from mcore_rl.agent.tool_calls import parse_tool_calls, resolve_format
+from mcore_rl.agent.tool_calls import KEY, parse_tool_calls, resolve_format
 from mcore_rl.agent.trajectory import TrajectoryBuilder, trajectory_stats
 from mcore_rl.batch import Sample
 from mcore_rl.data.prompts import Prompt
@@ -73,8 +73,7 @@ class AgentLoop:
     def __init__(self, rollout, envs: EnvPool, tools: ToolPool | None, tokenizer, limits: MultiTurnConfig,
                  max_model_len: int, env_timeout_s: float):  # fmt: skip
         self.rollout, self.envs, self.tools, self.tokenizer = rollout, envs, tools, tokenizer
-        key = "models.policy.rollout.multi_turn.tool_format"
-        self.tool_format = resolve_format(key, limits.tool_format, tokenizer.chat_template)
+        self.tool_format = resolve_format(KEY, limits.tool_format, tokenizer.chat_template)
         self.chat = ChatFormat(tokenizer, tools.schemas if tools else [], self.tool_format)
         self.max_turns, self.max_tokens = limits.max_turns, limits.total_tokens(max_model_len)
         self.max_calls, self.max_chars = limits.max_tool_calls_per_turn, limits.max_observation_chars

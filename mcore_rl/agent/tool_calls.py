@@ -16,6 +16,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+KEY = "models.policy.rollout.multi_turn.tool_format"  # the run config's key that chooses the format
 MAX_CALL_CHARS = 1 << 16  # one call's arguments: far past any real call, short enough to parse at once
 JSON_TYPES = {"integer", "number", "boolean", "object", "array", "null"}  # an XML parameter of these is JSON
 
