@@ -65,11 +65,16 @@ def _between(open_: str, close: str, body: Callable[[str], _Raw]) -> Callable[[s
 
 
 def _json_object_call(body: str, arguments_keys: tuple[str, ...] = ("arguments",)) -> _Raw:
-    """``{"name": ..., "arguments": {...}}`` (Llama writes ``parameters``); the arguments stay JSON text."""
+    """``{"name": ..., "arguments": {...}}`` written as JSON text (Llama writes ``parameters``)."""
     try:
         call = _json(body)
     except ValueError as err:
         return _Raw("", "", f"the tool call is not JSON ({err})")
+    return _object_call(call, arguments_keys)
+
+
+def _object_call(call: object, arguments_keys: tuple[str, ...] = ("arguments",)) -> _Raw:
+    """A parsed ``{"name": ..., "arguments": {...}}``; the arguments go back to text for the one validation."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return _Raw("", "", 'the tool call has no "name" string')
     arguments = next((call[k] for k in arguments_keys if k in call), {})
@@ -174,8 +179,7 @@ def _mistral(text: str) -> Iterator[_Raw]:
         except ValueError as err:
             yield _Raw("", "", f"the tool calls are not a JSON list ({err})")
             return
-        for call in calls if isinstance(calls, list) else [calls]:
-            yield _json_object_call(json.dumps(call)) if isinstance(call, dict) else _Raw("", "", "not an object")
+        yield from map(_object_call, calls if isinstance(calls, list) else [calls])
         return
     for part in text.split(marker)[1:]:
         head, sep, arguments = part.partition("[ARGS]")
