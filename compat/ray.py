@@ -15,6 +15,13 @@ unless told, and vLLM its routable address.
 (ray-project/ray#65983), which a loaded 2-core machine occasionally does (measured: a CI run's agents took 11-38 s
 to start): the start is tried once more.
 
+**Priority.** Ray starts its workers 15 steps of niceness below the raylet and GCS (``RAY_worker_niceness``, an
+increment), for nodes that many tasks saturate. In the local cluster of one run the workers *are* the run, and the
+driver waits on them: 15 steps down, any other busy process of the host starves them (measured on 2 cores beside two
+busy processes: each worker got a few percent of a core and the tests ran 7-10x slower). Its workers start at the
+raylet's niceness, which is the starting process's own, unless that process's environment sets
+``RAY_worker_niceness``. A cluster the run joins keeps its own setting.
+
 **Actors' processes.** The hang watchdog needs each actor's pid and node, which Ray's public API gives only
 through the state API of the dashboard (off in mcore-rl's clusters); :func:`job_actors` reads the GCS actor table
 that ``ray._private.state.actors`` returns (ray 2.60: keys ``Name``, ``Pid``, ``Address.NodeID``,
@@ -65,13 +72,14 @@ def _loopback_node():
 
 def start_local_cluster(**init_kwargs) -> None:
     """``ray.init`` of a new local cluster on loopback alone, its actors' collectives too unless this process's
-    environment names their interfaces (see above).
+    environment names their interfaces, its workers at this process's priority (see above).
 
     Ray turns on token authentication for it unless ``RAY_AUTH_MODE`` says otherwise; a cluster without a token
     is open to every process of this host, and that is said. Ray 2.60's notices that it started and that it turned
     token authentication on (what mcore-rl wants) are not printed.
     """
     import ray
+    from ray._private.ray_constants import RAY_WORKER_NICENESS
 
     init_kwargs.setdefault("logging_level", logging.WARNING)
     logging.getLogger(TOKEN_NOTICE_LOGGER).setLevel(logging.ERROR)
@@ -81,8 +89,9 @@ def start_local_cluster(**init_kwargs) -> None:
             "RAY_AUTH_MODE=disabled: the local Ray cluster accepts calls without a token from any process on this host"
         )
     runtime_env = dict(init_kwargs.pop("runtime_env", None) or {})
-    loopback = {name: value for name, value in LOOPBACK_ENV.items() if name not in os.environ}
-    runtime_env["env_vars"] = {**loopback, **runtime_env.get("env_vars", {})}
+    defaults = {**LOOPBACK_ENV, RAY_WORKER_NICENESS: "0"}
+    unset = {name: value for name, value in defaults.items() if name not in os.environ}
+    runtime_env["env_vars"] = {**unset, **runtime_env.get("env_vars", {})}
     os.environ.update(SINGLE_MACHINE)  # for the processes this one starts, which connect by the loopback address
     with _loopback_node():
         init_retrying(runtime_env=runtime_env, **init_kwargs)

@@ -1,8 +1,9 @@
-"""The local Ray cluster a single-node run starts is reachable from this host alone, and only with its token.
+"""The local Ray cluster a single-node run starts is reachable from this host alone, and only with its token; its
+workers run at the starting process's priority, not below it.
 
 Ray 2.60's services listen on every interface unless the node's address is loopback (see compat/ray.py). This
 starts the cluster the way the driver does, with Ray's authentication mode unset as a user's shell has it, runs a
-task and an actor, and checks every socket that the driver and the processes under it listen on; then calls the
+task and an actor (from a process started at niceness 3), and checks their niceness and every socket that the driver and the processes under it listen on; then calls the
 GCS and the raylet with no token, a wrong one and the cluster's own, and connects another process by its address.
 """
 
@@ -32,16 +33,17 @@ start_local_cluster(num_cpus=2, include_dashboard=False)
 @ray.remote
 class Actor:
     def env(self):
-        return {name: os.environ.get(name) for name in LOOPBACK_ENV}
+        return {name: os.environ.get(name) for name in LOOPBACK_ENV}, os.nice(0)
 
 
 @ray.remote
 def env():
-    return {name: os.environ.get(name) for name in LOOPBACK_ENV}
+    return {name: os.environ.get(name) for name in LOOPBACK_ENV}, os.nice(0)
 
 
+assert os.nice(0) == 3
 actor = Actor.remote()
-assert ray.get(actor.env.remote(), timeout=300) == ray.get(env.remote(), timeout=300) == LOOPBACK_ENV
+assert ray.get(actor.env.remote(), timeout=300) == ray.get(env.remote(), timeout=300) == (LOOPBACK_ENV, 3)
 
 processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
 names = {p.name() for p in processes}
@@ -93,6 +95,13 @@ def test_the_local_cluster_listens_on_loopback_and_refuses_calls_without_its_tok
     unset = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", *LOOPBACK_ENV)
     env = {name: value for name, value in os.environ.items() if name not in unset}
     env["HOME"] = str(tmp_path)  # a user without a token yet: the start creates one
-    done = subprocess.run([sys.executable, "-c", SCENARIO], capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", SCENARIO],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        preexec_fn=lambda: os.nice(3 - os.nice(0)),
+    )
     assert done.returncode == 0 and "refused without the token" in done.stdout, done.stderr[-4000:]
     print(done.stdout)
