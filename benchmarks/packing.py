@@ -6,7 +6,6 @@ responses) on one rank; a small Llama (hidden 256, 4 layers) keeps it to seconds
 
 from __future__ import annotations
 
-import dataclasses
 import tempfile
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from benchmarks import single_process_world
 from benchmarks.report import Report, pyplot, table
 
 PROMPTS, GROUP, PROMPT_TOKENS, CAP = 8, 8, 64, 512
-LAYOUTS = {  # name -> PolicyTrainer keyword arguments
+LAYOUTS = {  # name -> the trainer section's fields
     "padded (micro-batch 8)": {},
     "packed (4096 tokens)": {"max_token_in_packing": 4096},
     "shared prompts (4096 positions)": {"max_token_in_packing": 4096, "share_prompts": True},
@@ -45,14 +44,10 @@ def long_tailed_batch(generator: torch.Generator, vocab: int) -> dict:
 
 
 def _step_seconds(hf_dir: Path, batch: dict, layout: dict, repeats: int = 2) -> tuple[float, dict]:
-    from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.config.schema import OptimizerSettings
+    from mcore_rl.config.schema import TrainerConfig
     from mcore_rl.trainer.policy import PolicyTrainer
-    from parallel.config import ParallelConfig
 
-    optimizer = dataclasses.asdict(OptimizerSettings(lr=1e-6))
-    trainer = PolicyTrainer(0, 1, ("127.0.0.1", 29535), str(hf_dir), ParallelConfig(), 0, optimizer, repeats + 1,
-                            loss=PolicyLossConfig(), **layout)  # fmt: skip
+    trainer = PolicyTrainer(0, 1, ("127.0.0.1", 29535), TrainerConfig(load=str(hf_dir), **layout), 0, repeats + 1)
     n = batch["tokens"].shape[0]
     best, metrics = float("inf"), {}
     for _ in range(repeats + 1):  # the first is a warm-up

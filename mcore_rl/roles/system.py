@@ -109,50 +109,39 @@ class System:
         from mcore_rl.trainer.value import ValueModel, ValueTrainer
 
         rt, m = config.runtime_args, config.models
-        n, name, trainer = rt.trainer_devices, rt.exp_name, m.policy_trainer
+        n, name = rt.trainer_devices, rt.exp_name
         steps = rt.num_episode * (rt.sample_per_episode // rt.train_global_batch_size)
         masters = dict(zip(roles, rendezvous(self.placement, len(roles)), strict=True))
         if rt.reward_model_devices:  # its rank 0 on its own first device
             masters["reward_model"] = rendezvous(self.placement, 1, rt.devices("reward_model").start)[0]
         self.trainer = TrainerGroup(
             PolicyTrainer, self.placement, n, f"{name}/policy_trainer", masters["policy_trainer"], cores,
-            hf_dir=trainer.load, parallel=trainer.parallel, seed=rt.seed,
-            optimizer=dataclasses.asdict(trainer.optimizer), loss=trainer.algorithm, total_steps=steps,
-            max_token_in_packing=trainer.max_token_in_packing, share_prompts=trainer.share_prompts, moe=trainer.moe,
-            recompute=trainer.recompute, lora=trainer.lora, mtp_loss_coef=trainer.mtp_loss_coef, save_hf=rt.save_hf,
+            section=m.policy_trainer, seed=rt.seed, total_steps=steps, save_hf=rt.save_hf,
         )  # fmt: skip
         self._stops.append(self.trainer.kill)
         megatron_roles = [self.trainer]
         self.ref = self.teacher = self.critic = self.reward_model = None
         for role in ("ref_policy", "teacher"):  # scoring only, like the reference
             if m.uses(role):
-                section = getattr(m, role)
                 group = ReferenceGroup(
-                    MegatronRank, self.placement, n, f"{name}/{role}", masters[role], cores, hf_dir=section.load,
-                    parallel=section.parallel, seed=rt.seed, max_token_in_packing=section.max_token_in_packing,
-                    share_prompts=section.share_prompts,
+                    MegatronRank, self.placement, n, f"{name}/{role}", masters[role], cores, section=getattr(m, role),
+                    seed=rt.seed,
                 )  # fmt: skip
                 setattr(self, "ref" if role == "ref_policy" else role, group)
                 self._stops.append(group.kill)
                 megatron_roles.append(group)
         if m.uses("reward_model"):
-            model = m.reward_model
             first = rt.devices("reward_model").start if rt.reward_model_devices else 0
             self.reward_model = RewardModelGroup(
                 ValueModel, self.placement, rt.world("reward_model"), f"{name}/reward_model",
-                masters["reward_model"], cores, first=first,
-                hf_dir=model.load, parallel=model.parallel, seed=rt.seed,
-                max_token_in_packing=model.max_token_in_packing,
+                masters["reward_model"], cores, first=first, section=m.reward_model, seed=rt.seed,
             )  # fmt: skip
             self._stops.append(self.reward_model.kill)
             megatron_roles.append(self.reward_model)
         if m.uses("critic"):
-            critic = m.critic
             self.critic = CriticGroup(
-                ValueTrainer, self.placement, n, f"{name}/critic", masters["critic"], cores, hf_dir=critic.load,
-                parallel=critic.parallel, seed=rt.seed, optimizer=dataclasses.asdict(critic.optimizer),
-                total_steps=steps, max_token_in_packing=critic.max_token_in_packing,
-                share_prompts=critic.share_prompts, value_clip=critic.value_clip, recompute=critic.recompute,
+                ValueTrainer, self.placement, n, f"{name}/critic", masters["critic"], cores, section=m.critic,
+                seed=rt.seed, total_steps=steps,
             )  # fmt: skip
             self._stops.append(self.critic.kill)
             megatron_roles.append(self.critic)

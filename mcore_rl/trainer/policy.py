@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,12 +16,15 @@ from converters.torch_dist import LORA_FILE, find_megatron
 from mcore_rl.algorithms.grpo import PolicyLossConfig, policy_loss
 from mcore_rl.algorithms.mtp import mtp_logprobs, mtp_loss
 from mcore_rl.trainer.logprobs import token_scores
-from mcore_rl.trainer.moe import MoEConfig, RouterLoad
+from mcore_rl.trainer.moe import RouterLoad
 from mcore_rl.trainer.packing import rows_of
 from mcore_rl.trainer.ranks import TrainableRank
 from mcore_rl.trainer.sync import BroadcastRoute, ColocatedRoute, SyncConfig, WeightSync
-from models.lora import LoRAConfig, adapters_off, attach_lora, keep_routers, merged
+from models.lora import adapters_off, attach_lora, keep_routers, merged
 from models.mtp import MTPOutput, freeze_mtp, mtp_active
+
+if TYPE_CHECKING:
+    from mcore_rl.config.schema import TrainerConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +37,23 @@ class PolicyTrainer(TrainableRank):
 
     def __init__(
         self,
-        *args,
-        loss: PolicyLossConfig,
-        moe: MoEConfig | None = None,
-        lora: LoRAConfig | None = None,
-        mtp_loss_coef: float = 0.0,
+        rank: int,
+        world: int,
+        master: tuple[str, int],
+        section: TrainerConfig,
+        seed: int,
+        total_steps: int,
         save_hf: bool = False,
-        **kwargs,
+        overrides: dict | None = None,
+        cores: list[int] | None = None,
     ):
-        """:class:`TrainableRank`'s arguments, the policy's ``loss``, its ``moe`` settings, its ``lora`` adapters
-        (rank 0: none, the whole model trains), the weight of its MTP layers' loss (0: they stay frozen) and whether
-        its checkpoints hold the HF model too (``save_hf``)."""
-        self.moe, self.lora, self.mtp_loss_coef = moe or MoEConfig(), lora or LoRAConfig(), mtp_loss_coef
+        """:class:`TrainableRank`'s arguments (the section's ``algorithm`` is the loss; its ``moe`` settings, its
+        ``lora`` adapters: rank 0, none, the whole model trains; its ``mtp_loss_coef``, the weight of its MTP layers'
+        loss: 0, they stay frozen) and whether its checkpoints hold the HF model too (``save_hf``)."""
+        self.moe, self.lora, self.mtp_loss_coef = section.moe, section.lora, section.mtp_loss_coef
         self.save_hf = save_hf
-        super().__init__(*args, **kwargs)
-        self.loss = loss
+        super().__init__(rank, world, master, section, seed, total_steps, overrides, cores)
+        self.loss: PolicyLossConfig = section.algorithm
         self.router_load = (
             RouterLoad(self.chunks, self.groups, self.parallel.sequence_parallel)
             if self.moe.router_metrics and self.bridge.num_experts

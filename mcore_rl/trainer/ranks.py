@@ -8,9 +8,11 @@ layout, so colocated roles never share a process group. Batches arrive whole on 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,9 +27,13 @@ from mcore_rl.trainer.packing import pack_rows, plan_packing, plan_shared_prompt
 from mcore_rl.trainer.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
 from models.registry import get_bridge
 from parallel.comm import all_gather_bucket, all_reduce_, all_reduce_scalar
-from parallel.config import ParallelConfig
 from parallel.device import Device
 from parallel.groups import init_parallel
+
+if TYPE_CHECKING:
+    from mcore_rl.config.schema import CriticConfig, ReferenceConfig, RewardModelConfig, TrainerConfig
+
+    ModelSection = TrainerConfig | ReferenceConfig | CriticConfig | RewardModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -40,30 +46,30 @@ class MegatronRank:
         rank: int,
         world: int,
         master: tuple[str, int],
-        hf_dir: str,
-        parallel: ParallelConfig,
+        section: ModelSection,
         seed: int,
-        max_token_in_packing: int = 0,
-        share_prompts: bool = False,
         overrides: dict | None = None,
         cores: list[int] | None = None,
     ):
-        """``share_prompts``: score (and train) each prompt's samples in one row that holds the prompt once
-        (:func:`mcore_rl.trainer.packing.share_prompt_rows`); needs whole groups per data-parallel rank and step.
-        ``cores``: the CPU cores of this rank's device, where roles on other devices run at the same time."""
+        """``section``: the role's config section; its HF directory (``load``), ``parallel`` layout, THD packing
+        (``max_token_in_packing`` > 0) and ``share_prompts``: score (and train) each prompt's samples in one row
+        that holds the prompt once (:func:`mcore_rl.trainer.packing.share_prompt_rows`; whole groups per
+        data-parallel rank and step). ``overrides``: TransformerConfig fields beyond what the run config sets (a
+        test's ``params_dtype``). ``cores``: the CPU cores of this rank's device, where roles on other devices run at
+        the same time."""
         setup_actor()  # its output to its log file, its stacks for the hang watchdog
         os.environ.update(
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0"
         )
         self.machine = Device.current()
         self.machine.share_cores(world, cores)
-        self.rank, self.parallel, self.seed = rank, parallel, seed
-        self.max_token_in_packing = max_token_in_packing  # > 0: THD packs instead of padded micro-batches
-        self.groups = init_parallel(parallel, seed=seed, device=self.machine)
-        self.hf_dir, self.bridge = hf_dir, get_bridge(hf_dir)
-        self.config = self.bridge.transformer_config(parallel, **(self._model_overrides() | (overrides or {})))
-        self.share_prompts = share_prompts
-        self.chunks = self._build(hf_dir)
+        self.section, self.rank, self.parallel, self.seed = section, rank, section.parallel, seed
+        self.max_token_in_packing = section.max_token_in_packing  # > 0: THD packs instead of padded micro-batches
+        self.groups = init_parallel(self.parallel, seed=seed, device=self.machine)
+        self.hf_dir, self.bridge = section.load, get_bridge(section.load)
+        self.config = self.bridge.transformer_config(self.parallel, **(self._model_overrides() | (overrides or {})))
+        self.share_prompts = section.share_prompts
+        self.chunks = self._build(self.hf_dir)
         self.device = next(self.chunks[0].parameters()).device
         self.model = MegatronModel(self.chunks, self.groups)
         self.offloaders: dict[str, StorageOffloader] = {}
@@ -181,27 +187,19 @@ class TrainableRank(MegatronRank):
         rank: int,
         world: int,
         master: tuple[str, int],
-        hf_dir: str,
-        parallel: ParallelConfig,
+        section: TrainerConfig | CriticConfig,
         seed: int,
-        optimizer: dict,
         total_steps: int,
-        max_token_in_packing: int = 0,
-        share_prompts: bool = False,
-        recompute: str = "none",
         overrides: dict | None = None,
         cores: list[int] | None = None,
     ):
-        """``recompute``: ``"full"`` recomputes each layer's activations in the backward (``recompute_overrides``);
-        ``overrides``: TransformerConfig fields beyond what the run config sets (a test's ``params_dtype``)."""
-        self.recompute = recompute
-        super().__init__(
-            rank, world, master, hf_dir, parallel, seed, max_token_in_packing, share_prompts, overrides, cores
-        )
+        """:class:`MegatronRank`'s arguments; the section's ``optimizer``, its LR schedule over ``total_steps``, and
+        its ``recompute``: ``"full"`` recomputes each layer's activations in the backward (``recompute_overrides``)."""
+        super().__init__(rank, world, master, section, seed, overrides, cores)
         from megatron.core.optimizer import OptimizerConfig
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        settings = dict(optimizer)
+        settings = dataclasses.asdict(section.optimizer)
         warmup, min_lr, decay = settings.pop("lr_warmup_steps"), settings.pop("min_lr"), settings.pop("lr_decay_style")
         config = OptimizerConfig(
             optimizer="adam", bf16=self.config.bf16, use_distributed_optimizer=True, min_lr=min_lr, **settings
@@ -222,7 +220,7 @@ class TrainableRank(MegatronRank):
         )
 
     def _model_overrides(self) -> dict:
-        return recompute_overrides(self.recompute)
+        return recompute_overrides(self.section.recompute)
 
     def _optimize(self, steps: list[dict], names: list[str], micro_batch_size: int, loss_fn) -> list[dict]:
         """One optimizer step per global batch in ``steps`` (whole on every rank; each DP rank takes its share),

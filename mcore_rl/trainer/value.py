@@ -44,15 +44,10 @@ class ValueTrainer(TrainableRank, ValueModel):
 
     checkpoint_dir = "critic"
 
-    def __init__(self, *args, value_clip: float = 0.5, **kwargs):
-        """:class:`TrainableRank`'s arguments and PPO's ``value_clip``."""
-        super().__init__(*args, **kwargs)
-        self.value_clip = value_clip
-
     def _loss_fn(self, batch: dict, output: torch.Tensor):
         values = rows_of(batch, output.squeeze(-1).float())
         loss, metrics = value_loss(
-            values, batch["values"], batch["returns"], batch["mask"], self.value_clip, batch["share"]
+            values, batch["values"], batch["returns"], batch["mask"], self.section.value_clip, batch["share"]
         )
         return loss, metrics | {"loss": loss.detach()}
 

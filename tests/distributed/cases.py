@@ -25,6 +25,30 @@ from parallel.device import Device
 from parallel.groups import init_parallel
 
 
+def _policy_trainer(hf_dir: str, layout: dict, total_steps: int, lr: float = 1e-3, overrides=None, **fields):
+    """This pool rank's policy-trainer rank on ``hf_dir`` in ``layout`` (the rest of its section: ``fields``)."""
+    from mcore_rl.config.schema import OptimizerSettings, TrainerConfig
+    from mcore_rl.trainer.policy import PolicyTrainer
+
+    section = TrainerConfig(
+        load=hf_dir, parallel=ParallelConfig(**layout), optimizer=OptimizerSettings(lr=lr), **fields
+    )
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return PolicyTrainer(rank, world, ("127.0.0.1", 0), section, 1, total_steps, overrides=overrides)
+
+
+def _critic(hf_dir: str, layout: dict, total_steps: int, optimizer=None, **fields):
+    """This pool rank's critic rank on ``hf_dir`` in ``layout``, padded micro-batches unless ``fields`` say."""
+    from mcore_rl.config.schema import CriticConfig, OptimizerSettings
+    from mcore_rl.trainer.value import ValueTrainer
+
+    fields = dict(max_token_in_packing=0, share_prompts=False) | fields
+    optimizer = optimizer or OptimizerSettings(lr=1e-3)
+    section = CriticConfig(load=hf_dir, parallel=ParallelConfig(**layout), optimizer=optimizer, **fields)
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return ValueTrainer(rank, world, ("127.0.0.1", 0), section, 1, total_steps)
+
+
 def _load(hf_dir: str, layout: dict, **overrides):
     parallel = ParallelConfig(**layout)
     groups = init_parallel(parallel)
@@ -481,17 +505,12 @@ def policy_trainer_episodes(
     restored between them when ``offload``; returns each episode's old log-probs, each optimizer step's metrics
     and the bytes the offload freed. ``routing``: the batch carries routed experts to replay (see ``_routing``);
     ``mtp_loss_coef``: the MTP layers train too."""
-    from mcore_rl.algorithms.grpo import PolicyLossConfig
     from mcore_rl.trainer.moe import MoEConfig
     from mcore_rl.trainer.offload import StorageOffloader
-    from mcore_rl.trainer.policy import PolicyTrainer
 
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
-    trainer = PolicyTrainer(
-        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 4, loss=PolicyLossConfig(),
-        max_token_in_packing=max_token_in_packing, moe=MoEConfig(**(moe or {})), recompute=recompute,
-        mtp_loss_coef=mtp_loss_coef,
+    trainer = _policy_trainer(
+        hf_dir, layout, 4, max_token_in_packing=max_token_in_packing, moe=MoEConfig(**(moe or {})),
+        recompute=recompute, mtp_loss_coef=mtp_loss_coef,
     )  # fmt: skip
     batch = _episode_batch()
     if routing:
@@ -522,16 +541,10 @@ def _expert_biases(chunks, groups) -> dict[int, list[float]]:
 def moe_balancing_step(hf_dir: str, layout: dict, moe: dict, checkpoint_dir: str) -> dict:
     """One GRPO step of the policy-trainer role with the load-balancing settings ``moe``; its router metrics; the
     expert biases after the step, and as a fresh trainer loads them back from the step's checkpoint."""
-    from mcore_rl.algorithms.grpo import PolicyLossConfig
     from mcore_rl.trainer.moe import MoEConfig
-    from mcore_rl.trainer.policy import PolicyTrainer
-
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
 
     def trainer():
-        args = (rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 4)
-        return PolicyTrainer(*args, loss=PolicyLossConfig(), moe=MoEConfig(**moe))
+        return _policy_trainer(hf_dir, layout, 4, moe=MoEConfig(**moe))
 
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(4, 100, (8, 13), generator=generator)
@@ -559,13 +572,7 @@ def trained_checkpoint(hf_dir: str, layout: dict, checkpoint_dir: str, reference
     in training and its weights exported to ``reference_file`` (safetensors), the expected conversion."""
     from safetensors.torch import save_file
 
-    from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.trainer.policy import PolicyTrainer
-
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    optimizer = dict(lr=1e-2, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
-    args = (rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 4)
-    trainer = PolicyTrainer(*args, loss=PolicyLossConfig())
+    trainer = _policy_trainer(hf_dir, layout, 4, lr=1e-2)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(4, 100, (8, 13), generator=generator)
     mask = torch.ones(8, 12)
@@ -573,7 +580,7 @@ def trained_checkpoint(hf_dir: str, layout: dict, checkpoint_dir: str, reference
     batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=2) * mask
     trainer.train(batch, global_batch_size=8, micro_batch_size=2)
     exported = {name: t.clone() for name, t in export_hf(trainer.chunks, trainer.bridge, trainer.groups)}
-    if rank == 0:
+    if torch.distributed.get_rank() == 0:
         os.makedirs(checkpoint_dir, exist_ok=True)
         save_file(exported, reference_file)
     torch.distributed.barrier()
@@ -604,14 +611,10 @@ def policy_trainer_first_step(
     """The policy-trainer role's old log-probs of ``batch`` ([N, L-1], every rank) and the metrics of one
     optimizer step over the whole batch (computed at the weights the log-probs were scored with)."""
     from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.trainer.policy import PolicyTrainer
 
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
-    trainer = PolicyTrainer(
-        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 1, loss=PolicyLossConfig(**loss),
-        share_prompts=share_prompts, overrides={"params_dtype": getattr(torch, params_dtype)},
-        max_token_in_packing=max_token_in_packing,
+    trainer = _policy_trainer(
+        hf_dir, layout, 1, overrides={"params_dtype": getattr(torch, params_dtype)},
+        algorithm=PolicyLossConfig(**loss), share_prompts=share_prompts, max_token_in_packing=max_token_in_packing,
     )  # fmt: skip
     logprobs = trainer.logprobs(batch, micro_batch_size)
     (step,) = trainer.train(batch, global_batch_size=batch["tokens"].shape[0], micro_batch_size=micro_batch_size)
@@ -623,15 +626,8 @@ def policy_trainer_steps(
 ) -> dict:
     """The policy-trainer role's log-probs of ``batch`` and its optimizer steps over it, as the driver runs them:
     old log-probs scored and kept on the ranks only for the rows after the first step (whose are its own)."""
-    from mcore_rl.algorithms.grpo import PolicyLossConfig
-    from mcore_rl.trainer.policy import PolicyTrainer
 
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
-    trainer = PolicyTrainer(
-        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 2, loss=PolicyLossConfig(),
-        share_prompts=share_prompts,
-    )  # fmt: skip
+    trainer = _policy_trainer(hf_dir, layout, 2, share_prompts=share_prompts)
     logprobs = trainer.logprobs(batch, micro_batch_size)
     later = {k: v[global_batch_size:] for k, v in batch.items()}
     assert trainer.score_old(later, micro_batch_size, fetch=False) is None  # kept here, not returned
@@ -742,13 +738,12 @@ def critic_episodes(
     """``episodes`` PPO critic episodes (values scored, then two optimizer steps towards fixed returns) of the
     critic role; each episode's values and each step's metrics. ``checkpoint_dir``: saved there after the first
     episode; ``resume``: instead loaded from there before the (remaining) episodes run."""
-    from mcore_rl.trainer.value import ValueTrainer
+    from mcore_rl.config.schema import OptimizerSettings
 
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    optimizer = dict(lr=1e-3, lr_decay_style="cosine", min_lr=1e-4, lr_warmup_steps=1, weight_decay=0.0)
-    critic = ValueTrainer(
-        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 4,
-        max_token_in_packing=max_token_in_packing, share_prompts=share_prompts, value_clip=0.2,
+    optimizer = OptimizerSettings(lr=1e-3, lr_decay_style="cosine", min_lr=1e-4, lr_warmup_steps=1)
+    critic = _critic(
+        hf_dir, layout, 4, optimizer, max_token_in_packing=max_token_in_packing, share_prompts=share_prompts,
+        value_clip=0.2,
     )  # fmt: skip
     batch = _critic_batch()
     if resume:
@@ -765,21 +760,20 @@ def critic_episodes(
 
 def critic_values(hf_dir: str, layout: dict, tokens: torch.Tensor) -> torch.Tensor:
     """The critic role's values [N, L-1] of ``tokens`` (every rank)."""
-    from mcore_rl.trainer.value import ValueTrainer
 
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
-    critic = ValueTrainer(rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 1)
+    critic = _critic(hf_dir, layout, 1)
     lengths = torch.full((tokens.shape[0],), tokens.shape[1])
     return critic.values({"tokens": tokens, "lengths": lengths}, micro_batch_size=2)
 
 
 def reward_model_scores(hf_dir: str, layout: dict, tokens: torch.Tensor, lengths: torch.Tensor, packing: int = 0):
     """A reward model's score of each row (its first ``lengths`` tokens), scored by the reward-model role."""
+    from mcore_rl.config.schema import RewardModelConfig
     from mcore_rl.trainer.value import ValueModel
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    role = ValueModel(rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, max_token_in_packing=packing)
+    section = RewardModelConfig(load=hf_dir, parallel=ParallelConfig(**layout), max_token_in_packing=packing)
+    role = ValueModel(rank, world, ("127.0.0.1", 0), section, 1)
     return role.sequence_scores({"tokens": tokens, "lengths": lengths}, micro_batch_size=2)
 
 
@@ -990,18 +984,11 @@ def lora_router_policy(hf_dir: str, layout: dict, directory: str, moe: dict) -> 
     import json
     from pathlib import Path
 
-    from mcore_rl.algorithms.grpo import PolicyLossConfig
     from mcore_rl.trainer.moe import MoEConfig
-    from mcore_rl.trainer.policy import PolicyTrainer
     from models.lora import LoRAConfig, router_copies
 
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    optimizer = dict(lr=1e-2, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
     lora = LoRAConfig(rank=4, targets=["linear_proj"], train_router=True)
-    make = lambda: PolicyTrainer(  # noqa: E731
-        rank, world, ("127.0.0.1", 0), hf_dir, ParallelConfig(**layout), 1, optimizer, 4, loss=PolicyLossConfig(),
-        lora=lora, moe=MoEConfig(**moe),
-    )  # fmt: skip
+    make = lambda: _policy_trainer(hf_dir, layout, 4, lr=1e-2, lora=lora, moe=MoEConfig(**moe))  # noqa: E731
     trainer, batch = make(), _episode_batch()
     both = lambda t: (t.base_logprobs(batch, 2) * batch["mask"], t.logprobs(batch, 2) * batch["mask"])  # noqa: E731
     before = both(trainer)

@@ -228,16 +228,14 @@ def megatron_vs_hf() -> tuple[str, dict]:
 def train_and_checkpoint() -> tuple[str, dict]:
     """One policy-trainer step; a distributed checkpoint saved and loaded back with the same optimizer digest."""
     _need("yaml")
-    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.config.schema import OptimizerSettings, TrainerConfig
     from mcore_rl.trainer.policy import PolicyTrainer
-    from parallel.config import ParallelConfig
 
     tmp = tempfile.TemporaryDirectory()
     hf_dir, which = _model(Path(tmp.name))
     _world()
-    optimizer = dict(lr=1e-5, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
-    args = (0, 1, ("127.0.0.1", 0), hf_dir, ParallelConfig(), 1, optimizer, 4)
-    trainer = PolicyTrainer(*args, loss=PolicyLossConfig())
+    args = (0, 1, ("127.0.0.1", 0), TrainerConfig(load=hf_dir, optimizer=OptimizerSettings(lr=1e-5)), 1, 4)
+    trainer = PolicyTrainer(*args)
     tokens = _tokens(trainer.bridge.vocab_size, rows=8, length=33).cpu()
     mask = torch.ones(8, 32)
     batch = {"tokens": tokens, "mask": mask, "advantages": torch.randn(8, generator=torch.Generator().manual_seed(1))}
@@ -250,7 +248,7 @@ def train_and_checkpoint() -> tuple[str, dict]:
         trainer.save(directory)
         save_seconds = time.perf_counter() - start
         checkpoint_bytes = sum(f.stat().st_size for f in Path(directory).rglob("*") if f.is_file())
-        resumed = PolicyTrainer(*args, loss=PolicyLossConfig())
+        resumed = PolicyTrainer(*args)
         start = time.perf_counter()
         resumed.load(directory)
         load_seconds = time.perf_counter() - start
@@ -271,18 +269,16 @@ def lora() -> tuple[str, dict]:
     weight is ``W + scale B A``; a checkpoint resumes Adam's state of the adapters exactly; the weights offload
     with the base frozen."""
     from converters.plan import local_params
-    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.config.schema import OptimizerSettings, TrainerConfig
     from mcore_rl.trainer.policy import PolicyTrainer
     from models.lora import LoRAConfig, adapters, merged
-    from parallel.config import ParallelConfig
 
     tmp = tempfile.TemporaryDirectory()
     hf_dir, which = _model(Path(tmp.name))
     _world()
-    optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
-    args = (0, 1, ("127.0.0.1", 0), hf_dir, ParallelConfig(), 1, optimizer, 4)
-    kwargs = dict(loss=PolicyLossConfig(), lora=LoRAConfig(rank=8, alpha=16.0))
-    trainer = PolicyTrainer(*args, **kwargs)
+    section = TrainerConfig(load=hf_dir, optimizer=OptimizerSettings(lr=1e-3), lora=LoRAConfig(rank=8, alpha=16.0))
+    args = (0, 1, ("127.0.0.1", 0), section, 1, 4)
+    trainer = PolicyTrainer(*args)
     trained = sum(p.numel() for c in trainer.chunks for p in c.parameters() if p.requires_grad)
     assert trained == sum(p.numel() for a in adapters(trainer.chunks).values() for p in a.parameters()), trained
     tokens = _tokens(trainer.bridge.vocab_size, rows=8, length=33).cpu()
@@ -302,7 +298,7 @@ def lora() -> tuple[str, dict]:
     saved = trainer.optimizer_digest()
     with tempfile.TemporaryDirectory() as directory:
         trainer.save(directory)
-        resumed = PolicyTrainer(*args, **kwargs)
+        resumed = PolicyTrainer(*args)
         resumed.load(directory)
     assert resumed.optimizer_digest() == saved, (resumed.optimizer_digest(), saved)
     freed = trainer.offload(["weights"])
@@ -335,7 +331,7 @@ def mtp() -> tuple[str, dict]:
     them as loaded."""
     _need("transformers", "safetensors", "tokenizers")
     from converters.stream import load_weights
-    from mcore_rl.algorithms.grpo import PolicyLossConfig
+    from mcore_rl.config.schema import OptimizerSettings, TrainerConfig
     from mcore_rl.trainer.policy import PolicyTrainer
     from mcore_rl.trainer.training import MegatronModel
     from models.mtp import MTP, mtp_active
@@ -367,13 +363,12 @@ def mtp() -> tuple[str, dict]:
             numbers[f"{backend}_max_abs_logprob_diff"] = gap
             report.append(f"{backend}: MTP log-probs within {gap:.1e} of the independent forward")
 
-        optimizer = dict(lr=1e-3, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
-        args = (0, 1, ("127.0.0.1", 0), hf_dir, ParallelConfig(), 1, optimizer, 4)
         overrides = {"params_dtype": torch.float32}
         batch = {"tokens": tokens.cpu(), "mask": torch.ones(4, 16), "advantages": torch.tensor([1.0, -1.0, 0.5, -0.5])}
         moved = {}
         for coef in (0.0, 0.5):
-            trainer = PolicyTrainer(*args, loss=PolicyLossConfig(), mtp_loss_coef=coef, overrides=overrides)
+            section = TrainerConfig(load=hf_dir, optimizer=OptimizerSettings(lr=1e-3), mtp_loss_coef=coef)
+            trainer = PolicyTrainer(0, 1, ("127.0.0.1", 0), section, 1, 4, overrides=overrides)
             before = {n: p.detach().clone() for n, p in trainer.chunks[0].named_parameters() if n.startswith(MTP)}
             batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=2)
             step = trainer.train(batch, global_batch_size=4, micro_batch_size=2)[0]
@@ -403,14 +398,16 @@ def critic() -> tuple[str, dict]:
     """PPO's critic role in bf16 on the device: its values against the same head on HF's hidden states (within 3 x
     what bf16 alone changes in HF's), value-loss steps that lower the loss towards fixed returns, and the role's
     offload freeing and restoring its memory."""
+    from mcore_rl.config.schema import CriticConfig, OptimizerSettings
     from mcore_rl.trainer.value import ValueTrainer
-    from parallel.config import ParallelConfig
 
     tmp = tempfile.TemporaryDirectory()
     hf_dir, which = _model(Path(tmp.name))
     _world()
-    optimizer = dict(lr=1e-4, lr_decay_style="constant", min_lr=0.0, lr_warmup_steps=0, weight_decay=0.0)
-    role = ValueTrainer(0, 1, ("127.0.0.1", 0), hf_dir, ParallelConfig(), 1, optimizer, 4)
+    section = CriticConfig(
+        load=hf_dir, optimizer=OptimizerSettings(lr=1e-4), max_token_in_packing=0, share_prompts=False
+    )
+    role = ValueTrainer(0, 1, ("127.0.0.1", 0), section, 1, 4)
     tokens = _tokens(role.bridge.vocab_size, rows=8, length=33)
     batch = {"tokens": tokens.cpu(), "lengths": torch.full((8,), 33), "mask": torch.ones(8, 32)}
     values = role.values(batch, micro_batch_size=4)
