@@ -126,25 +126,98 @@ class ToolResult:
     seconds: float  # the call's time in its actor (its timeout for one that hung; 0 for one never made)
 
 
+@dataclass(frozen=True)
+class CallOutcome:
+    value: object = None  # what the call returned
+    error: str = ""  # "" for none; "raised" (its message in ``message``), "timeout" or "crashed" (its process died)
+    message: str = ""
+    seconds: float = 0.0  # from its start on a started actor to its result (its timeout for one that hung)
+
+
+class CallPool:
+    """Calls of ``method`` on actors of ``cls(*args)``: queued, one per actor at a time (at most ``num_actors`` at
+    once), each stopped after ``timeout_s`` by replacing its actor (nothing else stops a call that hangs). Calls go
+    to started actors only, so an actor's start-up (a replaced one's on a loaded machine) never counts against a
+    call's timeout. Called from one thread."""
+
+    def __init__(self, cls, args: tuple, method: str, num_actors: int, timeout_s: float):
+        self.method, self.timeout_s = method, timeout_s
+        self._new = lambda: ray.remote(cls).options(num_cpus=0).remote(*args)
+        self._starting: dict = {}  # ready ref -> actor not started yet
+        self._free: list = []
+        for _ in range(num_actors):
+            self._spawn()
+        self._queue: collections.deque = collections.deque()  # (ticket, args)
+        self._running: dict = {}  # object ref -> (ticket, actor, start time)
+
+    def submit(self, ticket, *args) -> None:
+        """Queue a call; its outcome comes back from :meth:`poll` with ``ticket``."""
+        self._queue.append((ticket, args))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue or self._running)
+
+    def _spawn(self) -> None:
+        actor = self._new()
+        self._starting[actor.__ray_ready__.remote()] = actor
+
+    def poll(self, timeout: float) -> list[tuple[object, CallOutcome]]:
+        """Start queued calls on free actors, wait up to ``timeout`` seconds, and hand out the finished ones."""
+        if self._starting:  # waited on only when queued calls have no actor otherwise
+            idle = self._queue and not self._free and not self._running
+            started, _ = ray.wait(list(self._starting), num_returns=len(self._starting), timeout=timeout if idle else 0)
+            for ref in started:
+                ray.get(ref)  # an actor that cannot start at all (its code no longer loads) stops the caller
+                self._free.append(self._starting.pop(ref))
+        while self._queue and self._free:
+            ticket, args = self._queue.popleft()
+            actor = self._free.pop()
+            self._running[getattr(actor, self.method).remote(*args)] = (ticket, actor, time.monotonic())
+        done = []
+        if self._running:
+            ready, _ = ray.wait(list(self._running), num_returns=len(self._running), timeout=timeout)
+            now = time.monotonic()
+            for ref in ready:
+                ticket, actor, start = self._running.pop(ref)
+                done.append((ticket, self._outcome(ref, actor, now - start)))
+            for ref, (ticket, actor, start) in list(self._running.items()):
+                if now - start > self.timeout_s:
+                    del self._running[ref]
+                    ray.kill(actor)
+                    self._spawn()
+                    done.append(
+                        (ticket, CallOutcome(None, "timeout", f"timed out after {self.timeout_s:g} s", now - start))
+                    )
+        return done
+
+    def _outcome(self, ref, actor, seconds: float) -> CallOutcome:
+        try:
+            value = ray.get(ref)
+        except ray.exceptions.RayActorError:  # the call took its actor down (a crash, not an exception)
+            self._spawn()
+            return CallOutcome(None, "crashed", "crashed its process", seconds)
+        except ray.exceptions.RayTaskError as err:
+            self._free.append(actor)
+            return CallOutcome(None, "raised", f"{type(err.cause).__name__}: {err.cause}", seconds)
+        self._free.append(actor)
+        return CallOutcome(value, "", "", seconds)
+
+    def stop(self) -> None:
+        for actor in self._free + list(self._starting.values()) + [a for _, a, _ in self._running.values()]:
+            ray.kill(actor)
+
+
 class ToolPool:
-    """Tool calls queued, run at most ``num_actors`` at a time, each stopped after ``timeout_s``. Every call gets a
-    result: its output, or an error (unknown tool, invalid arguments, raised, returned something else than
-    text, timed out). Calls go to started actors only, so an actor's start-up (a replaced one's on a loaded
-    machine) never counts against a call's timeout."""
+    """Tool calls in a :class:`CallPool` of tool actors. Every call gets a result: its output, or an error (unknown
+    tool, invalid arguments, raised, returned something else than text, timed out, crashed)."""
 
     def __init__(self, specs: list[str], sandbox: SandboxConfig, num_actors: int, timeout_s: float,
                  max_chars: int):  # fmt: skip
         tools = load_tools(specs, sandbox)  # loading errors here, in the driver, before any actor starts
         self.names, self.schemas = set(tools), [schema(t) for t in tools.values()]
-        self.timeout_s = timeout_s
-        self._new = lambda: ray.remote(ToolHost).options(num_cpus=0).remote(specs, sandbox, max_chars)
-        self._starting: dict = {}  # ready ref -> actor not started yet
-        self._free: list = []
-        for _ in range(num_actors):
-            self._spawn()
-        self._queue: collections.deque = collections.deque()  # (ticket, call)
-        self._running: dict = {}  # object ref -> (ticket, name, actor, start time)
-        self.done: list[tuple[object, ToolResult]] = []  # finished calls until the caller takes them
+        self.calls = CallPool(ToolHost, (specs, sandbox, max_chars), "call", num_actors, timeout_s)
+        self.done: list[tuple[object, ToolResult]] = []  # calls never made, until the caller takes them
 
     def submit(self, ticket, call: ToolCall) -> None:
         """Queue a call; its result comes back from :meth:`poll` with ``ticket``."""
@@ -152,53 +225,23 @@ class ToolPool:
             error = call.error or f"unknown tool {call.name[:100]!r}; the tools are {sorted(self.names)}"
             self.done.append((ticket, ToolResult(call.name, f"error: {error}", call.kind or "unknown_tool", 0.0)))
         else:
-            self._queue.append((ticket, call))
+            self.calls.submit((ticket, call.name), call.name, call.arguments)
 
     @property
     def busy(self) -> bool:
-        return bool(self._queue or self._running or self.done)
-
-    def _spawn(self) -> None:
-        actor = self._new()
-        self._starting[actor.__ray_ready__.remote()] = actor
+        return bool(self.done) or self.calls.busy
 
     def poll(self, timeout: float) -> list[tuple[object, ToolResult]]:
-        """Start queued calls on free actors, wait up to ``timeout`` seconds, and hand out the finished ones."""
-        if self._starting:  # waited on only when queued calls have no actor otherwise
-            idle = self._queue and not self._free and not self._running
-            started, _ = ray.wait(list(self._starting), num_returns=len(self._starting), timeout=timeout if idle else 0)
-            for ref in started:
-                ray.get(ref)  # an actor that cannot start at all (its tools no longer load) stops the rollout
-                self._free.append(self._starting.pop(ref))
-        while self._queue and self._free:
-            ticket, call = self._queue.popleft()
-            actor = self._free.pop()
-            self._running[actor.call.remote(call.name, call.arguments)] = (ticket, call.name, actor, time.monotonic())
-        if self._running:
-            ready, _ = ray.wait(list(self._running), num_returns=len(self._running), timeout=timeout)
-            now = time.monotonic()
-            for ref in ready:
-                ticket, name, actor, _ = self._running.pop(ref)
-                self.done.append((ticket, self._result(ref, name, actor)))
-            for ref, (ticket, name, actor, start) in list(self._running.items()):
-                if now - start > self.timeout_s:
-                    del self._running[ref]
-                    ray.kill(actor)  # the only way to stop a call that hangs
-                    self._spawn()
-                    error = f"error: {name} timed out after {self.timeout_s:g} s"
-                    self.done.append((ticket, ToolResult(name, error, "timeout", now - start)))
+        """Start queued calls, wait up to ``timeout`` seconds, and hand out the finished ones."""
         done, self.done = self.done, []
+        for (ticket, name), outcome in self.calls.poll(timeout):
+            if outcome.error:
+                error = f"error: {name} {outcome.message}" if outcome.error != "raised" else f"error: {outcome.message}"
+                done.append((ticket, ToolResult(name, error, outcome.error, outcome.seconds)))
+            else:
+                text, error, seconds = outcome.value
+                done.append((ticket, ToolResult(name, text, error, seconds)))
         return done
 
-    def _result(self, ref, name: str, actor) -> ToolResult:
-        try:
-            text, error, seconds = ray.get(ref)
-        except ray.exceptions.RayActorError:  # the call took its actor down (a crash, not an exception)
-            self._spawn()
-            return ToolResult(name, f"error: {name} crashed its process", "crashed", 0.0)
-        self._free.append(actor)
-        return ToolResult(name, text, error, seconds)
-
     def stop(self) -> None:
-        for actor in self._free + list(self._starting.values()) + [a for _, _, a, _ in self._running.values()]:
-            ray.kill(actor)
+        self.calls.stop()

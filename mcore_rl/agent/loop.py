@@ -31,6 +31,7 @@ from mcore_rl.batch import Sample
 from mcore_rl.data.prompts import Prompt
 from mcore_rl.rewards.user import RewardError
 from mcore_rl.rollout.engine import Completion, MultiTurnConfig, SamplingConfig
+from mcore_rl.rollout.sampler import GroupSampler
 
 # An environment actor's start-up (a process, the environment's file imported) is not charged to the deadline of
 # the step waiting for it, up to this long; a start-up that takes longer is charged from then on.
@@ -67,11 +68,12 @@ class _Group:
     done: list  # its trajectories by place, None until finished
 
 
-class AgentLoop:
+class AgentLoop(GroupSampler):
     """Start prompt groups (``sampling.n`` trajectories each) and get back their samples and rewards."""
 
     def __init__(self, rollout, envs: EnvPool, tools: ToolPool | None, tokenizer, limits: MultiTurnConfig,
                  max_model_len: int, env_timeout_s: float):  # fmt: skip
+        super().__init__()
         self.rollout, self.envs, self.tools, self.tokenizer = rollout, envs, tools, tokenizer
         self.tool_format = resolve_format(KEY, limits.tool_format, tokenizer.chat_template)
         self.chat = ChatFormat(tokenizer, tools.schemas if tools else [], self.tool_format)
@@ -83,7 +85,6 @@ class AgentLoop:
         self._new: list[_Live] = []  # started, waiting for the pump
         self._generating: dict[str, _Live] = {}  # engine request key -> trajectory
         self._env_steps: dict = {}  # object ref -> (trajectory, kind, start time)
-        self._groups: dict[str, concurrent.futures.Future] = {}  # submit's keys -> futures, for collect
         self._count = self._groups_started = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -106,28 +107,6 @@ class AgentLoop:
                 self._count += 1
             self._lock.notify_all()
         return group.future
-
-    def generate(self, prompts: list[Prompt], sampling: SamplingConfig) -> tuple[list[Sample], list[float]]:
-        """The prompts' groups, run concurrently; samples and rewards in prompt order."""
-        futures = [self.start(p, sampling) for p in prompts]
-        samples, rewards = [], []
-        for future in futures:
-            s, r = future.result()
-            samples, rewards = samples + s, rewards + r
-        return samples, rewards
-
-    def submit(self, requests: list[tuple[str, Prompt]], sampling: SamplingConfig) -> None:
-        """Start ``(key, prompt)`` groups that :meth:`collect` hands out."""
-        for key, prompt in requests:
-            self._groups[key] = self.start(prompt, sampling)
-
-    def collect(self, seconds: float = 0.5) -> list[tuple[str, list[Sample], list[float]]]:
-        """Submitted groups that finished within ``seconds``, as ``(key, samples, rewards)``."""
-        if not self._groups:
-            return []
-        concurrent.futures.wait(self._groups.values(), seconds, concurrent.futures.FIRST_COMPLETED)
-        done = [key for key, future in self._groups.items() if future.done()]
-        return [(key, *self._groups.pop(key).result()) for key in done]
 
     def solved(self, samples: list[Sample], rewards: list[float]) -> list[bool]:
         """The environment's reward is the task's check."""
