@@ -1,6 +1,7 @@
 """The ``agent`` suite: does a tool help? The main job (SmolLM2-135M-Instruct, GRPO, the same command) on the
 built-in multi-step word problems, once answering directly and once with the calculator tool (multi-turn: the
-policy may call it, reads its result, then answers). Both runs have the same samples, lengths and optimizer; the
+policy may call it, reads its result, then answers), by the built-in loop and by a plain agent program with the
+``openai`` client through the run's endpoint (``benchmarks/calculator_agent.py``). Both runs have the same samples, lengths and optimizer; the
 tool run's trajectories get up to ``max_turns`` turns of ``max_new_tokens`` each.
 
 SmolLM2-135M-Instruct makes no well-formed tool call unprompted (0 of 32 samples; 3 of 32 with a worked example in
@@ -39,6 +40,15 @@ RUNS = (
         "calculator",
         "the calculator tool, up to 3 turns of 64 tokens",
         overrides=(*COMMON, "models.reward.tools=[calculator]", "models.policy.rollout.multi_turn.max_turns=3"),
+    ),
+    Variant(
+        "openai-program",
+        "the same loop as a plain program with the openai client (benchmarks/calculator_agent.py)",
+        overrides=(
+            *COMMON,
+            "models.reward.agent=benchmarks/calculator_agent.py",
+            "models.policy.rollout.multi_turn.max_turns=3",
+        ),
     ),
 )
 
@@ -103,7 +113,7 @@ def run(variant: Variant, out: Path, episodes: int) -> dict:
     import subprocess
 
     directory = out / "runs" / f"agent-{variant.name}"
-    model = cold_start(out / "runs" / f"agent-{variant.name}-cold-start", tools=variant.name == "calculator")
+    model = cold_start(out / "runs" / f"agent-{variant.name}-cold-start", tools=variant.name != "direct")
     args = [
         f"models.policy_trainer.load={model}",
         f"runtime_args.output_dir={directory}",

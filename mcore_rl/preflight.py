@@ -21,13 +21,22 @@ def check_inputs(config: RunConfig) -> Data:
 
 def check_user_code(config: RunConfig, row) -> None:
     """The reward function, or the environment and tools, on the first training prompt answered with its reference
-    answer: code that cannot load or answer at all fails in seconds, before any actor starts."""
+    answer (an agent program: loaded): code that cannot load or answer at all fails in seconds, before any actor
+    starts."""
     reward = config.models.reward
     answered = [*row.messages, {"role": "assistant", "content": row.answer}]
     if not reward.multi_turn:
         if config.models.judge.load and config.models.judge.parser not in PARSERS:
             Verdicts(config.models.judge.parser)  # it loads
         return Rewards(reward.weighted_terms).check(answered, row.answer)
+    if reward.agent:  # it needs the endpoint to run at all: loaded here, run by the sampler
+        from mcore_rl.agent.programs import AgentError, load_program
+
+        try:
+            load_program(reward.agent)
+        except AgentError as err:
+            raise ConfigError(str(err)) from None
+        return
     from mcore_rl.agent.envs import EnvError, check_messages, check_step, environment_factory
     from mcore_rl.agent.tools import load_tools
 

@@ -18,6 +18,12 @@ def is_user_file(spec: str) -> bool:
     return path.suffix == ".py" and path.is_file()
 
 
+def absolute_spec(spec: str) -> str:
+    """``spec`` with its file's absolute path: what a process with another working directory loads."""
+    path, colon, name = spec.partition(":")
+    return f"{Path(path).resolve()}{colon}{name}"
+
+
 def load_attribute(key: str, spec: str, default_name: str, missing: str, error: type[Exception] = UserCodeError):
     """The attribute ``name`` (default ``default_name``) of the Python file ``spec`` names; problems are ``error``s
     naming ``key``, the file and the cause (``missing``: what to define, a format string of ``name``)."""

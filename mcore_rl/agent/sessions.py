@@ -252,16 +252,16 @@ class Sessions:
         turn; the session is unchanged where they do not fit."""
         traj = session.traj
         if session.chat is None:  # the first request: its messages are the prompt
-            try:
-                session.chat = ChatFormat(self.tokenizer, tools or [], self.tool_format)
-            except ValueError as err:
-                raise RequestError(f"tools: {err}", param="tools") from None
-            session.tools = tools
             if messages[-1]["role"] == "assistant":
                 raise RequestError("messages: the last message is the assistant's; the policy writes its own turns")
-            ids = session.chat.prompt([_rendered(m) for m in messages])
+            try:
+                chat = ChatFormat(self.tokenizer, tools or [], self.tool_format)
+            except ValueError as err:
+                raise RequestError(f"tools: {err}", param="tools") from None
+            ids = chat.prompt([_rendered(m) for m in messages])
             if len(ids) >= self.max_tokens:
                 raise RequestError(f"messages: {len(ids)} tokens leave no room in max_total_tokens={self.max_tokens}")
+            session.chat, session.tools = chat, tools
             traj.prompt_ids, traj.messages, session.served = ids, list(messages), list(messages)
             return
         served = session.served

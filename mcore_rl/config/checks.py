@@ -354,6 +354,8 @@ def _overlong(config: RunConfig) -> None:
 def _multi_turn(config: RunConfig) -> None:
     m = config.models
     reward, limits = m.reward, m.policy.rollout.multi_turn
+    if reward.agent:
+        _agent(reward)
     check_bounds("models.reward", reward, ("env_actors", "tool_actors"), 1, "at least 1")
     check_bounds("models.reward", reward, ("env_timeout_s", "tool_timeout_s"), 0, "a positive number of seconds", True)
     reward.sandbox.validate("models.reward.sandbox")
@@ -362,7 +364,7 @@ def _multi_turn(config: RunConfig) -> None:
             Sandbox.start(reward.sandbox)  # logs the kernel layers that will confine the policy's code
         except SandboxUnavailableError as err:
             raise ConfigError(f"models.reward: {err}") from None
-    for key, spec, builtins in [("models.reward.env", reward.environment, BUILTIN_ENVS)] + [
+    for key, spec, builtins in [("models.reward.env", reward.environment, BUILTIN_ENVS)] * (not reward.agent) + [
         (f"models.reward.tools[{i}]", tool, BUILTIN_TOOLS) for i, tool in enumerate(reward.tools)
     ]:
         if spec not in builtins and not is_user_file(spec):
@@ -413,3 +415,15 @@ def _layouts(config: RunConfig) -> None:
             f"models.policy.rollout.tensor_parallel_size={rollout_tp} does not divide "
             f"runtime_args.{key}={rt.engine_devices}: each rollout replica takes tensor_parallel_size devices"
         )
+
+
+def _agent(reward) -> None:
+    if reward.env or reward.tools:
+        raise ConfigError(
+            f"models.reward.agent={reward.agent!r}: the agent program brings its own loop and tools; leave "
+            "models.reward.env and models.reward.tools empty"
+        )
+    if not is_user_file(reward.agent):
+        raise ConfigError(f"models.reward.agent={reward.agent!r}: expected an existing path/to/file.py[:function]")
+    check_bounds("models.reward", reward, ("agent_actors",), 1, "at least 1")
+    check_bounds("models.reward", reward, ("agent_timeout_s",), 0, "a positive number of seconds", True)

@@ -294,10 +294,16 @@ class RewardConfig:
     tool_actors: int = 4  # tool calls running at once; one actor each
     tool_timeout_s: float = 10.0  # a call past it is stopped; the policy reads a timeout error
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)  # the python tool's and environment's limits
+    # Instead of env and tools: a user's agent program drives each trajectory through the run's OpenAI-compatible
+    # endpoint (mcore_rl/agent/programs.py): "path/to/file.py[:run]", run(base_url, api_key, row) -> reward or None
+    agent: str = ""
+    agent_actors: int = 4  # programs running at once, one CPU process each
+    agent_timeout_s: float = 600.0  # a program past it is stopped: its trajectory ends, reward 0, counted
+    agent_host: str = "127.0.0.1"  # the endpoint's address; loopback unless the programs run on other nodes
 
     @property
     def multi_turn(self) -> bool:
-        return bool(self.env or self.tools)
+        return bool(self.env or self.tools or self.agent)
 
     @property
     def weighted_terms(self) -> list[tuple[str, RewardTerm]]:

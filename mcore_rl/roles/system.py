@@ -197,6 +197,8 @@ class System:
             self.verdicts = BoundedPool(Verdicts, (m.judge.parser,), 1, 0, m.reward.timeout_s, None, "judge verdict")
             self._stops.append(self.verdicts.stop)
         reward = m.reward
+        if reward.agent:  # the user's programs run in the sampler's own actors (System.agent_programs)
+            return
         if reward.multi_turn:  # the environment scores trajectories, with the reward function if it is built in
             from mcore_rl.agent.actors import EnvPool, ToolPool
 
@@ -232,6 +234,18 @@ class System:
         )  # fmt: skip
         self.on_close(loop.close)
         return loop
+
+    def agent_programs(self, tokenizer):
+        """The user's agent programs over the engines, through the run's endpoint (closed with the system)."""
+        from mcore_rl.agent.programs import AgentPrograms
+
+        reward, rollout = self.config.models.reward, self.config.models.policy.rollout
+        programs = AgentPrograms(
+            self.rollout, tokenizer, reward.agent, rollout.multi_turn, rollout.max_model_len, reward.agent_actors,
+            reward.agent_timeout_s, reward.agent_host,
+        )  # fmt: skip
+        self.on_close(programs.close)
+        return programs
 
     @contextlib.contextmanager
     def on_device(self, role, parts: list[str] | None = None):

@@ -170,3 +170,17 @@ def test_environments_and_tools_that_cannot_run_are_refused(bad_run, capsys, tmp
     if tools:
         overrides.append(f"models.reward.tools=[{_write(tmp_path / 'tools.py', tools)}:T]")
     _refused(bad_run, capsys, overrides, message)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("import no_such_module\n", "importing"),
+        (
+            "def walk(base_url, api_key, row):\n    return 1.0\n",
+            "has no 'run'; define a function run(base_url, api_key",
+        ),
+    ],
+)
+def test_agent_programs_that_cannot_load_are_refused(bad_run, capsys, tmp_path, source, message):
+    _refused(bad_run, capsys, [f"models.reward.agent={_write(tmp_path / 'agent.py', source)}"], message)

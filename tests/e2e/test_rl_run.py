@@ -26,6 +26,7 @@ from mcore_rl.data.run_data import Data
 from mcore_rl.driver import run
 from mcore_rl.metrics import read_metrics
 from mcore_rl.train import main
+from tests.distributed.test_agent_endpoint import PROGRAM
 from tests.tiny import make_tiny_reward_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -482,19 +483,26 @@ def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models,
     assert checkpoint.latest_complete(out / "checkpoints")[0] == 2
 
 
-def test_multi_turn_rl_with_the_calculator_tool(tool_model, tmp_path, ray_address):
+@pytest.mark.parametrize("agent", ["built-in loop", "openai program"])
+def test_multi_turn_rl_with_the_calculator_tool(tool_model, tmp_path, ray_address, agent):
     """The tiny tool-calling model trained on multi-turn trajectories, asynchronously: the engine generates turns
     while the calculator runs and while the trainer trains (the trajectories in flight at the weight sync continue
     with the new weights); the episode logs the trajectories' statistics, and the rollout records keep each
-    conversation."""
+    conversation. The agent is the built-in loop with the calculator tool, or a plain program with the openai client
+    and the calculator, through the run's endpoint."""
     path = write_config(tmp_path, tool_model, "calculator")
+    if agent == "openai program":
+        (tmp_path / "agent.py").write_text(PROGRAM)
+        sampler = [f"models.reward.agent={tmp_path}/agent.py"]
+    else:
+        sampler = ["models.reward.fn=math", "models.reward.tools=[calculator]"]
     overrides = [
         "runtime_args.num_episode=1", "runtime_args.sample_per_episode=8", "runtime_args.train_global_batch_size=8",
         "runtime_args.eval_episode_interval=0", "runtime_args.rollout_devices=1", "runtime_args.rollout_mode=async",
         *(f"{r}.parallel.tp=1" for r in ROLES), "models.policy_trainer.algorithm.kl_coef=0",
         "models.policy.max_prompt_tokens=100", "models.policy.rollout.max_model_len=256",
-        "models.policy.rollout.train.max_new_tokens=100", "models.reward.fn=math", "models.reward.tools=[calculator]",
-        "models.policy.rollout.multi_turn.max_turns=3", "models.policy.rollout.train.seed=0",
+        "models.policy.rollout.train.max_new_tokens=100", "models.policy.rollout.multi_turn.max_turns=3",
+        "models.policy.rollout.train.seed=0", *sampler,
     ]  # fmt: skip
     out = run(load_run_config(path, overrides))
     (record,) = read_metrics(out / "metrics.jsonl")

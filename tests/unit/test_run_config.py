@@ -278,6 +278,23 @@ def test_multi_turn_settings_from_user_files(run_yaml, tmp_path):
     assert not load_run_config(run_yaml).models.reward.multi_turn  # single-turn unless an env or tools are given
 
 
+def test_an_agent_program_stands_instead_of_an_environment_and_tools(run_yaml, tmp_path):
+    (tmp_path / "agent.py").write_text("def run(base_url, api_key, row):\n    return 1.0\n")
+    agent = f"models.reward.agent={tmp_path}/agent.py:run"
+    config = load_run_config(run_yaml, [agent, "models.reward.agent_actors=8"])
+    assert config.models.reward.multi_turn and not config.models.reward.runs_code
+    for overrides, message in [
+        (["models.reward.tools=[calculator]"], r"models.reward.agent=.*brings its own loop and tools; leave models.re"),
+        (["models.reward.env=python"], "leave models.reward.env and models.reward.tools empty"),
+        (["models.reward.agent_actors=0"], r"models.reward.agent_actors=0: expected at least 1"),
+        (["models.reward.agent_timeout_s=0"], r"models.reward.agent_timeout_s=0.0: expected a positive number"),
+        (["models.reward.agent=/no/agent.py"], r"models.reward.agent='/no/agent.py': expected an existing path/to/"),
+        (["models.reward.terms=[{name: x, fn: math}]"], "models.reward.terms: weighted rewards score single-turn"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_run_config(run_yaml, [agent, *overrides])
+
+
 GAE = ["models.policy_trainer.advantage_estimator=gae", "models.critic.load=${models.policy_trainer.load}"]
 
 
