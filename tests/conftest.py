@@ -54,7 +54,7 @@ def tiny_models(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory) -> str:
-    """The tiny Llama that calls the calculator, then answers (tests/tiny.py): a 12 s fine-tune, so the xdist
+    """The tiny Llama that calls the calculator, then answers (tests/tiny.py): a 25 s fine-tune, so the xdist
     workers of one session share one (the first builds it under a lock in their common temporary directory)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return str(make_tool_caller(tmp_path_factory.mktemp("tool_caller")))

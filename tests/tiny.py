@@ -200,10 +200,17 @@ def make_tool_caller(out_dir: Path, steps: int = 150) -> Path:
     inputs = torch.tensor([ids + [0] * (length - len(ids)) for ids, _ in rows])
     labels = torch.tensor([[-100] * start + ids[start:] + [-100] * (length - len(ids)) for ids, start in rows])
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        model(input_ids=inputs, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    # One thread: the same weights on every machine, and no spinning threads fighting another test worker for
+    # the cores (measured beside two busy processes on 2 cores: 39 s with one thread, 86 s with two).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            model(input_ids=inputs, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
     model.save_pretrained(out_dir)
     return Path(out_dir)
 

@@ -5,7 +5,6 @@ every request that does not fit gets an OpenAI-style error and leaves the sessio
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import urllib.error
 import urllib.request
@@ -180,31 +179,6 @@ def test_requests_that_do_not_fit_get_openai_errors_and_leave_the_session_as_it_
     assert status == 400 and "has finished (done)" in answer["error"]["message"]
 
 
-# A plain agent with the openai client and the calculator, as a user writes one; its reward: "42" in the answer.
-PROGRAM = """
-import json
-
-import openai
-
-from mcore_rl.agent.tools import Calculator, ToolError, invoke, schema
-
-
-def run(base_url, api_key, row):
-    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
-    tools, messages = [schema(Calculator())], list(row["messages"])
-    for _ in range(3):
-        reply = client.chat.completions.create(model="policy", messages=messages, tools=tools).choices[0].message
-        messages.append(reply)
-        if not reply.tool_calls:
-            return float("42" in reply.content)
-        for call in reply.tool_calls:
-            try:
-                result = invoke(Calculator(), json.loads(call.function.arguments))
-            except ToolError as err:
-                result = f"error: {err}"
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return 0.0
-"""
 # Fails as its row's question says; "reward" sets its reward through the endpoint after one short turn.
 FAILING = """
 import json
@@ -236,64 +210,43 @@ def run(base_url, api_key, row):
 """
 
 
-def _run_programs(tool_model, tokenizer, tmp_path, source: str, timeout_s: float, rows: list, n: int):
-    """``n`` trajectories of each row driven by the program ``source``: samples, rewards and the metrics."""
-    (tmp_path / "agent.py").write_text(source)
-    config = RolloutConfig(load_tokenizer=False, max_model_len=MAX_LEN, cpu_kv_cache_bytes=32 << 20)
-    engine = launch_engine(tool_model, config, name=f"agent-programs-{tmp_path.name}")
-    programs = AgentPrograms(
-        RolloutGroup([engine], tp=1), tokenizer, f"{tmp_path}/agent.py:run", MultiTurnConfig(), MAX_LEN - 1,
-        num_actors=3, timeout_s=timeout_s,
-    )  # fmt: skip
+def _run_programs(rollout, tokenizer, program: str, timeout_s: float, rows: list) -> tuple[list, list, dict]:
+    """One trajectory of each row driven by ``program``: samples, rewards and the metrics."""
+    programs = AgentPrograms(rollout, tokenizer, program, MultiTurnConfig(), MAX_LEN - 1, 3, timeout_s)
     prompts = [Prompt(row, chat_token_ids(tokenizer, row.messages)) for row in rows]
     try:
-        samples, rewards = programs.generate(prompts, dataclasses.replace(SAMPLING, n=n))
+        samples, rewards = programs.generate(prompts, SAMPLING)
         return samples, rewards, programs.take_metrics(samples)
     finally:
         programs.close()
-        stop_engine(engine)
-
-
-def test_a_plain_openai_agent_program_trains_on_its_recorded_trajectories(tool_model, tokenizer, ray_address, tmp_path):
-    rows = arithmetic_splits(2, 0, seed=8)[0]
-    samples, rewards, metrics = _run_programs(tool_model, tokenizer, tmp_path, PROGRAM, 3600, rows, n=2)
-    assert [s.id for s in samples] == [f"{rows[0].id}/0", f"{rows[0].id}/1", f"{rows[1].id}/0", f"{rows[1].id}/1"]
-    for sample, reward in zip(samples, rewards, strict=True):
-        traj = sample.completion
-        assert (
-            traj.prompt_ids
-            == sample.prompt.token_ids
-            == tokenizer.apply_chat_template(
-                sample.prompt.row.messages, tools=TOOLS, add_generation_prompt=True, return_dict=False
-            )
-        )
-        assert traj.turns >= 1 and len(traj.logprobs) == len(traj.token_ids) == len(traj.loss_mask)
-        answers = [m for m in traj.messages if m["role"] == "assistant"]
-        assert reward == float("42" in answers[-1]["content"] and not answers[-1].get("tool_calls"))
-        assert traj.tool_calls == sum("tool_calls" in m for m in answers) + sum(traj.tool_errors.values())
-    assert metrics["agent/tool_calls_mean"] >= 0.5 and sum(rewards) >= 1  # it called, and answered 42
-    batch = training_batch(samples, rewards)  # what the trainer gets: the sampled tokens alone in the loss
-    assert batch["mask"].sum() == sum(sum(s.completion.loss_mask) for s in samples)
-    assert metrics["agent/program_errors"] == metrics["agent/program_timeouts"] == metrics["agent/no_turn"] == 0
 
 
 def test_agent_programs_that_fail_end_their_own_trajectories_with_the_reason_counted(
     tool_model, tokenizer, ray_address, tmp_path
 ):
-    kinds = ["raises", "hangs", "dies", "garbage", "silent", "reward"]
+    (tmp_path / "agent.py").write_text(FAILING)
+    config = RolloutConfig(load_tokenizer=False, max_model_len=MAX_LEN, cpu_kv_cache_bytes=32 << 20)
+    engine = launch_engine(tool_model, config, name="agent-programs-engine")
+    rollout, program = RolloutGroup([engine], tp=1), f"{tmp_path}/agent.py:run"
+    kinds = ["raises", "dies", "garbage", "silent", "reward"]
     rows = [PromptRow(kind, [{"role": "user", "content": kind}], "") for kind in kinds]
-    # a deadline only the program that hangs meets: the others return at once or after a 2-token turn (its file
-    # is imported as its actor starts, outside the deadline)
-    samples, rewards, metrics = _run_programs(tool_model, tokenizer, tmp_path, FAILING, 60, rows, n=1)
-    stops = {s.prompt.row.id: s.completion.finish_reason for s in samples}
+    try:
+        samples, rewards, metrics = _run_programs(rollout, tokenizer, program, 3600, rows)
+        # the program that hangs alone under a short deadline: nothing else has to finish within it
+        hung, hung_rewards, hung_metrics = _run_programs(rollout, tokenizer, program, 3, [PromptRow("hangs", [
+            {"role": "user", "content": "hangs"}], "")])  # fmt: skip
+    finally:
+        stop_engine(engine)
+    stops = {s.prompt.row.id: s.completion.finish_reason for s in samples + hung}
     assert stops == {
-        "raises": "agent_error", "hangs": "agent_timeout", "dies": "agent_error", "garbage": "agent_error",
-        "silent": "done", "reward": "done",
+        "raises": "agent_error", "dies": "agent_error", "garbage": "agent_error", "silent": "done", "reward": "done",
+        "hangs": "agent_timeout",
     }  # fmt: skip
-    assert rewards == [0.0] * 5 + [0.75]
-    assert metrics["agent/program_errors"] == 3 and metrics["agent/program_timeouts"] == 1
-    assert metrics["agent/no_reward"] == 1 and metrics["agent/no_turn"] == 5
-    for sample in samples[:5]:  # no request made: the prompt, nothing sampled
+    assert rewards == [0.0] * 4 + [0.75] and hung_rewards == [0.0]
+    assert metrics["agent/program_errors"] == 3 and metrics["agent/program_timeouts"] == 0
+    assert hung_metrics["agent/program_timeouts"] == 1 and hung_metrics["agent/program_errors"] == 0
+    assert metrics["agent/no_reward"] == 1 and metrics["agent/no_turn"] == 4
+    for sample in samples[:4] + hung:  # no request made: the prompt, nothing sampled
         assert sample.completion.prompt_ids == sample.prompt.token_ids and sample.completion.token_ids == []
-    assert samples[5].completion.turns == 1 and 1 <= len(samples[5].completion.token_ids) <= 2
-    assert training_batch(samples, rewards)["mask"].sum() == len(samples[5].completion.token_ids)
+    assert samples[4].completion.turns == 1 and 1 <= len(samples[4].completion.token_ids) <= 2
+    assert training_batch(samples, rewards)["mask"].sum() == len(samples[4].completion.token_ids)

@@ -26,7 +26,6 @@ from mcore_rl.data.run_data import Data
 from mcore_rl.driver import run
 from mcore_rl.metrics import read_metrics
 from mcore_rl.train import main
-from tests.distributed.test_agent_endpoint import PROGRAM
 from tests.tiny import make_tiny_reward_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -481,6 +480,33 @@ def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models,
         assert 0 < record["train/mtp/loss"] < 20  # the MTP layer's cross-entropy, near ln(100) at random
         assert record["rollout/draft_tokens"] > 0 and 0 <= record["rollout/draft_acceptance"] <= 1
     assert checkpoint.latest_complete(out / "checkpoints")[0] == 2
+
+
+# A plain agent with the openai client and the calculator, as a user writes one; its reward: "42" in the answer.
+PROGRAM = """
+import json
+
+import openai
+
+from mcore_rl.agent.tools import Calculator, ToolError, invoke, schema
+
+
+def run(base_url, api_key, row):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    tools, messages = [schema(Calculator())], list(row["messages"])
+    for _ in range(3):
+        reply = client.chat.completions.create(model="policy", messages=messages, tools=tools).choices[0].message
+        messages.append(reply)
+        if not reply.tool_calls:
+            return float("42" in reply.content)
+        for call in reply.tool_calls:
+            try:
+                result = invoke(Calculator(), json.loads(call.function.arguments))
+            except ToolError as err:
+                result = f"error: {err}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    return 0.0
+"""
 
 
 @pytest.mark.parametrize("agent", ["built-in loop", "openai program"])
