@@ -149,15 +149,16 @@ class AgentPrograms(GroupSampler):
 
     def _finished(self, sid: str, group: _Group, slot: int, outcome) -> None:
         row = group.prompt.row
+        timeout = outcome.error == "timeout"
         if outcome.error:
-            kind = "program_timeouts" if outcome.error == "timeout" else "program_errors"
             log.warning("agent program of row %s (session %s): %s", row.id, sid, outcome.message[:500])
-            with self._lock:
-                self._counts[f"agent/{kind}"] += 1
-        trajectory, session = self.sessions.finish(sid, "agent_timeout" if outcome.error == "timeout" else
-                                                   "agent_error" if outcome.error else "done")  # fmt: skip
+        trajectory, session = self.sessions.finish(
+            sid, ("agent_timeout" if timeout else "agent_error") if outcome.error else "done"
+        )
         reward = outcome.value if outcome.value is not None else session.reward
         with self._lock:
+            self._counts["agent/program_timeouts"] += timeout
+            self._counts["agent/program_errors"] += bool(outcome.error) and not timeout
             self._counts["agent/no_reward"] += reward is None and not outcome.error
             self._counts["agent/no_turn"] += not trajectory.turns
         if not trajectory.turns:  # no request made: the row's prompt with nothing sampled (trained on nothing)
