@@ -20,7 +20,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from compat.megatron_core import release_dispatcher_graphs
+from compat.megatron_core import fuse_torch_adam, release_dispatcher_graphs
 from mcore_rl.trainer.logprobs import token_logprobs
 from mcore_rl.trainer.moe import end_replay, replay_routing
 from mcore_rl.trainer.packing import pack_rows, plan_packing, rows_of, share_prompt_rows, to_width
@@ -257,6 +257,7 @@ class MegatronTrainStep(MegatronModel):
         super().__init__(wrapped, groups)
         config.finalize_model_grads_func = finalize_model_grads
         self.optimizer = get_megatron_optimizer(optimizer, self.model, pg_collection=groups, **device.optimizer_args())
+        fuse_torch_adam(self.optimizer)
 
     def step(self, microbatches: list[dict], loss_fn: LossFn) -> StepResult:
         """Forward/backward over ``microbatches`` (dicts with input_ids/position_ids [b, s] and loss inputs)."""

@@ -734,10 +734,13 @@ def critic_episodes(
     checkpoint_dir: str | None = None,
     resume: bool = False,
     episodes: int = 2,
+    fused_adam: bool = True,
 ) -> dict:
     """``episodes`` PPO critic episodes (values scored, then two optimizer steps towards fixed returns) of the
-    critic role; each episode's values and each step's metrics. ``checkpoint_dir``: saved there after the first
-    episode; ``resume``: instead loaded from there before the (remaining) episodes run."""
+    critic role; each episode's values and each step's metrics, the Adam digest, and whether every Adam group runs
+    torch's fused kernel. ``checkpoint_dir``: saved there after the first episode; ``resume``: instead loaded from
+    there before the (remaining) episodes run. ``fused_adam=False``: Adam as Megatron-Core builds it (torch's
+    per-tensor loop on CPU)."""
     from mcore_rl.config.schema import OptimizerSettings
 
     optimizer = OptimizerSettings(lr=1e-3, lr_decay_style="cosine", min_lr=1e-4, lr_warmup_steps=1)
@@ -745,6 +748,9 @@ def critic_episodes(
         hf_dir, layout, 4, optimizer, max_token_in_packing=max_token_in_packing, share_prompts=share_prompts,
         value_clip=0.2,
     )  # fmt: skip
+    groups = [g for opt in critic._optimizers() for g in opt.optimizer.param_groups]
+    for group in groups if not fused_adam else []:
+        group["fused"] = None
     batch = _critic_batch()
     if resume:
         critic.load(checkpoint_dir)
@@ -755,7 +761,8 @@ def critic_episodes(
         steps += critic.train(batch, global_batch_size=4, micro_batch_size=2)
         if checkpoint_dir and not resume and episode == 0:
             critic.save(checkpoint_dir)
-    return dict(values=values, steps=steps, digest=critic.optimizer_digest())
+    fused = all(group["fused"] for group in groups)
+    return dict(values=values, steps=steps, digest=critic.optimizer_digest(), fused=fused)
 
 
 def critic_values(hf_dir: str, layout: dict, tokens: torch.Tensor) -> torch.Tensor:

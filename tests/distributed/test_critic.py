@@ -53,16 +53,25 @@ def test_critic_layouts_match_data_parallel(ranks, tiny_models, arch, layouts):
 def test_critic_resumes_exactly_from_its_checkpoint(ranks, tiny_models, tmp_path):
     """Saved after one episode under one layout, loaded under another: the second episode's values and steps
     (warm-up and cosine LR schedule included) and the Adam state equal the uninterrupted run's (its sums over ranks
-    compared under one layout: replicated parameters count once per TP rank)."""
+    compared under one layout: replicated parameters count once per TP rank). Adam runs torch's fused kernel, also
+    after the load, and steps as Megatron-Core's own per-tensor Adam does."""
     hf_dir = tiny_models["Qwen3ForCausalLM"]
     straight = ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout=dict(tp=2))[0]
-    ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout=dict(tp=2), checkpoint_dir=str(tmp_path), episodes=1)
+    assert straight["fused"]
+    per_tensor = ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout=dict(tp=2), fused_adam=False)[0]
+    assert not per_tensor["fused"]
+    _same(straight, per_tensor, "fused vs per-tensor Adam")
+    ranks.run(  # saved by Megatron-Core's own Adam, as before the fused kernel: the load switches to it
+        cases.critic_episodes, hf_dir=hf_dir, layout=dict(tp=2), checkpoint_dir=str(tmp_path), episodes=1,
+        fused_adam=False,
+    )  # fmt: skip
     resumed = ranks.run(
         cases.critic_episodes, hf_dir=hf_dir, layout=dict(pp=2), checkpoint_dir=str(tmp_path), resume=True, episodes=1
     )
     second = dict(values=straight["values"][1:], steps=straight["steps"][2:])
     for result in resumed:
         _same(result, second, "resumed")
+        assert result["fused"]
     digest = ranks.run(cases.critic_episodes, hf_dir=hf_dir, layout=dict(pp=2))[0]["digest"]
     for result in resumed:
         for key, value in digest.items():
