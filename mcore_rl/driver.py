@@ -149,6 +149,10 @@ class Run:
             drafts = self.system.rollout.take_speculative_stats()
             metrics["rollout/draft_tokens"] = drafts["draft_tokens"]
             metrics["rollout/draft_acceptance"] = drafts["accepted_tokens"] / max(drafts["draft_tokens"], 1.0)
+        replaced = self.system.rollout.take_replacements()
+        for record in replaced:
+            self.logger.event("engine_replaced", episode=episode, **record)
+        metrics["rollout/engine_replacements"] = float(len(replaced))
         metrics |= process_metrics(self.system) | {"data/position": self.progress.position}
         self.logger.log(episode, metrics)
         write_samples(self.out / "rollouts" / f"episode_{episode}.jsonl", samples, rewards)
@@ -234,13 +238,13 @@ def learn(run: Run, samples, rewards, version: int, timer: Timer, before_sync=No
                 metrics |= critic_metrics(steps, batch)
         trains = system.critic is None or version > m.critic.warmup_episodes  # the critic's warm-up: it alone
         if trains:
-            with timer("train"):
+            with timer("train"), system.updating(version):
                 metrics |= train_policy(run, batch)
         if before_sync is not None:
             with timer("wait_for_rollout"):
                 before_sync()
         with timer("sync"):
-            system.trainer.push_weights(version)
+            system.push_weights(version)
     with timer("sync"):
         sync = system.verify_sync()  # the engines' KV caches return after the trainer's weights left
     if trains:
@@ -455,7 +459,7 @@ def run(config: RunConfig) -> Path:
                 progress = DataProgress.from_meta(checkpoint.read_meta(path))
                 logger.event("resume", episode=start, checkpoint=str(path), **progress.meta(), **digest)
             with watchdog.phase("initial_sync", start):
-                system.trainer.push_weights(start)  # engines start from the HF weights; the probe checks both
+                system.push_weights(start)  # engines start from the HF weights; the probe checks both
         with watchdog.phase("initial_sync", start):
             logger.event("initial_sync", **system.verify_sync())
         job = Run(config, data, system, logger, progress, watchdog)
@@ -481,7 +485,7 @@ def process_metrics(system: System) -> dict[str, float]:
     """Threads and resident memory of the busiest trainer rank and rollout engine (``process/*``)."""
     out = {}
     for role, stats in (("trainer", system.trainer.process_stats()), ("engine", system.rollout.process_stats())):
-        out |= {f"process/{role}_{key}": max(s[key] for s in stats) for key in stats[0]}
+        out |= {f"process/{role}_{key}": max(s[key] for s in stats) for key in stats[0]} if stats else {}
     return out
 
 

@@ -156,6 +156,11 @@ def _placement(config: RunConfig) -> None:
             "cannot (they take turns on every device); give the engines devices of their own with "
             "runtime_args.rollout_devices > 0, or set rollout_mode: sync"
         )
+    if rt.max_engine_replacements < 0:
+        raise ConfigError(
+            f"runtime_args.max_engine_replacements={rt.max_engine_replacements}: expected 0 (a dead engine stops "
+            "the run) or more"
+        )
     if rt.rollout_mode == "async" and rt.max_staleness < 1:
         raise ConfigError(
             f"runtime_args.max_staleness={rt.max_staleness}: async rollout needs at least 1 (samples generated "

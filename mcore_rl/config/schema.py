@@ -64,6 +64,9 @@ class RuntimeArgs:
     # async: generations in flight at a weight sync continue with the new weights (their later tokens carry the new
     # version); false: the sync waits until they finish
     partial_rollout: bool = True
+    # rollout engines whose process dies are replaced (loaded with the current weights, their requests generated
+    # again) this many times in a run; the next death stops it
+    max_engine_replacements: int = 3
     # GiB of one device, as GPUs are sold (H100: 80): the run stops before starting when an episode's phase cannot
     # fit it (mcore_rl.planner.memory); 0: the local GPU's, and no check on a CPU machine
     device_memory_gb: float = 0.0

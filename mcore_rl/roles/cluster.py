@@ -8,6 +8,8 @@ one), so scheduling takes the same path everywhere.
 
 from __future__ import annotations
 
+import threading
+
 import ray
 import torch
 from ray.util import placement_group, remove_placement_group
@@ -105,6 +107,7 @@ class ActorGroup:
         **kwargs,
     ):
         remote = ray.remote(cls)
+        self._order = threading.Lock()  # calls from several threads reach every rank in one order
         self.actors = [
             remote.options(name=f"{name}-{rank}", **placement.options(first + rank)).remote(
                 rank, world, master, cores=cores[first + rank] if cores else None, **kwargs
@@ -113,14 +116,16 @@ class ActorGroup:
         ]
 
     def call(self, method: str, *args, **kwargs) -> list:
-        """``method`` on every rank; the ranks' results in rank order. A rank's error is raised as soon as it
-        happens: its peers may be waiting for it in a collective, which would never return. Batches (dicts and
+        """``method`` on every rank; the ranks' results in rank order (calls from several threads queue on every
+        rank in the same order). A rank's error is raised as soon as it happens: its peers may be waiting for it
+        in a collective, which would never return. Batches (dicts and
         tensors) go into the object store once and every rank reads that copy: passed by value, Ray would store
         one per rank."""
         if len(self.actors) > 1:
             args = tuple(_shared(value) for value in args)
             kwargs = {key: _shared(value) for key, value in kwargs.items()}
-        refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        with self._order:
+            refs = [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
         pending = refs
         while pending:
             done, pending = ray.wait(pending, num_returns=1)

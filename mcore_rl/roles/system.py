@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import threading
 import types
 from pathlib import Path
 
@@ -52,6 +53,11 @@ class System:
         self.started_ray = started_ray
         self.config = config
         self._stops: list = []  # how to tear down what has started, in start order
+        # Held while the trainer's weights change and while they go into the engines (push to verify), so that a
+        # replacement engine loaded from another thread gets the weights of the version it is labelled with.
+        self._weights_lock = threading.RLock()
+        self.weights_version = 0  # the policy version of the trainer's weights now
+        self._joining: list[int] = []  # replacement engines the push loaded, serving once verified
         try:
             self._start(config)
         except BaseException:
@@ -95,9 +101,16 @@ class System:
             engines = self._start_engines(config, cores)
         for group in engines:
             group.wait_ready()
-        dtype = machine.engine_dtype(m.policy.rollout.dtype)
+        self._engine_dtype = machine.engine_dtype(m.policy.rollout.dtype)
+        self._connect_engines()
+
+    def _connect_engines(self) -> None:
+        m = self.config.models
         drafts = bool(m.policy.rollout.speculative_tokens)
-        self.trainer.connect_engines(self.rollout.engines, rt.colocated, self.rollout.tp, m.policy.sync, dtype, drafts)
+        self.trainer.connect_engines(
+            self.rollout.engines, self.config.runtime_args.colocated, self.rollout.tp, m.policy.sync,
+            self._engine_dtype, drafts,
+        )  # fmt: skip
 
     def _start_megatron_roles(self, config: RunConfig, roles: list[str], cores) -> list:
         """The policy trainer and the reference, teacher, reward model and critic where the run has them, started
@@ -173,15 +186,16 @@ class System:
         )
         self.rollout = RolloutGroup.launch(
             m.policy.load, rollout, self.placement, rt.devices("rollout"), f"{rt.exp_name}/policy", rt.colocated,
-            cores, wait=False,
+            cores, wait=False, max_replacements=rt.max_engine_replacements,
         )  # fmt: skip
+        self.rollout.revive = self.revive_engines
         self._stops.append(self.rollout.stop)
         self.judge_engines = None
-        if m.judge.own_engines:
+        if m.judge.own_engines:  # its weights never change: a replacement serves once it is up
             self.judge_engines = RolloutGroup.launch(
                 m.judge.load, m.judge.engine_config(m.policy.rollout), self.placement,
                 rt.devices("judge") or rt.devices("rollout"), f"{rt.exp_name}/judge", self.judge_sleeps, cores,
-                wait=False,
+                wait=False, max_replacements=rt.max_engine_replacements, synced=False,
             )  # fmt: skip
             self._stops.append(self.judge_engines.stop)
         return [self.rollout] + ([self.judge_engines] if self.judge_engines else [])
@@ -265,9 +279,57 @@ class System:
             return 0
         return self.rollout.sleep() + (self.judge_engines.sleep() if self.judge_sleeps else 0)
 
+    @contextlib.contextmanager
+    def updating(self, version: int):
+        """The block changes the trainer's weights to those of policy ``version`` (its optimizer steps)."""
+        with self._weights_lock:
+            yield
+            self.weights_version = version
+
+    def push_weights(self, version: int) -> None:
+        """Load the trainer's weights into the policy's engines as ``version``, also into replacements of engines
+        that died (found now, or since the last sync); :meth:`verify_sync` completes the sync. The weights lock
+        is held from here to there."""
+        self._weights_lock.acquire()
+        try:
+            self.rollout.check()
+            self._joining = self.rollout.joining()
+            self._push(version, self._joining)
+        except BaseException:
+            self._weights_lock.release()
+            raise
+
     def verify_sync(self) -> dict:
         """The sync's check, which wakes the engines' KV caches once the trainer's weights have left the device;
-        then a sleeping judge's engines wake too."""
+        then a sleeping judge's engines wake too, and the replacements loaded by the push serve."""
+        try:
+            report = self._verify()
+            self.rollout.joined(self._joining)
+            self._joining = []
+            return report
+        finally:
+            self._weights_lock.release()
+
+    def revive_engines(self) -> None:
+        """When no engine of the policy serves: load the trainer's weights (the version they are now) into the
+        replacements, which then serve. From any thread: it waits while the weights change or sync."""
+        with self._weights_lock:
+            joining = self.rollout.joining()
+            if joining:  # else another thread did
+                with self.on_device(self.trainer, ["weights"]):
+                    self._push(self.weights_version, joining)
+                self._verify()
+                self.rollout.joined(joining)
+
+    def _push(self, version: int, joining: list[int]) -> None:
+        if joining:
+            if self.config.runtime_args.colocated:  # they start awake: asleep, as the others, while the trainer loads
+                self.rollout.sleep(joining)
+            self._connect_engines()
+        self.trainer.push_weights(version)
+        self.weights_version = version
+
+    def _verify(self) -> dict:
         report = self.trainer.verify_sync()
         if self.judge_sleeps:
             self.judge_engines.wake_up()

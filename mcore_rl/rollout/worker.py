@@ -151,6 +151,8 @@ class WeightUpdateExtension:
         """Join a trainer's weight-transfer group as rank ``first_rank`` + this worker's rank (``address`` arrives
         as a list where vLLM's engine core runs in another process: see ``BucketHandle.to_wire``)."""
         device = self.model_runner.device
+        if getattr(self, "_mcore_rl_transfer", None) is not None:  # a new group, after an engine was replaced
+            self._mcore_rl_transfer.close()
         self._mcore_rl_transfer = TransferGroup(tuple(address), first_rank + self.rank, world, device)
 
     def mcore_rl_begin_update(self) -> None:

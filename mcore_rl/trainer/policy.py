@@ -166,7 +166,10 @@ class PolicyTrainer(TrainableRank):
     ) -> None:
         """Attach the rollout engines: colocated, the engine on this rank's devices (one per block of ``engine_tp``
         ranks); on other devices, all of them, fed by rank 0 over a weight-transfer group. ``drafts``: they draft
-        with the model's MTP layers, which the sync then sends."""
+        with the model's MTP layers, which the sync then sends. Again after an engine was replaced: the routes to
+        the engines are built anew."""
+        if self.sync is not None:
+            self.sync.close()
         device = next(self.chunks[0].parameters()).device
         if colocated:
             route = ColocatedRoute(engines[self.rank // engine_tp], device, sync.bucket_bytes, engine_tp)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -10,8 +12,9 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from mcore_rl.roles.rollout import EngineLostError, RolloutGroup
 from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
-from mcore_rl.rollout.remote import launch_engine, stop_engine
+from mcore_rl.rollout.remote import launch_engine, launch_engines, stop_engine
 from mcore_rl.rollout.transport import BucketSender
 from tests.tiny import MOONLIGHT, make_tiny
 
@@ -196,3 +199,41 @@ def test_a_drafting_engine_updated_in_place_is_one_started_from_the_new_weights(
         stop_engine(fresh)
     with pytest.raises(ValueError, match=r"speculative_tokens=1: .* has no multi-token-prediction layers"):
         RolloutEngine(tiny_models["LlamaForCausalLM"], config)
+
+
+def _kill(engine) -> None:
+    """SIGKILL the engine's process, as the kernel's OOM killer or a crash would end it."""
+    os.kill(ray.get(engine.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
+
+
+def test_a_dead_engine_is_replaced_and_what_it_was_generating_is_generated_again(tiny_models, ray_address):
+    """An engine killed while it generates: a replacement starts in its place, the requests it held are generated
+    again there and each is handed out once, generate() goes on; a death past max_replacements stops with the
+    setting named."""
+    config = RolloutConfig(load_tokenizer=False, max_model_len=128, cpu_kv_cache_bytes=KV_BYTES)
+    model = tiny_models["LlamaForCausalLM"]
+
+    def relaunch(i: int, generation: int):
+        return launch_engines(model, config, [(f"replaced-engine-test-{i}.{generation}", {})], wait=False)[0]
+
+    group = RolloutGroup([launch_engine(model, config, name="replaced-engine-test-0")], 1, relaunch, 1, synced=False)
+    try:
+        long = SamplingConfig(n=2, temperature=1.0, max_new_tokens=100, seed=3)
+        keys = [f"k{i}" for i in range(4)]
+        group.submit([(key, [11 + i, 12, 13]) for i, key in enumerate(keys)], long)
+        assert group.collect(0.01) == []  # generating: a step or a few of 100
+        first = group.engines[0]
+        _kill(first)
+        done = []
+        while len(done) < len(keys):
+            done += group.collect(1.0)
+        assert sorted(key for key, _ in done) == keys  # each once
+        assert all(len(completions) == 2 and all(c.token_ids for c in completions) for _, completions in done)
+        (record,) = group.take_replacements()
+        assert record["engine"] == 0 and record["requests"] == len(keys) and group.engines[0] is not first
+        assert len(group.generate([[20, 21]], GREEDY)[0]) == 1
+        _kill(group.engines[0])
+        with pytest.raises(EngineLostError, match="max_engine_replacements=1 allows no more"):
+            group.generate([[20, 21]], GREEDY)
+    finally:
+        group.stop()

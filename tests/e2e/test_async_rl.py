@@ -12,7 +12,15 @@ from mcore_rl import checkpoint
 from mcore_rl.config.schema import load_run_config
 from mcore_rl.driver import run
 from mcore_rl.metrics import read_metrics
-from tests.e2e.test_rl_run import ROLES, events, kill_at, run_to_end, train_command, write_config
+from tests.e2e.test_rl_run import (
+    ROLES,
+    engine_killing_reward,
+    events,
+    kill_at,
+    run_to_end,
+    train_command,
+    write_config,
+)
 
 DISAGGREGATED = ["runtime_args.rollout_devices=1", *(f"{role}.parallel.tp=1" for role in ROLES)]
 
@@ -50,9 +58,14 @@ def test_one_step_off_trains_on_samples_exactly_one_version_behind(tiny_models, 
 
 def test_async_learns_within_its_staleness_bound_and_resumes_after_sigkill(tiny_models, ray_address, tmp_path):
     """The vowel task of the sync learning test, in async mode (partial rollout, max_staleness 1), killed after
-    its first checkpoint and resumed by the same command."""
+    its first checkpoint and resumed by the same command; in the resumed run its one rollout engine is killed
+    while it generates (at the first sample scored), replaced and loaded with the current weights from the
+    producer's thread, and the run goes on."""
     path = write_config(tmp_path, tiny_models["LlamaForCausalLM"], "async")
+    trigger = tmp_path / "kill_engine"
+    reward = engine_killing_reward(tmp_path / "killing_reward.py", "async/policy-0", trigger)
     overrides = [
+        f"models.reward.fn={reward}",
         "runtime_args.num_episode=15",
         "runtime_args.num_builtin_train=200",  # no prompt comes round twice: 15 x 8 are used
         "runtime_args.sample_per_episode=32",
@@ -69,7 +82,10 @@ def test_async_learns_within_its_staleness_bound_and_resumes_after_sigkill(tiny_
     kill_at(command, out / "checkpoints" / "episode_5", tmp_path / "killed.log")
     assert checkpoint.latest_complete(out / "checkpoints")[0] == 5
     saved = checkpoint.read_meta(checkpoint.latest_complete(out / "checkpoints")[1])
+    trigger.touch()
     run_to_end(command)
+    (replaced,) = events(out, "engine_replaced")
+    assert replaced["engine"] == 0 and replaced["episode"] == 6
     (resume,) = events(out, "resume")
     assert resume["data_position"] == saved["data_position"] and resume["optimizer"] == saved["optimizer"]
 

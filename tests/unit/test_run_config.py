@@ -107,6 +107,7 @@ def test_bad_configs_are_refused_with_the_key(run_yaml, override, message):
             + ["runtime_args.rollout_mode=async", "runtime_args.max_staleness=0"],
             r"runtime_args.max_staleness=0: async rollout needs at least 1",
         ),
+        (["runtime_args.max_engine_replacements=-1"], r"max_engine_replacements=-1: expected 0 \(a dead engine stops"),
     ],
 )
 def test_bad_placements_are_refused_with_the_key_and_the_fix(run_yaml, overrides, message):
