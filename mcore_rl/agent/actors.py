@@ -200,6 +200,10 @@ class CallPool:
         except ray.exceptions.RayTaskError as err:
             self._free.append(actor)
             return CallOutcome(None, "raised", f"{type(err.cause).__name__}: {err.cause}", seconds)
+        except ray.exceptions.UnserializableException as err:  # raised, but not unpicklable here (openai's errors)
+            self._free.append(actor)
+            lines = str(err).strip().splitlines()
+            return CallOutcome(None, "raised", lines[-1][:500] if lines else type(err).__name__, seconds)
         self._free.append(actor)
         return CallOutcome(value, "", "", seconds)
 

@@ -6,9 +6,10 @@ from dataclasses import dataclass, field
 
 from mcore_rl.rollout.engine import Completion
 
-# Why a trajectory stopped: the environment said done; max_turns or max_total_tokens reached; a turn cut at
-# max_new_tokens; its environment failed or timed out.
-STOP_REASONS = ("done", "max_turns", "max_tokens", "length", "env_error")
+# Why a trajectory stopped: the environment (or the agent program) said done; max_turns or max_total_tokens
+# reached; a turn cut at max_new_tokens; its environment failed or timed out; its agent program raised, crashed or
+# returned garbage, or passed its deadline.
+STOP_REASONS = ("done", "max_turns", "max_tokens", "length", "env_error", "agent_error", "agent_timeout")
 
 
 @dataclass(frozen=True)
