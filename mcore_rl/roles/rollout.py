@@ -52,9 +52,8 @@ class RolloutGroup:
         self._speculative: dict[str, float] = {}  # the engines' draft counters at the last take_speculative_stats
         self._lock = threading.RLock()
         self._joining: set[int] = set()  # replacements without the current weights yet
-        self._requests: list[dict] = [
-            {} for _ in engines
-        ]  # per engine: submitted, uncollected key -> (prompt, sampling)
+        # per engine: its submitted, uncollected requests, key -> (prompt, sampling)
+        self._requests: list[dict] = [{} for _ in engines]
         self._orphans: list[tuple] = []  # (key, prompt, sampling) of dead engines, for the next that serves
         self._replaced: list[dict] = []  # since take_replacements
         self.replacements = 0
