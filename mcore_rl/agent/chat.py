@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 
+import jinja2
+
 from mcore_rl.agent import tool_calls
 
 _MARK = "\u2063mcore_rl\u2063"  # an assistant message's content, to find what the template puts after it
@@ -53,6 +55,8 @@ class ChatFormat:
         self._eos = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
         # Every string the tokenizer turns into one added token (<|im_start|>, </tool_response>, <think>, ...)
         self._controls = sorted({t.content for t in tokenizer.added_tokens_decoder.values()}, key=len, reverse=True)
+        if self.tools:  # a template that cannot put a tool's result after a turn fails here, before a run starts
+            self.observation([{"role": "tool", "tool_call_id": "call_0_0_0", "name": "probe", "content": "?"}], [])
 
     def _render(self, messages: list[dict], generation: bool = False, tools=None) -> str:
         return self.tokenizer.apply_chat_template(
@@ -89,7 +93,15 @@ class ChatFormat:
     def observation(self, messages: list[dict], turn_ids: list[int]) -> list[int]:
         """What follows an assistant turn whose sampled ids were ``turn_ids``: the rest of its end-of-turn text,
         the observation ``messages`` and the next assistant turn's opening."""
-        full = self._render(self._base + messages, generation=True)
+        try:
+            full = self._render(self._base + messages, generation=True)
+        except jinja2.TemplateError as err:  # its own raise_exception (gpt-oss's wants the call a result answers)
+            roles = "/".join(sorted({m["role"] for m in messages}))
+            raise ValueError(
+                f"the chat template refuses {roles} messages after an assistant message without tool calls ({err}); "
+                "observations follow the sampled turn as the template renders them after one, so multi-turn "
+                "rollouts need a template that renders them there"
+            ) from None
         mark = full.find(_MARK, len(self._opening))
         if not full.startswith(self._opening) or mark < 0:
             raise ValueError(

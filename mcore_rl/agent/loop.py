@@ -25,7 +25,7 @@ import ray
 from mcore_rl.agent.actors import EnvPool, ToolPool, ToolResult
 from mcore_rl.agent.chat import ChatFormat, clip
 from mcore_rl.agent.envs import EnvError
-from mcore_rl.agent.tool_calls import KEY, parse_tool_calls, resolve_format
+from mcore_rl.agent.tool_calls import KEY, call_ids, openai_tool_calls, parse_tool_calls, resolve_format
 from mcore_rl.agent.trajectory import TrajectoryBuilder, trajectory_stats
 from mcore_rl.batch import Sample
 from mcore_rl.data.prompts import Prompt
@@ -51,7 +51,7 @@ class _Live:
     resets: int = 0  # resets sent (one more when its actor died during the first)
     traj: TrajectoryBuilder = field(default_factory=TrajectoryBuilder)
     results: dict[int, ToolResult] = field(default_factory=dict)  # this turn's tool results by call index
-    calls: int = 0  # this turn's tool calls
+    call_ids: list[str] = field(default_factory=list)  # this turn's tool calls, by the ids their results name
 
     @property
     def name(self) -> str:
@@ -231,16 +231,19 @@ class AgentLoop(GroupSampler):
         elif live.traj.stats["turns"] >= self.max_turns:
             self._finish(live, "max_turns")  # no turn left to read the results in
         else:
-            live.calls, live.results = len(calls), {}
+            live.call_ids, live.results = call_ids(calls, f"call_{live.index}_{live.traj.stats['turns'] - 1}"), {}
+            message["tool_calls"] = openai_tool_calls(calls, live.call_ids)  # in the record, as the results name them
             for i, call in enumerate(calls):
                 self.tools.submit((live, i), call)
 
     def _tool_result(self, live: _Live, i: int, result: ToolResult) -> None:
         live.results[i] = result
         live.traj.add_tool_call(result.error, result.seconds)
-        if len(live.results) == live.calls:
-            ordered = [live.results[j] for j in range(live.calls)]
-            self._observe(live, [{"role": "tool", "name": r.name, "content": r.text} for r in ordered])
+        if len(live.results) == len(live.call_ids):
+            self._observe(live, [
+                {"role": "tool", "tool_call_id": call_id, "name": live.results[j].name, "content": live.results[j].text}
+                for j, call_id in enumerate(live.call_ids)
+            ])  # fmt: skip
 
     def _stepped(self, live: _Live, observation: list[dict], reward: float, done: bool) -> None:
         live.traj.reward += reward

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from mcore_rl.agent.chat import ChatFormat, clip
-from mcore_rl.agent.tool_calls import KEY, parse_tool_calls, resolve_format
+from mcore_rl.agent.tool_calls import KEY, call_ids, openai_tool_calls, parse_tool_calls, resolve_format
 from mcore_rl.agent.trajectory import Trajectory, TrajectoryBuilder
 from mcore_rl.rollout.engine import Completion, MultiTurnConfig, SamplingConfig
 
@@ -296,11 +296,7 @@ class Sessions:
                 traj.add_tool_call(call.kind if call.error else "", 0.0)
             calls = [c for c in parsed if not c.error]
         if calls:
-            message["tool_calls"] = [
-                {"id": f"call_{session.index}_{turn}_{i}", "type": "function",
-                 "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                for i, c in enumerate(calls)
-            ]  # fmt: skip
+            message["tool_calls"] = openai_tool_calls(calls, call_ids(calls, f"call_{session.index}_{turn}"))
         served = normalize([message])[0]  # as the agent sends it back
         traj.add_turn(completion, served)
         session.served = [*session.served, served]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 KEY = "models.policy.rollout.multi_turn.tool_format"  # the run config's key that chooses the format
 MAX_CALL_CHARS = 1 << 16  # one call's arguments: far past any real call, short enough to parse at once
+MAX_ID_CHARS = 100  # a call id the model wrote, as its result names it
 JSON_TYPES = {"integer", "number", "boolean", "object", "array", "null"}  # an XML parameter of these is JSON
 
 
@@ -27,6 +28,7 @@ class ToolCall:
     arguments: dict
     error: str = ""  # why the call could not be parsed (then it is not made; the error is its result)
     kind: str = ""  # the error's kind, counted in agent/tool_errors/<kind>
+    id: str = ""  # the call's id as the model wrote it (Kimi-K2, Mistral), which its result must name; "" for none
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class _Raw:
     name: str
     arguments: str | dict
     error: str = ""
+    id: str = ""
 
 
 def _blocks(text: str, open_: str, close: str) -> Iterator[tuple[str, bool]]:
@@ -78,10 +81,11 @@ def _object_call(call: object, arguments_keys: tuple[str, ...] = ("arguments",))
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return _Raw("", "", 'the tool call has no "name" string')
     arguments = next((call[k] for k in arguments_keys if k in call), {})
+    call_id = call["id"] if isinstance(call.get("id"), str) else ""  # Mistral's
     if isinstance(arguments, str):
-        return _Raw(call["name"], arguments)
+        return _Raw(call["name"], arguments, id=call_id)
     try:  # back to text for the one validation (json.dumps may nest less deep than json.loads did)
-        return _Raw(call["name"], json.dumps(arguments))
+        return _Raw(call["name"], json.dumps(arguments), id=call_id)
     except (ValueError, RecursionError) as err:
         return _Raw(call["name"], "", f"the arguments cannot be read ({type(err).__name__})")
 
@@ -152,10 +156,13 @@ def _deepseek_v3(body: str) -> _Raw:
 
 
 def _kimi_k2(body: str) -> _Raw:
-    """Kimi-K2: ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGS<|tool_call_end|>``."""
+    """Kimi-K2: ``<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>ARGS<|tool_call_end|>``; the
+    ``functions.NAME:INDEX`` is the call's id, which its result names."""
     call_id, sep, arguments = body.partition("<|tool_call_argument_begin|>")
-    name = call_id.strip().removeprefix("functions.").rsplit(":", 1)[0]
-    return _Raw(name, arguments.strip()) if sep else _Raw("", "", "no <|tool_call_argument_begin|> in the call")
+    if not sep:
+        return _Raw("", "", "no <|tool_call_argument_begin|> in the call")
+    call_id = call_id.strip()
+    return _Raw(call_id.removeprefix("functions.").rsplit(":", 1)[0], arguments.strip(), id=call_id)
 
 
 def _gpt_oss(body: str) -> _Raw:
@@ -183,8 +190,11 @@ def _mistral(text: str) -> Iterator[_Raw]:
         return
     for part in text.split(marker)[1:]:
         head, sep, arguments = part.partition("[ARGS]")
-        name = head.split("[CALL_ID]", 1)[0].strip()
-        yield _Raw(name, arguments.removesuffix("</s>").strip()) if sep else _Raw("", "", "no [ARGS] in the call")
+        if not sep:
+            yield _Raw("", "", "no [ARGS] in the call")
+            continue
+        name, _, call_id = (p.strip() for p in head.partition("[CALL_ID]"))
+        yield _Raw(name, arguments.removesuffix("</s>").strip(), id=call_id)
 
 
 FORMATS: dict[str, Callable[[str], Iterator[_Raw]]] = {
@@ -199,14 +209,15 @@ FORMATS: dict[str, Callable[[str], Iterator[_Raw]]] = {
 }
 
 # Markers of each format in a chat template, the more specific first (Qwen3-Coder's and GLM's calls sit in
-# Hermes's <tool_call> tags; Llama's templates name the ipython role that reads tool results).
+# Hermes's <tool_call> tags; Llama's templates name the ipython role that reads tool results), each checked on the
+# family's real template (tests/data/chat_templates).
 _MARKERS = (
     ("qwen3_coder", ("<function=",)),
     ("glm45", ("<arg_key>",)),
     ("hermes", ("<tool_call>",)),
     ("deepseek_v3", ("tool▁call▁begin",)),
     ("kimi_k2", ("<|tool_call_begin|>",)),
-    ("gpt_oss", ("to=functions.", "<|call|>")),
+    ("gpt_oss", ("<|channel|>", "<|call|>")),  # its template writes "to=" and "functions." apart
     ("mistral", ("[TOOL_CALLS]",)),
     ("llama3_json", ("<|start_header_id|>", "ipython")),
 )
@@ -284,7 +295,22 @@ def _call(raw: _Raw, types: dict[str, dict[str, str]]) -> ToolCall:
         return ToolCall(raw.name[:100], {}, f"the arguments are not JSON ({err})", "parse")
     if not isinstance(arguments, dict):
         return ToolCall(raw.name[:100], {}, '"arguments" must be a JSON object', "parse")
-    return ToolCall(raw.name, arguments)
+    return ToolCall(raw.name, arguments, id=raw.id[:MAX_ID_CHARS])
+
+
+def call_ids(calls: list[ToolCall], prefix: str) -> list[str]:
+    """The id each call's result names: the model's own where its format writes one, else ``{prefix}_{i}``, with
+    ``prefix`` ``call_<trajectory>_<turn>`` (OpenAI's style; 9 characters at least, and the last 9 unique within
+    the trajectory, which is what Mistral's templates keep)."""
+    return [c.id or f"{prefix}_{i}" for i, c in enumerate(calls)]
+
+
+def openai_tool_calls(calls: list[ToolCall], ids: list[str]) -> list[dict]:
+    """``calls`` as an OpenAI assistant message's ``tool_calls`` (arguments as JSON text)."""
+    return [
+        {"id": i, "type": "function", "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+        for c, i in zip(calls, ids, strict=True)
+    ]
 
 
 def parse_tool_calls(

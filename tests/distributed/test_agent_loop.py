@@ -134,6 +134,10 @@ def test_calculator_trajectories_are_exact_token_sequences_with_the_engine_s_log
         assert traj.versions == [0] * sum(traj.loss_mask)
         assistant = [m["content"] for m in traj.messages if m["role"] == "assistant"]
         results = sum(m["role"] == "tool" for m in traj.messages)
+        for i, m in enumerate(traj.messages):  # each turn's results name its calls, in order (OpenAI's records)
+            if m["role"] == "assistant" and "tool_calls" in m and i + 1 < len(traj.messages):
+                answered = [r["tool_call_id"] for r in traj.messages[i + 1 : i + 1 + len(m["tool_calls"])]]
+                assert answered == [c["id"] for c in m["tool_calls"]] and answered[0].startswith("call_")
         # a turn's results are appended unless no room is left for them (it stops at max_tokens then)
         assert traj.turns == len(assistant) and traj.tool_calls >= results
         assert traj.tool_calls == results or traj.finish_reason == "max_tokens"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mcore_rl.agent.tool_calls import FORMATS, ToolCall, detect_format, parse_tool_calls, resolve_format
+from mcore_rl.agent.tool_calls import FORMATS, ToolCall, call_ids, detect_format, parse_tool_calls, resolve_format
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
 SCHEMAS = [
@@ -34,11 +34,23 @@ def _render(template: str, messages: list[dict], generation: bool = False) -> st
                            eos_token="</s>")  # fmt: skip
 
 
-def _assistant_turn(template: str, calls: list[tuple[str, dict]]) -> str:
+# The ids of CALLS where the format writes them: Kimi-K2's name the function and the call's place; Mistral's are
+# 9 characters (its templates keep the last 9 of an id).
+IDS = {"kimi_k2": ["functions.calculator:0", "functions.lookup:1"], "mistral": ["a1b2c3d4e", "f5g6h7i8j"]}
+
+
+def _expected(fmt: str, calls=CALLS, ids=None) -> list[ToolCall]:
+    ids = ids or IDS.get(fmt, [""] * len(CALLS))
+    return [ToolCall(n, a, id=ids[CALLS.index((n, a))]) for n, a in calls]
+
+
+def _assistant_turn(template: str, calls: list[tuple[str, dict]], fmt: str = "") -> str:
     """What the template renders for an assistant message with ``calls``: the text after the generation prompt."""
+    ids = IDS.get(fmt, [f"call{i:06d}x" for i in range(len(CALLS))])
     message = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": f"call{i:06d}x", "type": "function", "function": {"name": name, "arguments": arguments}}
-        for i, (name, arguments) in enumerate(calls)
+        {"id": ids[CALLS.index((name, arguments))], "type": "function",
+         "function": {"name": name, "arguments": arguments}}
+        for name, arguments in calls
     ]}  # fmt: skip
     full, prefix = _render(template, [*USER, message]), _render(template, USER, generation=True)
     return full[len(os.path.commonprefix([full, prefix])) :]
@@ -49,13 +61,16 @@ def _assistant_turn(template: str, calls: list[tuple[str, dict]]) -> str:
     [("qwen3_coder", "qwen3_coder.jinja", CALLS),
      ("glm45", "glm45.jinja", CALLS),
      ("deepseek_v3", "deepseek_v3.jinja", CALLS),
-     ("llama3_json", "llama3.1_json.jinja", CALLS[1:])],  # one call per turn in Llama 3.1's format
+     ("llama3_json", "llama3.1_json.jinja", CALLS[1:]),  # one call per turn in Llama 3.1's format
+     ("kimi_k2", "kimi_k2_thinking.jinja", CALLS),
+     ("mistral", "mistral_small_3.1.jinja", CALLS),
+     ("gpt_oss", "gpt_oss.jinja", CALLS[1:])],  # gpt-oss's template renders a message's first call only
 )  # fmt: skip
 def test_each_family_s_template_writes_calls_its_format_reads_back(fmt, file, calls):
     template = (TEMPLATES / file).read_text()
     assert detect_format(template) == fmt
-    turn = _assistant_turn(template, calls)
-    assert parse_tool_calls(turn, 8, fmt, SCHEMAS) == [ToolCall(n, a) for n, a in calls], turn
+    turn = _assistant_turn(template, calls, fmt)
+    assert parse_tool_calls(turn, 8, fmt, SCHEMAS) == _expected(fmt, calls), turn
 
 
 # As each model card documents its format (their templates are not shipped: tests/data/chat_templates/README.md).
@@ -85,7 +100,8 @@ FORMAT_OF = {"mistral_v11": "mistral", "deepseek_v31": "deepseek_v3"}
 @pytest.mark.parametrize("name", DOCUMENTED)
 def test_each_documented_format_is_read_back(name):
     fmt = FORMAT_OF.get(name, name)
-    assert parse_tool_calls(DOCUMENTED[name], 8, fmt, SCHEMAS) == [ToolCall(n, a) for n, a in CALLS]
+    ids = ["", "f5g6h7i8j"] if name == "mistral_v11" else None  # v11 writes [CALL_ID] where it has one
+    assert parse_tool_calls(DOCUMENTED[name], 8, fmt, SCHEMAS) == _expected(fmt, ids=ids)
 
 
 def _well_formed() -> dict[str, str]:
@@ -95,8 +111,10 @@ def _well_formed() -> dict[str, str]:
         ("qwen3_coder", "qwen3_coder.jinja"),
         ("glm45", "glm45.jinja"),
         ("deepseek_v3", "deepseek_v3.jinja"),
+        ("kimi_k2", "kimi_k2_thinking.jinja"),
+        ("mistral", "mistral_small_3.1.jinja"),
     ):
-        texts[fmt] = _assistant_turn((TEMPLATES / file).read_text(), CALLS)
+        texts[fmt] = _assistant_turn((TEMPLATES / file).read_text(), CALLS, fmt)
     texts["llama3_json"] = '<|python_tag|>{"name": "calculator", "parameters": {"expression": "3 * (4 + 5)"}}; ' + (
         '{"name": "lookup", "parameters": {"id": 42, "tags": ["a", "b"], "exact": true}}<|eom_id|>'
     )
@@ -109,8 +127,8 @@ def test_a_turn_cut_anywhere_or_corrupted_never_raises_or_makes_a_call_it_did_no
     """Every prefix of a well-formed turn (a response that ran out of tokens) parses without raising, and a call
     it makes is one of the two written, whole; so do corrupted copies (a character dropped, doubled or swapped)."""
     text = _well_formed()[fmt]
-    assert parse_tool_calls(text, 8, fmt, SCHEMAS) == [ToolCall(n, a) for n, a in CALLS]
-    whole = [ToolCall(n, a) for n, a in CALLS]
+    whole = _expected(fmt)
+    assert parse_tool_calls(text, 8, fmt, SCHEMAS) == whole
     variants = [text[:i] for i in range(len(text))]
     variants += [text[:i] + text[i + 1 :] for i in range(0, len(text), 3)]
     variants += [text[:i] + text[i] + text[i:] for i in range(0, len(text), 5)]
@@ -141,9 +159,17 @@ def test_hostile_arguments_are_errors_and_calls_are_capped(fmt):
 def test_the_format_comes_from_the_template_or_the_key():
     assert detect_format(None) == detect_format("{{ messages }}") == "hermes"  # no markers: Hermes instructions
     assert detect_format("... '<|tool_call_begin|>' ...") == "kimi_k2"
-    assert detect_format("<|start|>assistant to=functions.x<|call|>") == "gpt_oss"
+    assert detect_format("<|start|>assistant<|channel|>commentary to=functions.x<|call|>") == "gpt_oss"
     assert detect_format("{{ '[TOOL_CALLS] [' }}") == "mistral"
     assert resolve_format("k", "auto", (TEMPLATES / "glm45.jinja").read_text()) == "glm45"
     assert resolve_format("k", "kimi_k2", None) == "kimi_k2"
     with pytest.raises(ValueError, match=r"multi_turn\.tool_format='json': expected 'auto' or one of \["):
         resolve_format("multi_turn.tool_format", "json", None)
+
+
+def test_a_result_names_the_model_s_call_id_or_one_whose_last_nine_characters_are_unique():
+    calls = [ToolCall("a", {}, id="functions.a:0"), ToolCall("b", {}), ToolCall("", {}, "malformed", "parse")]
+    assert call_ids(calls, "call_7_2") == ["functions.a:0", "call_7_2_1", "call_7_2_2"]
+    # Mistral's templates keep an id's last 9 characters: those of a trajectory's generated ids differ
+    ids = [i for turn in range(300) for i in call_ids([ToolCall("b", {})] * 8, f"call_123456_{turn}")]
+    assert len({i[-9:] for i in ids}) == len(ids) == 2400 and min(map(len, ids)) >= 9
