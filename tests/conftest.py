@@ -18,32 +18,30 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.update(SINGLE_MACHINE)
 
 
-# Longest first, so the two workers finish together: end-to-end runs, then multi-rank tests, then the rest.
+# Longest first, so the workers finish together: end-to-end runs (the longest of them first), then multi-rank
+# tests, then the rest.
 ORDER = ("tests/e2e/", "tests/distributed/", "tests/planner/", "tests/unit/")
+LONGEST = (  # each several minutes in a loaded CI run
+    "tests/e2e/test_rl_run.py::test_a_run_killed_between_checkpoints",
+    "tests/e2e/test_async_rl.py::test_async_learns_within_its_staleness_bound",
+)
 RANK_POOLS = {"ranks", "ranks3"}
-QUICK = "tests/unit/test_advantages.py"  # a unit test of pure functions: milliseconds
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the test's id
 def pytest_collection_modifyitems(items) -> None:
-    """Under ``-n 2 --dist loadgroup`` (scripts/test.sh) every test of the rank pools runs in one worker, so one set
-    of ranks exists, and the other worker takes the remaining tests beside it, longest first.
+    """Under ``--dist loadgroup`` (scripts/test.sh) every test of the rank pools runs in one worker, so one set of
+    ranks exists, and the other workers take the remaining tests beside it, longest first. (xdist hands out the
+    rank pools' group first, and no second unit to that worker until its group is nearly done.)"""
 
-    xdist hands out the groups largest first (the rank pools' tests, to one worker) and queues a second unit on
-    each worker at once: the one queued behind the rank pools waits for all of them, so it is a quick unit test,
-    not an end-to-end run."""
+    def rank(item) -> tuple[int, bool]:
+        where = next((i for i, d in enumerate(ORDER) if item.nodeid.startswith(d)), len(ORDER))
+        return where, not item.nodeid.startswith(LONGEST)
 
-    def pooled(item) -> bool:
-        return bool(RANK_POOLS & set(getattr(item, "fixturenames", ())))
-
-    items.sort(key=lambda item: next((i for i, d in enumerate(ORDER) if item.nodeid.startswith(d)), len(ORDER)))
-    alone = [item for item in items if not pooled(item)]
-    quick = next((item for item in alone if item.nodeid.startswith(QUICK)), None)
-    if quick is not None and len(alone) > 2:  # the third unit handed out: second after the longest single test
-        items.remove(quick)
-        items.insert(items.index(alone[1]), quick)
-    for item in filter(pooled, items):
-        item.add_marker(pytest.mark.xdist_group("ranks"))
+    items.sort(key=rank)
+    for item in items:
+        if RANK_POOLS & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("ranks"))
 
 
 @pytest.fixture(scope="session")
