@@ -92,7 +92,10 @@ class ChatFormat:
 
     def observation(self, messages: list[dict], turn_ids: list[int]) -> list[int]:
         """What follows an assistant turn whose sampled ids were ``turn_ids``: the rest of its end-of-turn text,
-        the observation ``messages`` and the next assistant turn's opening."""
+        the observation ``messages`` and the next assistant turn's opening. Every text of the messages is made
+        :meth:`inert`: also a tool's name and a call's id, which the policy wrote and some templates render (Kimi-K2's
+        writes the name as the turn's role)."""
+        messages = [{k: self.inert(v) if isinstance(v, str) else v for k, v in m.items()} for m in messages]
         try:
             full = self._render(self._base + messages, generation=True)
         except jinja2.TemplateError as err:  # its own raise_exception (gpt-oss's wants the call a result answers)
