@@ -24,6 +24,7 @@ setup(
         "matplotlib",  # the run's curves.png
         "pyarrow",  # Parquet prompt datasets
         "jsonschema",  # tools' argument schemas
+        "Jinja2",  # chat templates' own errors (transformers renders them with it)
         "numpy",
     ],
     # The pinned stacks per machine kind are requirements/{cpu,cuda}.txt, installed by scripts/setup_env.sh.
