@@ -18,7 +18,7 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.update(SINGLE_MACHINE)
 
 
-# Longest first, so the workers finish together: end-to-end runs (the longest of them first), then multi-rank
+# Longest first, so the two workers finish together: end-to-end runs (the longest of them first), then multi-rank
 # tests, then the rest.
 ORDER = ("tests/e2e/", "tests/distributed/", "tests/planner/", "tests/unit/")
 LONGEST = (  # each several minutes in a loaded CI run
@@ -31,7 +31,7 @@ RANK_POOLS = {"ranks", "ranks3"}
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the test's id
 def pytest_collection_modifyitems(items) -> None:
     """Under ``--dist loadgroup`` (scripts/test.sh) every test of the rank pools runs in one worker, so one set of
-    ranks exists, and the other workers take the remaining tests beside it, longest first. (xdist hands out the
+    ranks exists, and the other worker takes the remaining tests beside it, longest first. (xdist hands out the
     rank pools' group first, and no second unit to that worker until its group is nearly done.)"""
 
     def rank(item) -> tuple[int, bool]:
