@@ -1,9 +1,13 @@
 """torch 2.13's quirks: CUDA IPC handles carry the sender's device ordinal, destroyed gloo groups keep their
-threads while anything refers to them, and the fake process group's store is private API."""
+threads while anything refers to them, the fake process group's store is private API, and concatenating meta
+tensors imports the compiler."""
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Sequence
+
+import torch
 
 from compat import expect_parameters
 
@@ -52,3 +56,23 @@ def fake_store():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def cat(parts: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat``, without the compiler for meta tensors. torch 2.13's meta ``cat`` is a Python kernel whose
+    ``out_wrapper`` imports ``torch._dynamo`` on first use: 1.5 s of CPU in every process that checks a checkpoint's
+    shapes on meta tensors (:func:`converters.mapping.check_tensors`: each role's load, each converter, each dry
+    run). Meta tensors get the shape ``torch.cat`` would give, or its error; others go to ``torch.cat``."""
+    if not parts[0].is_meta:
+        return torch.cat(list(parts), dim)
+    first = parts[0].shape
+    dim = dim % len(first)
+    for part in parts[1:]:
+        if part.dim() != len(first) or any(
+            a != b for i, (a, b) in enumerate(zip(part.shape, first, strict=True)) if i != dim
+        ):
+            raise RuntimeError(
+                f"Sizes of tensors must match except in dimension {dim}: {list(first)}, {list(part.shape)}"
+            )
+    shape = [*first[:dim], sum(p.shape[dim] for p in parts), *first[dim + 1 :]]
+    return parts[0].new_empty(shape)

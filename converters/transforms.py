@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from compat.torch import cat
+
 
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
     """Interleave Q/K/V per query group: ``[g0: q(heads/groups), k, v][g1: ...]`` (works for weights and biases).
@@ -18,9 +20,7 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_group
     """
     rest = q.shape[1:]
     g = num_query_groups
-    return torch.cat([q.reshape(g, -1, *rest), k.reshape(g, -1, *rest), v.reshape(g, -1, *rest)], dim=1).reshape(
-        -1, *rest
-    )
+    return cat([q.reshape(g, -1, *rest), k.reshape(g, -1, *rest), v.reshape(g, -1, *rest)], dim=1).reshape(-1, *rest)
 
 
 def split_qkv(
@@ -37,13 +37,13 @@ def split_qkv(
 
 def merge_gated(gate: torch.Tensor, up: torch.Tensor, tp: int) -> torch.Tensor:
     """Megatron's fused ``linear_fc1`` holds ``[gate_i; up_i]`` on TP rank i, so gate and up are chunked apart."""
-    return torch.cat([t for pair in zip(gate.chunk(tp), up.chunk(tp), strict=True) for t in pair])
+    return cat([t for pair in zip(gate.chunk(tp), up.chunk(tp), strict=True) for t in pair])
 
 
 def split_gated(fc1: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`merge_gated`."""
     halves = [shard.chunk(2) for shard in fc1.chunk(tp)]
-    return torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])
+    return cat([g for g, _ in halves]), cat([u for _, u in halves])
 
 
 def permute_rope_rows(
@@ -71,7 +71,7 @@ def pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
     if weight.shape[0] == padded_rows:
         return weight
     pad = weight.new_zeros(padded_rows - weight.shape[0], *weight.shape[1:])
-    return torch.cat([weight, pad])
+    return cat([weight, pad])
 
 
 def full_shape(shape: torch.Size, axis: int | None, size: int) -> torch.Size:

@@ -99,6 +99,54 @@ def test_megatron_core_imports_without_the_compiler_and_compiles_its_fused_funct
     assert compiled == "True" and float(diff) <= 1e-6
 
 
+def test_checking_a_checkpoint_s_shapes_leaves_the_compiler_unimported():
+    """In a fresh process: the meta round trips of a padded vocabulary, fused QKV and gated MLP (the shape check
+    before every load) give torch.cat's shapes and errors without importing dynamo (1.5 s of each role's start)."""
+    code = (
+        "import sys, torch\n"
+        "from compat.torch import cat\n"
+        "from converters import transforms as t\n"
+        "m = lambda *s: torch.empty(*s, device='meta')\n"
+        "shapes = [tuple(t.pad_vocab(m(10, 4), 16).shape), tuple(t.merge_qkv(m(8, 4), m(4, 4), m(4, 4), 2).shape),\n"
+        "          tuple(cat([m(2, 3, 4), m(2, 5, 4)], -2).shape), [tuple(x.shape) for x in t.split_gated(m(8, 4), 2)]]\n"
+        "try:\n"
+        "    cat([m(2, 3), m(3, 3)], 1)\n"
+        "except RuntimeError as err:\n"
+        "    shapes.append(str(err))\n"
+        "print(shapes, 'torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True, capture_output=True, text=True)
+    real = torch.cat([torch.empty(2, 3, 4), torch.empty(2, 5, 4)], -2).shape
+    assert out.stdout.strip() == (
+        f"[(16, 4), (16, 4), {tuple(real)}, [(4, 4), (4, 4)], "
+        "'Sizes of tensors must match except in dimension 1: [2, 3], [3, 3]'] False"
+    )
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+        torch.cat([torch.empty(2, 3), torch.empty(3, 3)], 1)  # torch's own error for the same tensors
+
+
+def test_a_checkpoint_save_starts_no_process_server_and_loads_back(tmp_path):
+    """In a fresh process (one gloo rank): a Megatron checkpoint saved after the fixes leaves no Manager server
+    behind (its writers are forked and joined), and loads back exactly."""
+    code = (
+        "import multiprocessing, sys, torch, torch.distributed as dist\n"
+        "import compat.megatron_core as m\n"
+        "from megatron.core import dist_checkpointing\n"
+        "from megatron.core.dist_checkpointing.mapping import ShardedTensor\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "print(m.install_fixes(cpu=True))\n"
+        "w = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))\n"
+        "dist_checkpointing.save({'w': ShardedTensor.from_rank_offsets('w', w)}, sys.argv[1])\n"
+        "print(multiprocessing.active_children())\n"
+        "out = dist_checkpointing.load({'w': ShardedTensor.from_rank_offsets('w', torch.zeros(6, 4))}, sys.argv[1])\n"
+        "print(torch.equal(out['w'], w))\n"
+    )
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", code, str(tmp_path)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    fixes, children, equal = run.stdout.splitlines()
+    assert "in_process_save_results" in fixes and children == "[]" and equal == "True", run.stdout
+
+
 def test_megatron_core_imports_without_wandb_which_imports_for_the_loggers_after_it():
     """In a fresh process: Megatron-Core's modules that would import wandb at import (5 s) see it absent, and wandb
     still imports for runtime_args.log.loggers afterwards."""
