@@ -1,8 +1,9 @@
 """megatron-core 0.16.1's quirks: CPU support (:mod:`compat.megatron_core.cpu`), the MoE router without
 TransformerEngine (:func:`router_without_te`), torch Adam's checkpoints (:func:`install_adam_fixes`), multi-latent
 attention without TransformerEngine (:func:`mla_without_te`), models and process groups that outlive a layout
-(:func:`release_dispatcher_graphs`, :func:`destroy_groups`), and an import that pulls in torch's compiler for
-nothing (:func:`compile_on_first_call`).
+(:func:`release_dispatcher_graphs`, :func:`destroy_groups`), an import that pulls in torch's compiler for
+nothing (:func:`compile_on_first_call`), and a process server behind every checkpoint save
+(:func:`in_process_save_results`).
 
 **On CPU**: :mod:`compat.megatron_core.cpu`.
 
@@ -168,6 +169,23 @@ def router_without_te() -> bool:
     return True
 
 
+def in_process_save_results() -> bool:
+    """Give Megatron's checkpoint writer an in-process results queue (module docstring) before its first save; True
+    once installed. Only for synchronous saves: an asynchronous one would never see its writer's results."""
+    import queue
+
+    module = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+    current = target(module, "_results_queue")
+    target(module, "_get_write_results_queue")
+    if isinstance(current, queue.Queue):
+        return True
+    if current is not None:
+        raise UpstreamChangedError(f"{module}._results_queue: made before the fix ({type(current).__name__})")
+    check_version("in-process save results")
+    importlib.import_module(module)._results_queue = queue.Queue()
+    return True
+
+
 def _cpu_support() -> bool:
     from compat.megatron_core.cpu import install_cpu_compat  # it builds on this module's helpers
 
@@ -180,6 +198,7 @@ def install_fixes(cpu: bool) -> list[str]:
     fixes = {
         "router_without_te": router_without_te,
         "torch_adam_checkpoints": install_adam_fixes,
+        "in_process_save_results": in_process_save_results,
         "cpu_support": _cpu_support if cpu else lambda: False,
     }
     return [name for name, install in fixes.items() if install()]
