@@ -123,33 +123,34 @@ def _hf_step(hf_dir: str, batch: dict, dtype: torch.dtype) -> tuple[torch.Tensor
     return logp.detach(), {k: v.item() for k, v in metrics.items()}
 
 
-def _check(
-    pool, hf_dir: str, layout: dict, batch: dict, params_dtype: str, share_prompts: bool = False, packing: int = 0
-) -> dict:
+def _check(pool, hf_dir: str, batch: dict, params_dtype: str, variants: list[tuple[dict, bool, int]]) -> dict:
+    """The trainer's first step on ``batch`` against HF's (computed once), for each ``(layout, share_prompts,
+    packing)`` variant; HF's metrics."""
     token_tol, metric_tol, grad_tol = TOLERANCE[params_dtype]
     logp, expected = _hf_step(hf_dir, batch, getattr(torch, params_dtype))
-    real = torch.arange(batch["tokens"].shape[1] - 1)[None] < batch["lengths"][:, None] - 1
-    if share_prompts:  # shared-prompt rows score response positions only
-        assert batch["mask"].sum() < real.sum()
-        real = batch["mask"].bool()
-    for result in pool.run(
-        cases.policy_trainer_first_step,
-        hf_dir=hf_dir,
-        layout=layout,
-        batch=batch,
-        loss=LOSS,
-        params_dtype=params_dtype,
-        share_prompts=share_prompts,
-        max_token_in_packing=packing,
-    ):
-        diff = (result["logprobs"].double() - logp).abs()[real]
-        assert diff.max().item() <= token_tol, (layout, params_dtype, diff.max().item())
-        step = result["step"]
-        for key, value in expected.items():
-            if key == "grad_norm":
-                assert step[key] == pytest.approx(value, rel=grad_tol), (layout, params_dtype, key)
-            else:
-                assert step[key] == pytest.approx(value, abs=metric_tol), (layout, params_dtype, key)
+    for layout, share_prompts, packing in variants:
+        real = torch.arange(batch["tokens"].shape[1] - 1)[None] < batch["lengths"][:, None] - 1
+        if share_prompts:  # shared-prompt rows score response positions only
+            assert batch["mask"].sum() < real.sum()
+            real = batch["mask"].bool()
+        for result in pool.run(
+            cases.policy_trainer_first_step,
+            hf_dir=hf_dir,
+            layout=layout,
+            batch=batch,
+            loss=LOSS,
+            params_dtype=params_dtype,
+            share_prompts=share_prompts,
+            max_token_in_packing=packing,
+        ):
+            diff = (result["logprobs"].double() - logp).abs()[real]
+            assert diff.max().item() <= token_tol, (layout, params_dtype, diff.max().item())
+            step = result["step"]
+            for key, value in expected.items():
+                if key == "grad_norm":
+                    assert step[key] == pytest.approx(value, rel=grad_tol), (layout, params_dtype, key)
+                else:
+                    assert step[key] == pytest.approx(value, abs=metric_tol), (layout, params_dtype, key)
     return expected
 
 
@@ -163,10 +164,9 @@ PROMPTS = [[5, 17, 40, 9], [12, 7, 7, 33, 21, 3], [50, 60], [8, 19, 27]]  # toke
 def test_tiny_trainer_quantities_match_hf(ranks, models, model, params_dtype):
     batch = _batch(models[model], PROMPTS, new_tokens=12, seed=0)
     vocab = transformers.AutoConfig.from_pretrained(models[model]).vocab_size
-    for tp in (1, 2):
-        expected = _check(ranks, models[model], dict(tp=tp), batch, params_dtype)
-        # The wide initialisation makes the distributions peaked: an entropy of the wrong tensor is near ln V.
-        assert expected["entropy"] < 0.6 * torch.log(torch.tensor(float(vocab))).item()
+    expected = _check(ranks, models[model], batch, params_dtype, [(dict(tp=tp), False, 0) for tp in (1, 2)])
+    # The wide initialisation makes the distributions peaked: an entropy of the wrong tensor is near ln V.
+    assert expected["entropy"] < 0.6 * torch.log(torch.tensor(float(vocab))).item()
 
 
 def test_smollm2_trainer_quantities_match_hf(ranks, models):
@@ -181,8 +181,7 @@ def test_smollm2_trainer_quantities_match_hf(ranks, models):
         for q in questions
     ]
     batch = _batch(models["smollm2"], prompts, new_tokens=16, seed=0)
-    for share_prompts in (False, True):
-        expected = _check(ranks, models["smollm2"], dict(tp=1), batch, "float32", share_prompts)
+    expected = _check(ranks, models["smollm2"], batch, "float32", [(dict(tp=1), False, 0), (dict(tp=1), True, 0)])
     assert 0.5 < expected["entropy"] < 5  # about 2 nats per response token; ln(49152) = 10.8
 
 
@@ -192,5 +191,10 @@ def test_per_token_advantages_match_hf_in_padded_packed_and_shared_prompt_rows(r
     batch = _batch(models["padded"], [p for p in PROMPTS for _ in "ab"], new_tokens=12, seed=1)
     generator = torch.Generator().manual_seed(1)
     batch["advantages"] = torch.randn(batch["mask"].shape, generator=generator) * batch["mask"]
-    for share_prompts, packing in ((False, 0), (False, 64), (True, 0)):
-        _check(ranks, models["padded"], dict(tp=2), batch, "float32", share_prompts, packing)
+    _check(
+        ranks,
+        models["padded"],
+        batch,
+        "float32",
+        [(dict(tp=2), False, 0), (dict(tp=2), False, 64), (dict(tp=2), True, 0)],
+    )

@@ -221,8 +221,9 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
         "runtime_args.num_episode=3",
         "runtime_args.save_episode_interval=2",
         "runtime_args.keep_checkpoints=0",
-        "runtime_args.log.loggers=[tensorboard,wandb,mlflow]",
-        "runtime_args.log.wandb.mode=offline",
+        # wandb's own resume (one run id over a crash) is tests/unit/test_metrics.py's: its import alone costs a
+        # run's start-up seconds of CPU, twice here
+        "runtime_args.log.loggers=[tensorboard,mlflow]",
         "runtime_args.save_hf=true",
         "models.policy_trainer.advantage_estimator=gae",
         "models.policy_trainer.reward_kl_coef=0.01",
@@ -300,15 +301,13 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     assert "Setting up DistributedDataParallel" in (out / "logs" / "policy_trainer-0.log").read_text()
     assert "Successfully reset prefix cache" in (out / "logs" / "policy-0.log").read_text()  # vLLM's INFO lines
     assert load_run_config(out / "config.yaml").models.policy_trainer.load == tiny_models["Qwen3ForCausalLM"]
-    # one MLflow run over the kill and the resume, with the resolved config; wandb's offline runs of one id
+    # one MLflow run over the kill and the resume, with the resolved config
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{out / 'mlflow.db'}")
     (logged,) = client.search_runs([client.get_experiment_by_name("resume").experiment_id])
     assert {m.step for m in client.get_metric_history(logged.info.run_id, "reward/mean")} == {1, 2, 3}
     assert logged.data.params["models.critic.load"] == tiny_models["Qwen3ForCausalLM"]
-    run_id = (out / "wandb_run_id").read_text().strip()
-    assert len(list((out / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
     # save_hf: the checkpoint's HF model is mcore2hf's of its policy, tensor for tensor, and transformers loads it
     latest = checkpoint.latest_complete(out / "checkpoints")[1]
     model = tiny_models["Qwen3ForCausalLM"]

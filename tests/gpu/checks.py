@@ -92,11 +92,14 @@ SMOLLM2_SHAPED = REPO / "tests/gpu/smollm2_shaped"
 SHAPED_EMBEDDING_STD = 0.1
 
 
-def smollm2_shaped(directory: Path, seed: int = 0) -> Path:
-    """A SmolLM2-shaped HF model with seeded random weights, saved to ``directory``."""
+def smollm2_shaped(directory: Path, seed: int = 0, layers: int | None = None) -> Path:
+    """A SmolLM2-shaped HF model with seeded random weights (``layers`` of them, else SmolLM2's 30), saved to
+    ``directory``."""
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(SMOLLM2_SHAPED)
+    if layers is not None:
+        config.num_hidden_layers = layers
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -106,9 +109,16 @@ def smollm2_shaped(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+# An HF directory the SmolLM2 steps take instead of the embedded model: the CPU rehearsals of the steps' logic
+# (tests/unit/test_gpu_check.py) run them on a SmolLM2-shaped model with fewer layers, at a fraction of the cost.
+MODEL_ENV = "MCORE_RL_CHECK_MODEL"
+
+
 def _model(directory: Path) -> tuple[str, str]:
-    """(HF directory, which model): the embedded SmolLM2-135M where it is installed, else a SmolLM2-shaped one with
-    seeded random weights, built in ``directory``."""
+    """(HF directory, which model): the one ``MCORE_RL_CHECK_MODEL`` names, else the embedded SmolLM2-135M where it
+    is installed, else a SmolLM2-shaped one with seeded random weights, built in ``directory``."""
+    if given := os.environ.get(MODEL_ENV):
+        return given, f"the model in {given}"
     try:
         return _smollm2(), "SmolLM2-135M-Instruct"
     except SkipStepError:

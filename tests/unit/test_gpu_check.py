@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.gpu import checks
@@ -227,9 +228,17 @@ def test_the_tiny_moe_step_runs_its_checks_on_cpu():
         assert numbers[f"{arch}_replay_max_abs_logit_diff"] <= checks.REPLAY_TOLERANCE
 
 
-def test_the_critic_step_runs_its_checks_on_cpu():
-    """The critic step's logic, run before a GPU is lent: on SmolLM2 in fp32 the role's values equal the same head
-    on HF's hidden states (to fp32 rounding), and three value-loss steps lower the loss."""
+@pytest.fixture(scope="module")
+def shaped_2_layers(tmp_path_factory) -> str:
+    """SmolLM2's shape (vocabulary, heads, tied embeddings) in 2 layers: the steps' logic at a fifteenth of the
+    real model's layers (the GPU run takes the embedded model itself)."""
+    return str(checks.smollm2_shaped(tmp_path_factory.mktemp("shaped") / "model", layers=2))
+
+
+def test_the_critic_step_runs_its_checks_on_cpu(shaped_2_layers, monkeypatch):
+    """The critic step's logic, run before a GPU is lent: on a SmolLM2-shaped model in fp32 the role's values equal
+    the same head on HF's hidden states (to fp32 rounding), and three value-loss steps lower the loss."""
+    monkeypatch.setenv(checks.MODEL_ENV, shaped_2_layers)
     step = next(s for s in STEPS if s.name == "critic")
     result = checks._in_own_process(Step(step.name, step.run, step.needs, step.timeout_s, step.command, cuda=False))
     assert result["status"] == "PASS", result.get("traceback", result["detail"])
@@ -238,9 +247,10 @@ def test_the_critic_step_runs_its_checks_on_cpu():
     assert losses == sorted(losses, reverse=True) and result["numbers"]["offloaded_bytes"] == 0
 
 
-def test_the_lora_step_runs_its_checks_on_cpu():
-    """The LoRA step's logic, run before a GPU is lent: on SmolLM2 in fp32 only the adapters train, the base model
-    stays the policy's start, the merge is W + scale B A and the checkpoint resumes exactly."""
+def test_the_lora_step_runs_its_checks_on_cpu(shaped_2_layers, monkeypatch):
+    """The LoRA step's logic, run before a GPU is lent: on a SmolLM2-shaped model in fp32 only the adapters train,
+    the base model stays the policy's start, the merge is W + scale B A and the checkpoint resumes exactly."""
+    monkeypatch.setenv(checks.MODEL_ENV, shaped_2_layers)
     step = next(s for s in STEPS if s.name == "lora")
     result = checks._in_own_process(Step(step.name, step.run, step.needs, step.timeout_s, step.command, cuda=False))
     assert result["status"] == "PASS", result.get("traceback", result["detail"])
