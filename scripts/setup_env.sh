@@ -108,4 +108,8 @@ if problem:
 EOF
 fi
 "$venv/bin/python" -m converters.gguf2hf --default >&2
+# The project's bytecode (only what changed is compiled again): where PYTHONDONTWRITEBYTECODE is set Python writes
+# none, and every process of a run or a test session (each Ray actor, rank, CLI: hundreds in the suite) would
+# compile the modules it imports again.
+(cd "$repo" && "$venv/bin/python" -m compileall -q benchmarks compat converters mcore_rl models parallel tests >&2)
 echo "$venv"
