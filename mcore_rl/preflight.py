@@ -30,7 +30,7 @@ def check_user_code(config: RunConfig, row) -> None:
             Verdicts(config.models.judge.parser)  # it loads
         return Rewards(reward.weighted_terms).check(answered, row.answer)
     if reward.agent:  # it needs the endpoint to run at all: loaded here, run by the sampler
-        from mcore_rl.agent.programs import AgentError, load_program
+        from mcore_rl.agent.actors import AgentError, load_program
 
         try:
             load_program(reward.agent)

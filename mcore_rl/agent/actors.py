@@ -1,11 +1,13 @@
-"""Environments and tools in CPU actors, outside the driver: a user's code that crashes, hangs or leaks stays in
-its actor. Environments are stateful (one instance per trajectory, hosted by an actor that serves many at once);
+"""Environments, tools and agent programs in CPU actors, outside the driver: a user's code that crashes, hangs or
+leaks stays in its actor. This module is what those actors' processes import: nothing here may import torch. Environments are stateful (one instance per trajectory, hosted by an actor that serves many at once);
 tool calls are stateless and run one per actor, so the number of tool actors bounds the calls running at once and
 a call past its timeout is stopped by replacing its actor (a Python thread cannot be stopped)."""
 
 from __future__ import annotations
 
 import collections
+import math
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -16,6 +18,7 @@ from mcore_rl.agent.envs import check_messages, check_step, environment_factory
 from mcore_rl.agent.sandbox import SandboxConfig
 from mcore_rl.agent.tool_calls import ToolCall
 from mcore_rl.agent.tools import ToolError, invoke, load_tools, schema
+from mcore_rl.userfile import load_attribute
 
 # An environment actor's threads: trajectories whose steps run at once (most wait on the policy, not on it).
 ENV_THREADS = 64
@@ -115,6 +118,33 @@ class ToolHost:
         except ToolError as err:
             text, kind = clip(f"error: {err}", self.max_chars), err.kind
         return text, kind, time.perf_counter() - start
+
+
+AGENT_KEY = "models.reward.agent"
+
+
+class AgentError(RuntimeError):
+    """A user's agent program that cannot load, or returned something other than a reward."""
+
+
+def load_program(spec: str):
+    signature = "a function {name}(base_url, api_key, row) returning the reward or None"
+    return load_attribute(AGENT_KEY, spec, "run", signature, AgentError)
+
+
+class ProgramHost:
+    """Runs one agent program (:mod:`mcore_rl.agent.programs`) at a time in its own process."""
+
+    def __init__(self, spec: str):
+        self.spec, self.run_program = spec, load_program(spec)
+
+    def run(self, base_url: str, api_key: str, row: dict) -> float | None:
+        value = self.run_program(base_url, api_key, row)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise AgentError(f"{AGENT_KEY}={self.spec!r} returned {value!r:.100}; expected a finite number or None")
+        return float(value)
 
 
 @dataclass(frozen=True)

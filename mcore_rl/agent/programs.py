@@ -17,11 +17,9 @@ import concurrent.futures
 import dataclasses
 import itertools
 import logging
-import math
-import numbers
 import threading
 
-from mcore_rl.agent.actors import CallPool
+from mcore_rl.agent.actors import CallPool, ProgramHost, load_program
 from mcore_rl.agent.server import AgentServer
 from mcore_rl.agent.sessions import EngineCalls, Sessions
 from mcore_rl.agent.trajectory import trajectory_stats
@@ -29,36 +27,11 @@ from mcore_rl.batch import Sample
 from mcore_rl.data.prompts import Prompt
 from mcore_rl.rollout.engine import MultiTurnConfig, SamplingConfig
 from mcore_rl.rollout.sampler import GroupSampler
-from mcore_rl.userfile import absolute_spec, load_attribute
+from mcore_rl.userfile import absolute_spec
 
 log = logging.getLogger(__name__)
 
-KEY = "models.reward.agent"
 MODEL = "policy"  # the model name the endpoint serves
-SIGNATURE = "a function {name}(base_url, api_key, row) returning the reward or None"
-
-
-class AgentError(RuntimeError):
-    """A user's agent program that cannot load, or returned something other than a reward."""
-
-
-def load_program(spec: str):
-    return load_attribute(KEY, spec, "run", SIGNATURE, AgentError)
-
-
-class ProgramHost:
-    """Runs one agent program at a time in its own process."""
-
-    def __init__(self, spec: str):
-        self.spec, self.run_program = spec, load_program(spec)
-
-    def run(self, base_url: str, api_key: str, row: dict) -> float | None:
-        value = self.run_program(base_url, api_key, row)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise AgentError(f"{KEY}={self.spec!r} returned {value!r:.100}; expected a finite number or None")
-        return float(value)
 
 
 @dataclasses.dataclass(eq=False)

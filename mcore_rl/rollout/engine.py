@@ -26,14 +26,16 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from mcore_rl.agent.tool_calls import resolve_format
 from mcore_rl.config.loader import check_bounds
 from mcore_rl.console import setup_actor
-from mcore_rl.rollout.transport import BucketHandle
-from models.registry import get_bridge
-from parallel.device import Device
+
+# Light at import: CPU actors (agent programs, judges' parsers) use its configs and Completion. What needs torch or
+# vLLM is imported where an engine starts.
+if typing.TYPE_CHECKING:
+    import numpy as np
+
+    from mcore_rl.rollout.transport import BucketHandle
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +193,8 @@ def cpu_thread_binding(config: RolloutConfig) -> str:
     """The OpenMP core list of each CPU worker (``auto``: this process's cores split evenly over them)."""
     if config.cpu_threads_bind != "auto":
         return config.cpu_threads_bind
+    from parallel.device import Device
+
     return thread_binding(Device.split_cores(config.tensor_parallel_size))
 
 
@@ -199,6 +203,9 @@ class RolloutEngine:
 
     def __init__(self, model_dir: str | Path, config: RolloutConfig, colocated: bool = True):
         """``colocated``: the engine takes turns with the trainer on its devices, and sleeps while it trains."""
+        from models.registry import get_bridge
+        from parallel.device import Device
+
         setup_actor()  # its output to its log file, its stacks for the hang watchdog
         config.validate()
         self.config, self.colocated = config, colocated

@@ -55,6 +55,24 @@ def test_cli_help_answers_before_importing_any_heavy_package(script, module, arg
     assert script is None or f'"{script}"' in (REPO / "setup.py").read_text()
 
 
+# The modules whose classes Ray starts in CPU actors (each process imports the class's module): environments, tools,
+# agent programs, reward functions, judges' parsers. Many start and restart in a run (one per timed-out call).
+CPU_ACTOR_MODULES = ["mcore_rl.agent.actors", "mcore_rl.rewards.user", "mcore_rl.rewards.judge"]
+
+
+def test_cpu_actors_import_no_framework():
+    """A CPU actor's process imports neither torch, Megatron-Core, transformers nor vLLM (torch alone is 2 s of CPU
+    per process)."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"import json, sys; import {', '.join(CPU_ACTOR_MODULES)}; print(json.dumps(sorted(sys.modules)))"
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    loaded = {m.split(".")[0] for m in json.loads(run.stdout)}
+    assert not loaded & {"torch", "megatron", "transformers", "vllm"}, sorted(loaded & set(HEAVY))
+
+
 def test_every_third_party_import_is_an_install_requirement():
     """``pip install -e .`` alone gives a package that runs: each distribution the library code imports (at the top
     or inside a function) is in setup.py's install_requires, or in an extra for the engine packages."""
