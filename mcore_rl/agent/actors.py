@@ -1,7 +1,8 @@
 """Environments, tools and agent programs in CPU actors, outside the driver: a user's code that crashes, hangs or
-leaks stays in its actor. This module is what those actors' processes import: nothing here may import torch. Environments are stateful (one instance per trajectory, hosted by an actor that serves many at once);
-tool calls are stateless and run one per actor, so the number of tool actors bounds the calls running at once and
-a call past its timeout is stopped by replacing its actor (a Python thread cannot be stopped)."""
+leaks stays in its actor. This module is what those actors' processes import: nothing here may import torch.
+Environments are stateful (one instance per trajectory, hosted by an actor that serves many at once); tool calls are
+stateless and run one per actor, so the number of tool actors bounds the calls running at once and a call past its
+timeout is stopped by replacing its actor (a Python thread cannot be stopped)."""
 
 from __future__ import annotations
 
