@@ -12,11 +12,14 @@ python="${MCORE_RL_PYTHON:-python3}"
 [[ -x "$repo/.venv/bin/python" && -z "${MCORE_RL_PYTHON:-}" ]] && python="$repo/.venv/bin/python"
 limit=$((16 << 20))
 # What the self-check needs that the GPU image lacks (its torch, numpy and packaging are megatron-core's other
-# requirements; transformers, safetensors, tokenizers and PyYAML are there too).
-wheels=("megatron-core==$("$python" -c 'import sys; sys.path.insert(0, sys.argv[1]); import compat; print(compat.MEGATRON_CORE)' "$repo")")
+# requirements; transformers, safetensors, tokenizers, PyYAML and attrs are there too): megatron-core, and jsonschema
+# (the run config's tool schemas) with its dependencies, the project's pins where it has them.
+pin() { grep -m1 "^$1==" "$repo/requirements/common.txt" | cut -d' ' -f1; }
+wheels=("$(pin megatron-core)" "$(pin jsonschema)" jsonschema-specifications referencing rpds-py)
 mkdir -p "$dir"
 "$python" -m pip download --quiet --no-deps --only-binary=:all: --implementation cp --python-version 3.12 \
-  --platform manylinux_2_28_x86_64 --dest "$dir" "${wheels[@]}"
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  --dest "$dir" "${wheels[@]}"
 size=$(du -cb "$dir"/*.whl | tail -1 | cut -f1)
 if (( size > limit )); then
   echo "gpu_wheels: $dir holds $((size >> 20)) MiB of wheels, past the 16 MiB that travels with a command" >&2

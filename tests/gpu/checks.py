@@ -641,7 +641,8 @@ BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 def mfu() -> tuple[str, dict]:
     """One train step's forward and backward of a Qwen3-30B-A3B-shaped model (its layers cut to fit the GPU, random
     weights, bf16, grouped experts): tokens per second and model FLOP utilisation (6 x active parameters per token,
-    as benchmarks/rl.py counts them) against the GPU's bf16 peak and against the matmul peak measured here."""
+    as benchmarks/rl.py counts them) against the GPU's bf16 peak and against the matmul peak measured here; then one
+    more step under torch's profiler: the ops with the most CUDA time, where the step's time goes."""
     import json as json_module
 
     from benchmarks.hardware import matmul_tflops
@@ -679,6 +680,13 @@ def mfu() -> tuple[str, dict]:
     seconds = (time.perf_counter() - start) / repeats
     achieved = 3 * (flops["body"] + flops["head"]) * rows * length / seconds / 1e12  # forward + backward
     measured_peak = matmul_tflops(torch.device("cuda"), torch.bfloat16, sizes=(4096, 8192))
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        step()
+        torch.cuda.synchronize()
+    ops = sorted(profile.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    top = {e.key: round(e.self_device_time_total / 1e3, 2) for e in ops if e.key.startswith("aten::")}  # CUDA ms
+    top = dict(list(top.items())[:15])
     name = torch.cuda.get_device_name()
     spec = next((peak for gpu, peak in BF16_PEAK_TFLOPS.items() if gpu in name), None)
     against = f"MFU {achieved / spec:.1%} of {spec:g} TFLOP/s bf16, " if spec else ""
@@ -688,7 +696,7 @@ def mfu() -> tuple[str, dict]:
         f"{achieved / measured_peak:.1%} of the {measured_peak:.0f} TFLOP/s bf16 matmuls measured here"
     )
     numbers = {"layers": layers, "tokens": rows * length, "step_seconds": seconds, "tflops": achieved}
-    numbers |= {"mfu": achieved / spec if spec else None, "matmul_tflops": measured_peak}
+    numbers |= {"mfu": achieved / spec if spec else None, "matmul_tflops": measured_peak, "profile_cuda_ms": top}
     return detail, numbers
 
 

@@ -142,8 +142,9 @@ def _stub_wheel(directory: Path, name: str, version: str) -> None:
     """A wheel that only says ``name`` ``version`` is installed: what the GPU machine already has."""
     import zipfile
 
-    info = f"{name}-{version}.dist-info"
-    with zipfile.ZipFile(directory / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+    stem = f"{name.replace('-', '_')}-{version}"  # a wheel's file name spells the project's dashes as underscores
+    info = f"{stem}.dist-info"
+    with zipfile.ZipFile(directory / f"{stem}-py3-none-any.whl", "w") as wheel:
         wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
         wheel.writestr(
             f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
@@ -153,8 +154,9 @@ def _stub_wheel(directory: Path, name: str, version: str) -> None:
 
 def test_the_offline_wheels_resolve_for_python_3_12_with_the_machines_torch_from_that_directory_alone(tmp_path):
     """The offline route: scripts/gpu_wheels.sh fills a directory under 16 MiB, and pip, told the target is CPython
-    3.12 on manylinux x86-64 with the GPU image's torch, numpy and packaging present (stub wheels of their versions
-    there), resolves megatron-core from that directory and the stubs alone."""
+    3.12 on manylinux x86-64 with the GPU image's torch, numpy, packaging, attrs and typing-extensions present (stub
+    wheels of their versions there), resolves megatron-core and jsonschema (the run config's tool schemas: without it
+    the training steps SKIPped on an H100) from that directory and the stubs alone."""
     wheels, present = tmp_path / "wheels", tmp_path / "present"
     run = subprocess.run(["bash", str(REPO / "scripts/gpu_wheels.sh"), str(wheels)], capture_output=True, text=True,
                          timeout=600)  # fmt: skip
@@ -162,7 +164,8 @@ def test_the_offline_wheels_resolve_for_python_3_12_with_the_machines_torch_from
     size = sum(f.stat().st_size for f in wheels.glob("*.whl"))
     assert 0 < size < 16 << 20, size
     present.mkdir()
-    for name, version in (("torch", "2.11.0"), ("numpy", "2.5.2"), ("packaging", "25.0")):  # the image's (KINDS.md)
+    image = {"torch": "2.11.0", "numpy": "2.5.2", "packaging": "25.0", "attrs": "25.4.0", "typing-extensions": "4.15.0"}
+    for name, version in image.items():  # the GPU image's (KINDS.md)
         _stub_wheel(present, name, version)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | {"PIP_CONFIG_FILE": os.devnull}
     report = tmp_path / "report.json"
@@ -170,14 +173,17 @@ def test_the_offline_wheels_resolve_for_python_3_12_with_the_machines_torch_from
         [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--report", str(report),
          "--no-index", "--find-links", str(wheels), "--find-links", str(present), "--only-binary=:all:",
          "--implementation", "cp", "--python-version", "3.12", "--platform", "manylinux_2_28_x86_64",
-         "--target", str(tmp_path / "target"), "megatron-core==0.16.1"],
+         "--platform", "manylinux_2_17_x86_64", "--target", str(tmp_path / "target"), "megatron-core==0.16.1",
+         "jsonschema==4.26.0"],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     resolved = {i["metadata"]["name"]: i["download_info"]["url"] for i in json.loads(report.read_text())["install"]}
-    assert resolved.keys() == {"megatron-core", "torch", "numpy", "packaging"}, resolved
-    assert resolved["megatron-core"].startswith(wheels.as_uri()) and "cp312" in resolved["megatron-core"]
-    assert all(resolved[n].startswith(present.as_uri()) for n in ("torch", "numpy", "packaging")), resolved
+    carried = {"megatron-core", "jsonschema", "jsonschema-specifications", "referencing", "rpds-py"}
+    assert resolved.keys() == carried | image.keys(), resolved
+    assert all(resolved[n].startswith(wheels.as_uri()) for n in carried), resolved
+    assert "cp312" in resolved["megatron-core"] and "cp312" in resolved["rpds-py"], resolved
+    assert all(resolved[n].startswith(present.as_uri()) for n in image), resolved
 
 
 def test_gpu_check_installs_given_wheels_for_its_run_only(tmp_path):
