@@ -1010,3 +1010,30 @@ def lora_router_policy(hf_dir: str, layout: dict, directory: str, moe: dict) -> 
     resumed.load(directory)
     settings = json.loads((Path(directory) / trainer.checkpoint_dir / "lora.json").read_text())
     return dict(before=before, after=after, resumed=both(resumed), moved=moved, settings=settings)
+
+
+def sockets_opened_by_a_layout(layout: dict) -> dict:
+    """The sockets this rank opens building ``layout``'s groups eagerly (``TORCH_GLOO_LAZY_INIT=0``) and as roles
+    build them (:func:`parallel.groups.gloo_connects_on_first_use`), and then at a collective over the
+    tensor-parallel group; its result (the sum of the ranks' ones over that group)."""
+    from parallel.groups import LAZY_GLOO, destroy_parallel
+
+    def sockets() -> int:
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+            except FileNotFoundError:  # the listing's own descriptor, closed since
+                pass
+        return count
+
+    name, setting = LAZY_GLOO
+    opened = {}
+    for mode, value in (("eager", "0"), ("lazy", setting)):
+        destroy_parallel()
+        os.environ[name], before = value, sockets()
+        groups = init_parallel(ParallelConfig(**layout))
+        opened[mode] = sockets() - before
+    before, total = sockets(), torch.ones(1)
+    torch.distributed.all_reduce(total, group=groups.tp)
+    return opened | dict(collective=sockets() - before, total=total.item())
