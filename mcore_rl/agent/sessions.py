@@ -173,6 +173,9 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+FORMATS_KEPT = 16  # tool lists whose chat formats the sessions keep
+
+
 class Sessions:
     """The run's agent sessions over its rollout engines (``engine``: an :class:`EngineCalls`)."""
 
@@ -185,6 +188,20 @@ class Sessions:
         self._finished: dict[str, str] = {}  # session id -> why it stopped, for the errors of late requests
         self._count = itertools.count()
         self._lock = threading.Lock()
+        self._formats: dict[str, ChatFormat] = {}  # by the tools' JSON: sessions of one agent share theirs
+
+    def _chat_format(self, tools: list[dict] | None) -> ChatFormat:
+        """The chat format of sessions with ``tools`` (its template probes rendered once, not per session); the
+        :data:`FORMATS_KEPT` latest tool lists are kept, the oldest dropped (an agent chooses its tools)."""
+        key = json.dumps(tools or [], sort_keys=True, default=str)
+        with self._lock:
+            chat = self._formats.pop(key, None)
+        chat = chat or ChatFormat(self.tokenizer, tools or [], self.tool_format)
+        with self._lock:
+            self._formats[key] = chat  # now the latest
+            while len(self._formats) > FORMATS_KEPT:
+                del self._formats[next(iter(self._formats))]
+        return chat
 
     def open(self, sid: str, row: dict, sampling: SamplingConfig, replica: int = 0) -> None:
         with self._lock:
@@ -255,7 +272,7 @@ class Sessions:
             if messages[-1]["role"] == "assistant":
                 raise RequestError("messages: the last message is the assistant's; the policy writes its own turns")
             try:
-                chat = ChatFormat(self.tokenizer, tools or [], self.tool_format)
+                chat = self._chat_format(tools)
             except ValueError as err:
                 raise RequestError(f"tools: {err}", param="tools") from None
             ids = chat.prompt([_rendered(m) for m in messages])
