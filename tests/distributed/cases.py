@@ -1013,10 +1013,14 @@ def lora_router_policy(hf_dir: str, layout: dict, directory: str, moe: dict) -> 
 
 
 def sockets_opened_by_a_layout(layout: dict) -> dict:
-    """The sockets this rank opens building ``layout``'s groups eagerly (``TORCH_GLOO_LAZY_INIT=0``) and as roles
-    build them (:func:`parallel.groups.gloo_connects_on_first_use`), and then at a collective over the
-    tensor-parallel group; its result (the sum of the ranks' ones over that group)."""
-    from parallel.groups import LAZY_GLOO, destroy_parallel
+    """The sockets this rank opens building ``layout``'s groups as roles build them
+    (:func:`parallel.groups.gloo_connects_on_first_use`), then at a collective over the tensor-parallel group (its
+    result: the sum of the ranks' ones), and building them eagerly (``TORCH_GLOO_LAZY_INIT=0``). Each count is
+    taken once it holds still: a destroyed group's connections close after it is freed."""
+    import time
+
+    from parallel.groups import destroy_parallel
+    from parallel.transfer import LAZY_GLOO
 
     def sockets() -> int:
         count = 0
@@ -1027,13 +1031,27 @@ def sockets_opened_by_a_layout(layout: dict) -> dict:
                 pass
         return count
 
+    def settled() -> int:
+        last = sockets()
+        for _ in range(100):
+            time.sleep(0.1)
+            if (now := sockets()) == last:
+                return now
+            last = now
+        return last
+
     name, setting = LAZY_GLOO
-    opened = {}
-    for mode, value in (("eager", "0"), ("lazy", setting)):
-        destroy_parallel()
-        os.environ[name], before = value, sockets()
-        groups = init_parallel(ParallelConfig(**layout))
-        opened[mode] = sockets() - before
-    before, total = sockets(), torch.ones(1)
+    destroy_parallel()
+    before = settled()
+    groups = init_parallel(ParallelConfig(**layout))
+    opened = dict(lazy=settled() - before)
+    before, total = settled(), torch.ones(1)
     torch.distributed.all_reduce(total, group=groups.tp)
-    return opened | dict(collective=sockets() - before, total=total.item())
+    opened |= dict(collective=settled() - before, total=total.item())
+    destroy_parallel()
+    before, os.environ[name] = settled(), "0"
+    try:
+        init_parallel(ParallelConfig(**layout))
+        return opened | dict(eager=settled() - before)
+    finally:
+        os.environ[name] = setting
