@@ -94,7 +94,7 @@ class TransferGroup:
             options._timeout = timeout
             self.group = dist.ProcessGroupNCCL(store, rank, world, options)
         else:
-            with _connecting_now():
+            with connecting_now():
                 self.group = dist.ProcessGroupGloo(store, rank, world, timeout)
         self._buffer: torch.Tensor | None = None  # receivers: one buffer, grown to the largest bucket
 
@@ -122,9 +122,10 @@ class TransferGroup:
 
 
 @contextlib.contextmanager
-def _connecting_now():
-    """Gloo groups built in the block connect in their constructor, whatever this process otherwise chose: the
-    engines' side builds its member eagerly, and a lazy member would leave it waiting in its constructor."""
+def connecting_now():
+    """Gloo groups built in the block connect in their constructor, whatever this process otherwise chose (the
+    weight-transfer group: its engines' side builds its member eagerly, and a lazy member would leave it waiting in
+    its constructor)."""
     name = LAZY_GLOO[0]
     saved = os.environ.get(name)
     os.environ[name] = "0"

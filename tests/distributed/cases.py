@@ -1015,12 +1015,12 @@ def lora_router_policy(hf_dir: str, layout: dict, directory: str, moe: dict) -> 
 def sockets_opened_by_a_layout(layout: dict) -> dict:
     """The sockets this rank opens building ``layout``'s groups as roles build them
     (:func:`parallel.groups.gloo_connects_on_first_use`), then at a collective over the tensor-parallel group (its
-    result: the sum of the ranks' ones), and building them eagerly (``TORCH_GLOO_LAZY_INIT=0``). Each count is
-    taken once it holds still: a destroyed group's connections close after it is freed."""
+    result: the sum of the ranks' ones), and building them eagerly (:func:`parallel.transfer.connecting_now`).
+    Each count is taken once it holds still: a destroyed group's connections close after it is freed."""
     import time
 
     from parallel.groups import destroy_parallel
-    from parallel.transfer import LAZY_GLOO
+    from parallel.transfer import connecting_now
 
     def sockets() -> int:
         count = 0
@@ -1040,7 +1040,6 @@ def sockets_opened_by_a_layout(layout: dict) -> dict:
             last = now
         return last
 
-    name, setting = LAZY_GLOO
     destroy_parallel()
     before = settled()
     groups = init_parallel(ParallelConfig(**layout))
@@ -1049,9 +1048,7 @@ def sockets_opened_by_a_layout(layout: dict) -> dict:
     torch.distributed.all_reduce(total, group=groups.tp)
     opened |= dict(collective=settled() - before, total=total.item())
     destroy_parallel()
-    before, os.environ[name] = settled(), "0"
-    try:
+    before = settled()
+    with connecting_now():
         init_parallel(ParallelConfig(**layout))
-        return opened | dict(eager=settled() - before)
-    finally:
-        os.environ[name] = setting
+    return opened | dict(eager=settled() - before)
