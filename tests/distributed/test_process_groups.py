@@ -1,6 +1,5 @@
 """Layout changes free what they replace: a process that re-initialises Megatron's groups keeps the gloo threads
-of one layout, not of every layout it had (the session's rank pool changes layout for every case). A layout's
-groups connect at their first collective: those a role never uses cost no connections."""
+of one layout, not of every layout it had (the session's rank pool changes layout for every case)."""
 
 from __future__ import annotations
 
@@ -29,9 +28,3 @@ def test_twenty_layout_changes_leave_the_thread_count_at_its_baseline(ranks, tin
     ):
         assert counts["peak"] > counts["baseline"].total(), counts  # each layout's groups had threads while it lived
         assert counts["after"] <= counts["baseline"], counts  # by thread name: no gloo loop is left over
-
-
-def test_a_layout_s_groups_connect_at_their_first_collective(ranks):
-    for opened in ranks.run(cases.sockets_opened_by_a_layout, layout=dict(tp=2, pp=2)):
-        assert opened["lazy"] < opened["eager"], opened  # groups the build does not use stay unconnected
-        assert opened["collective"] > 0 and opened["total"] == 2, opened  # the tensor-parallel group, when used
