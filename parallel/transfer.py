@@ -10,6 +10,7 @@ use it. (:func:`free_addresses` also gives the roles' own worlds their rendezvou
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import socket
 from datetime import timedelta
@@ -21,6 +22,9 @@ import torch.distributed as dist
 from parallel.device import Device
 
 SOURCE = 0  # the trainer's rank in the group
+# torch's switch (2.13, read each time a gloo group is built): "1" makes a gloo group connect to its peers at its
+# first collective instead of in its constructor (:func:`parallel.groups.gloo_connects_on_first_use`).
+LAZY_GLOO = ("TORCH_GLOO_LAZY_INIT", "1")
 
 
 # Rendezvous ports come from below the kernel's ephemeral range: between the choice and the master's bind (after
@@ -90,7 +94,8 @@ class TransferGroup:
             options._timeout = timeout
             self.group = dist.ProcessGroupNCCL(store, rank, world, options)
         else:
-            self.group = dist.ProcessGroupGloo(store, rank, world, timeout)
+            with connecting_now():
+                self.group = dist.ProcessGroupGloo(store, rank, world, timeout)
         self._buffer: torch.Tensor | None = None  # receivers: one buffer, grown to the largest bucket
 
     def send(self, buffer: torch.Tensor) -> None:
@@ -114,3 +119,20 @@ class TransferGroup:
         self._buffer = None
         self.group.shutdown()
         self.group = self.store = None
+
+
+@contextlib.contextmanager
+def connecting_now():
+    """Gloo groups built in the block connect in their constructor, whatever this process otherwise chose (the
+    weight-transfer group: its engines' side builds its member eagerly, and a lazy member would leave it waiting in
+    its constructor)."""
+    name = LAZY_GLOO[0]
+    saved = os.environ.get(name)
+    os.environ[name] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved

@@ -1010,3 +1010,50 @@ def lora_router_policy(hf_dir: str, layout: dict, directory: str, moe: dict) -> 
     resumed.load(directory)
     settings = json.loads((Path(directory) / trainer.checkpoint_dir / "lora.json").read_text())
     return dict(before=before, after=after, resumed=both(resumed), moved=moved, settings=settings)
+
+
+def sockets_opened_by_a_layout(layout: dict) -> dict:
+    """The sockets this rank opens building ``layout``'s groups as roles build them
+    (:func:`parallel.groups.gloo_connects_on_first_use`), then at a collective over the tensor-parallel group (its
+    result: the sum of the ranks' ones), and building them eagerly (:func:`parallel.transfer.connecting_now`).
+    Sockets are told apart by their inodes, each count taken once the set holds still: what counts is the sockets
+    a step opens, not the net change, as a freed group's connections close meanwhile."""
+    import time
+
+    from parallel.groups import destroy_parallel
+    from parallel.transfer import connecting_now
+
+    def sockets() -> set[str]:
+        found = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                link = os.readlink(f"/proc/self/fd/{fd}")
+            except FileNotFoundError:  # the listing's own descriptor, closed since
+                continue
+            if link.startswith("socket:"):
+                found.add(link)
+        return found
+
+    def settled() -> set[str]:
+        last = sockets()
+        for _ in range(100):
+            time.sleep(0.1)
+            if (now := sockets()) == last:
+                return now
+            last = now
+        return last
+
+    destroy_parallel()
+    before = settled()
+    groups = init_parallel(ParallelConfig(**layout))
+    after = settled()
+    opened = dict(lazy=len(after - before))
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total, group=groups.tp)
+    before, after = after, settled()
+    opened |= dict(collective=len(after - before), total=total.item())
+    destroy_parallel()
+    before = settled()
+    with connecting_now():
+        init_parallel(ParallelConfig(**layout))
+    return opened | dict(eager=len(settled() - before))

@@ -46,11 +46,12 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
     import torch.distributed as dist
 
     from compat.megatron_core import install_fixes
+    from parallel.groups import destroy_parallel, gloo_connects_on_first_use
 
     torch.set_num_threads(1)
     install_fixes(cpu=True)
+    gloo_connects_on_first_use()  # as a role's ranks (parallel.groups.init_parallel)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from parallel.groups import destroy_parallel
 
     dist.barrier()  # the default group starts its loops on its first collective: count them in the baseline
     baseline = _gloo_threads()

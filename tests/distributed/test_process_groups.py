@@ -1,5 +1,6 @@
 """Layout changes free what they replace: a process that re-initialises Megatron's groups keeps the gloo threads
-of one layout, not of every layout it had (the session's rank pool changes layout for every case)."""
+of one layout, not of every layout it had (the session's rank pool changes layout for every case). A layout's
+groups connect at their first collective: those a role never uses cost no connections."""
 
 from __future__ import annotations
 
@@ -28,3 +29,13 @@ def test_twenty_layout_changes_leave_the_thread_count_at_its_baseline(ranks, tin
     ):
         assert counts["peak"] > counts["baseline"].total(), counts  # each layout's groups had threads while it lived
         assert counts["after"] <= counts["baseline"], counts  # by thread name: no gloo loop is left over
+
+
+def test_a_layout_s_groups_connect_at_their_first_collective(ranks):
+    opened = ranks.run(cases.sockets_opened_by_a_layout, layout=dict(tp=2, pp=2))
+    for rank in opened:
+        assert rank["lazy"] < rank["eager"], opened  # groups the build does not use stay unconnected
+        assert rank["total"] == 2, opened  # the tensor-parallel group's sum
+    # ... and the tensor-parallel groups (two pairs) connect at their all-reduce: a new socket for each pair, on one
+    # of its ends at least (counted per rank, 4 ranks, the lazy pair's other end was seen opening none then)
+    assert sum(rank["collective"] for rank in opened) >= 2, opened
