@@ -149,7 +149,8 @@ def _gather_tp(tasks: list[_Task], mine: dict[str, LocalParam], group, read) -> 
     gathered = all_gather_bucket([read(mine[t.slot].param) for t in split], group)
     full = {t.slot: read(mine[t.slot].param) for t in tasks if t.tp_axis is None}
     for i, t in enumerate(split):
-        full[t.slot] = torch.cat([rank_shards[i] for rank_shards in gathered], dim=t.tp_axis)
+        shards = [rank_shards[i] for rank_shards in gathered]  # one: the shard is the tensor, not to be copied
+        full[t.slot] = shards[0] if len(shards) == 1 else torch.cat(shards, dim=t.tp_axis)
     return full
 
 
