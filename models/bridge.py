@@ -40,6 +40,19 @@ DENSE_CONFIG = DECODER_CONFIG + (("num_key_value_heads", "num_query_groups"), ("
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
 
+def _loaded_later(weight: torch.Tensor) -> None:
+    """Megatron's initialisation of a weight that a load then overwrites: none."""
+
+
+# TransformerConfig fields for a model whose every parameter a load fills right after it is built (the roles': an HF
+# load first checks that the checkpoint covers each one, converters.mapping.check_tensors, and a Megatron
+# checkpoint's fails on one it lacks; LoRA adapters and value heads initialise themselves). Megatron's random init of a weight is then work thrown away: on CPU every rank draws
+# each layer's full fp32 master weight (SmolLM2: 1 s of a rank's CPU for its normal_ alone).
+INIT_SKIPPED = dict(
+    init_method=_loaded_later, output_layer_init_method=_loaded_later, embedding_init_method=_loaded_later
+)
+
+
 def padded_vocab(vocab_size: int, tp: int) -> int:
     """Megatron's vocabulary size under TP: rounded up so every TP rank holds a multiple of 128 rows."""
     multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp

@@ -25,6 +25,7 @@ from mcore_rl.trainer.logprobs import token_logprobs
 from mcore_rl.trainer.offload import StorageOffloader
 from mcore_rl.trainer.packing import pack_rows, plan_packing, plan_shared_prompts, share_prompt_rows
 from mcore_rl.trainer.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
+from models.bridge import INIT_SKIPPED
 from models.registry import get_bridge
 from parallel.comm import all_gather_bucket, all_reduce_, all_reduce_scalar
 from parallel.device import Device
@@ -67,7 +68,9 @@ class MegatronRank:
         self.max_token_in_packing = section.max_token_in_packing  # > 0: THD packs instead of padded micro-batches
         self.groups = init_parallel(self.parallel, seed=seed, device=self.machine)
         self.hf_dir, self.bridge = section.load, get_bridge(section.load)
-        self.config = self.bridge.transformer_config(self.parallel, **(self._model_overrides() | (overrides or {})))
+        # built to be loaded (_build): Megatron's random init skipped
+        fields = INIT_SKIPPED | self._model_overrides() | (overrides or {})
+        self.config = self.bridge.transformer_config(self.parallel, **fields)
         self.share_prompts = section.share_prompts
         self.chunks = self._build(self.hf_dir)
         self.device = next(self.chunks[0].parameters()).device
