@@ -18,6 +18,7 @@ from converters.stream import export_hf, load_weights
 from converters.transforms import full_shape, shard
 from mcore_rl.trainer.logprobs import token_logprobs
 from mcore_rl.trainer.training import MegatronModel, MegatronTrainStep
+from models.bridge import INIT_SKIPPED
 from models.experts import GroupedExperts
 from models.registry import get_bridge
 from parallel.config import ParallelConfig
@@ -53,7 +54,7 @@ def _load(hf_dir: str, layout: dict, **overrides):
     parallel = ParallelConfig(**layout)
     groups = init_parallel(parallel)
     bridge = get_bridge(hf_dir)
-    config = bridge.transformer_config(parallel, **overrides)
+    config = bridge.transformer_config(parallel, **(INIT_SKIPPED | overrides))  # loaded next, as the roles'
     chunks = bridge.build_model(config)
     load_weights(chunks, bridge, hf_dir, groups)
     return bridge, config, chunks, groups
@@ -134,7 +135,7 @@ def experts_grouped_vs_sequential(hf_dir: str, layout: dict, tokens: torch.Tenso
         parallel = ParallelConfig(**layout)
         groups = init_parallel(parallel)
         bridge = get_bridge(hf_dir)
-        chunks = bridge.build_model(bridge.transformer_config(parallel, moe_grouped_gemm=grouped))
+        chunks = bridge.build_model(bridge.transformer_config(parallel, moe_grouped_gemm=grouped, **INIT_SKIPPED))
         load_weights(chunks, bridge, hf_dir, groups)
         if grouped:  # the device's choice first (the loop, on CPU), then the kernel to compare
             chosen = {m.grouped_kernel for chunk in chunks for m in chunk.modules() if isinstance(m, GroupedExperts)}
@@ -955,7 +956,7 @@ def lora_logprobs_from(hf_dir: str, layout: dict, directory: str, tokens: torch.
     parallel = ParallelConfig(**layout)
     groups = init_parallel(parallel)
     bridge = get_bridge(hf_dir)
-    chunks = bridge.build_model(bridge.transformer_config(parallel))
+    chunks = bridge.build_model(bridge.transformer_config(parallel, **INIT_SKIPPED))
     attach_lora(chunks, LoRAConfig(rank=8, alpha=16.0), seed=3, tp_group=groups.tp)
     load_weights(chunks, bridge, directory, groups)
     return MegatronModel(chunks, groups).logprobs(tokens, bridge.vocab_size, micro_batch_size=2)
