@@ -102,7 +102,29 @@ def model_dir(name: str, scratch: Path) -> Path:
     return out
 
 
-def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> list:
+def trainer_side_alone(chunks, bridge, groups, bucket_bytes: int, repeats: int) -> list[float]:
+    """Seconds of the trainer's part of a sync with no engine: export, then pack into two alternating buckets, as
+    the colocated route does. In a sync on 2 cores the engine's loads compete with it for the cores."""
+    from converters.stream import export_hf
+    from mcore_rl.rollout.transport import BucketSender
+    from mcore_rl.trainer.sync import send_buckets
+
+    senders = [BucketSender(torch.device("cpu"), bucket_bytes) for _ in range(2)]
+    try:
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for i, bucket in enumerate(send_buckets(export_hf(chunks, bridge, groups, bucket_bytes), bucket_bytes)):
+                senders[i % 2].pack(bucket)
+            seconds.append(time.perf_counter() - start)
+        return seconds
+    finally:
+        for sender in senders:
+            sender.close()
+
+
+def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> tuple[list, list[float]]:
+    """The reports of ``syncs`` syncs into an engine, and the trainer side's seconds alone as many times."""
     from converters.stream import load_hf
     from mcore_rl.rollout.engine import RolloutConfig
     from mcore_rl.rollout.remote import launch_engine, stop_engine
@@ -117,11 +139,12 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> list:
     chunks = bridge.build_model(bridge.transformer_config(parallel))
     load_hf(chunks, bridge, hf_dir, groups)
     model = MegatronModel(chunks, groups)
+    alone = trainer_side_alone(chunks, bridge, groups, bucket_bytes, syncs)
     engine = launch_engine(hf_dir, RolloutConfig(load_tokenizer=False, max_model_len=256, cpu_kv_cache_bytes=64 << 20))
     route = ColocatedRoute(engine, next(chunks[0].parameters()).device, bucket_bytes)
     sync = WeightSync(chunks, bridge, groups, route, model, SyncConfig(bucket_bytes=bucket_bytes), torch.float32)
     try:
-        return [sync.sync() for _ in range(syncs)]
+        return [sync.sync() for _ in range(syncs)], alone
     finally:
         sync.close()
         stop_engine(engine)
@@ -145,8 +168,10 @@ def suite(out: Path, hardware, report: Report, syncs: int = 4, bucket_mb: int = 
         ray.shutdown()
     memcpy = hardware.memcpy_gbps
     transport = transport_gbps(TRANSPORT_BYTES, bucket_mb << 20)
-    rows, summary = [], []
-    for name, reports in runs:
+    rows, summary, alone_rows = [], [], []
+    for name, (reports, alone) in runs:
+        best = reports[0].bytes / min(alone) / 1e9
+        alone_rows.append([name, ", ".join(f"{s:.3f}" for s in alone), best, f"{100 * best / memcpy:.0f}%"])
         for r in reports:
             trainer = r.bytes / max(r.seconds - r.engine_wait_seconds, 1e-9) / 1e9
             rows.append([name, "first" if r.index == 0 else r.index, r.seconds, r.engine_wait_seconds,
@@ -156,7 +181,7 @@ def suite(out: Path, hardware, report: Report, syncs: int = 4, bucket_mb: int = 
         summary.append([name, f"{reports[0].seconds / later:.2f}x"])
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3))
-    for name, reports in runs:
+    for name, (reports, _) in runs:
         ax.plot([r.index for r in reports], [r.gb_per_s for r in reports], marker="o", label=name)
     ax.axhline(memcpy, color="gray", linestyle="--", label="memcpy")
     ax.set_xlabel("sync")
@@ -184,6 +209,9 @@ def suite(out: Path, hardware, report: Report, syncs: int = 4, bucket_mb: int = 
             rows,
         ),  # fmt: skip
         table(["model", "first / later syncs (time)"], summary),
+        "The trainer side alone (export and pack into two alternating buckets, no engine competing for the cores), "
+        "once per sync above, before the engine starts:",
+        table(["model", "seconds", "best GB/s", "of memcpy"], alone_rows),
         table(
             ["transport (one bucket in flight)", "GB/s", "of memcpy"],
             [
