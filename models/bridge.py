@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
+from compat.megatron_core.cpu import loaded_later
 from converters.mapping import QKV, Direct, GatedMLP, Mapping, Vocab
 from parallel.config import ParallelConfig
 from parallel.device import Device
@@ -40,17 +41,12 @@ DENSE_CONFIG = DECODER_CONFIG + (("num_key_value_heads", "num_query_groups"), ("
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
 
-def _loaded_later(weight: torch.Tensor) -> None:
-    """Megatron's initialisation of a weight that a load then overwrites: none."""
-
-
 # TransformerConfig fields for a model whose every parameter a load fills right after it is built (the roles': an HF
 # load first checks that the checkpoint covers each one, converters.mapping.check_tensors, and a Megatron
-# checkpoint's fails on one it lacks; LoRA adapters and value heads initialise themselves). Megatron's random init of a weight is then work thrown away: on CPU every rank draws
-# each layer's full fp32 master weight (SmolLM2: 1 s of a rank's CPU for its normal_ alone).
-INIT_SKIPPED = dict(
-    init_method=_loaded_later, output_layer_init_method=_loaded_later, embedding_init_method=_loaded_later
-)
+# checkpoint's fails on one it lacks; LoRA adapters and value heads initialise themselves). Megatron's random init is
+# then work thrown away: on CPU every rank drew each layer's full fp32 master weight and copied its shard (SmolLM2:
+# 1 s of a rank's CPU for normal_ alone), which compat.megatron_core.cpu spares for these weights.
+INIT_SKIPPED = dict(init_method=loaded_later, output_layer_init_method=loaded_later, embedding_init_method=loaded_later)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:

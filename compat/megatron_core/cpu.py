@@ -286,6 +286,47 @@ def _gloo_uneven_reduce_scatter(original):
     return wrapped
 
 
+def loaded_later(weight: torch.Tensor) -> None:
+    """The init method of a weight that a load overwrites right after the build (``models.bridge.INIT_SKIPPED``):
+    none; on CPU it also spares the master weight (:func:`_no_master_weight_when_loaded`)."""
+
+
+def _no_master_weight_when_loaded(original):
+    """Megatron's CPU init builds each weight's full fp32 master weight, draws it and copies this rank's shard into
+    the weight; for a weight loaded next (``init_method`` :func:`loaded_later`) only the tensor-parallel attributes
+    it sets stay (the loader reads them): no master weight, no copy."""
+
+    @functools.wraps(original)
+    def wrapped(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride=1,
+                return_master_weight=False, **kwargs):  # fmt: skip
+        if init_method is not loaded_later or return_master_weight:
+            return original(weight, output_size, input_size, per_partition_size, partition_dim, init_method, stride,
+                            return_master_weight, **kwargs)  # fmt: skip
+        if not kwargs.get("skip_set_tensor_parallel_attributes", False):
+            from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=partition_dim, stride=stride)
+        return None
+
+    return wrapped
+
+
+_MASTER_WEIGHT_CALLERS = ("megatron.core.tensor_parallel.layers", "megatron.core.transformer.moe.experts")
+_MASTER_WEIGHT_PARAMETERS = (
+    "weight",
+    "output_size",
+    "input_size",
+    "per_partition_size",
+    "partition_dim",
+    "init_method",
+    "stride",
+    "return_master_weight",
+    "params_dtype",
+    "rank",
+    "world_size",
+    "skip_set_tensor_parallel_attributes",
+)
+
 # Functions the CPU support wraps, with the parameters they had in 0.16.1 (checked before wrapping).
 _WRAPPED = {
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"): (
@@ -306,6 +347,7 @@ _WRAPPED = {
         "use_global_buffer",
     ),
     ("megatron.core.tensor_parallel.random", "_lazy_call"): ("callable", "kwargs"),  # torch.cuda's, by name
+    **{(name, "_initialize_affine_weight_cpu"): _MASTER_WEIGHT_PARAMETERS for name in _MASTER_WEIGHT_CALLERS},
 }
 
 
@@ -348,6 +390,12 @@ def install_cpu_compat() -> bool:
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
     mappings._gather_along_first_dim = _gloo_uneven_gather(mappings._gather_along_first_dim)
     mappings._reduce_scatter_along_first_dim = _gloo_uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
+
+    no_master = _no_master_weight_when_loaded(
+        importlib.import_module(_MASTER_WEIGHT_CALLERS[0])._initialize_affine_weight_cpu
+    )
+    for name in _MASTER_WEIGHT_CALLERS:  # each imported the function by name
+        importlib.import_module(name)._initialize_affine_weight_cpu = no_master
 
     setattr(megatron.core, INSTALLED_MARK, True)
     return True
