@@ -129,6 +129,7 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> tuple
     from mcore_rl.rollout.engine import RolloutConfig
     from mcore_rl.rollout.remote import launch_engine, stop_engine
     from mcore_rl.trainer.training import MegatronModel
+    from models.bridge import INIT_SKIPPED
     from models.registry import get_bridge
     from parallel.config import ParallelConfig
     from parallel.groups import init_parallel
@@ -136,7 +137,7 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> tuple
     parallel = ParallelConfig()
     groups = init_parallel(parallel)
     bridge = get_bridge(hf_dir)
-    chunks = bridge.build_model(bridge.transformer_config(parallel))
+    chunks = bridge.build_model(bridge.transformer_config(parallel, **INIT_SKIPPED))  # loaded next
     load_hf(chunks, bridge, hf_dir, groups)
     model = MegatronModel(chunks, groups)
     alone = trainer_side_alone(chunks, bridge, groups, bucket_bytes, syncs)

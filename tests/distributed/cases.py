@@ -132,11 +132,7 @@ def experts_grouped_vs_sequential(hf_dir: str, layout: dict, tokens: torch.Tenso
     kernel choices of the grouped model as built (``chosen``)."""
     runs = []
     for grouped in (True, False):
-        parallel = ParallelConfig(**layout)
-        groups = init_parallel(parallel)
-        bridge = get_bridge(hf_dir)
-        chunks = bridge.build_model(bridge.transformer_config(parallel, moe_grouped_gemm=grouped, **INIT_SKIPPED))
-        load_weights(chunks, bridge, hf_dir, groups)
+        bridge, _, chunks, groups = _load(hf_dir, layout, moe_grouped_gemm=grouped)
         if grouped:  # the device's choice first (the loop, on CPU), then the kernel to compare
             chosen = {m.grouped_kernel for chunk in chunks for m in chunk.modules() if isinstance(m, GroupedExperts)}
             _grouped_kernel(chunks)
