@@ -1,5 +1,6 @@
 """The machine's measured limits, taken at the start of every benchmark run: the yardsticks its results are set
-against (matmul peak for model FLOP/s, memcpy for weight sync, disk for the converters)."""
+against (matmul peak for model FLOP/s, memcpy for weight sync, disk for the converters, gloo for the CPU's
+collectives)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class Hardware:
     matmul_dtype: str
     matmul_tflops: float  # best of square matmuls in matmul_dtype (bf16 on GPUs, fp32 on CPUs)
     memcpy_gbps: float  # bytes copied per second, one large tensor copy
+    link_gbps: float  # CPU: gloo send/recv between two processes (the trainer's collectives); GPUs: not measured, 0
     disk_write_gbps: float  # a file written and fsync'ed
     disk_read_gbps: float  # the same file read back with its pages dropped from the page cache
     versions: dict[str, str]
@@ -94,6 +96,59 @@ def disk_gbps(directory: Path, nbytes: int = 1 << 30) -> tuple[float, float]:
     return write, read
 
 
+def _transport_rank(rank: int, port: int, total: int, bucket: int, methods: tuple[str, ...], results) -> None:
+    """One side of a two-process transfer of ``total`` bytes in ``bucket``-sized pieces, by each of ``methods``
+    (``shm``, ``gloo``)."""
+    import torch.distributed as dist
+
+    from mcore_rl.rollout.transport import BucketReceiver, BucketSender
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    data = torch.ones(bucket // 4)
+    cpu = torch.device("cpu")
+    sender = BucketSender(cpu, bucket) if rank == 0 else None
+    timings = {}
+    for method in methods:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(total // bucket):
+            if method == "gloo":
+                (dist.send if rank == 0 else dist.recv)(data, 1 - rank)
+                continue
+            box = [sender.pack([("x", data)]) if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)  # the handle: a few hundred bytes
+            if rank == 1:
+                _, views = BucketReceiver(cpu).open(box[0])
+                data.copy_(views[0][1])  # what the engine's loader does: copy into its own memory
+            dist.barrier()  # the sender may reuse the buffer
+        timings[method] = time.perf_counter() - start
+    if sender is not None:
+        sender.close()
+    if rank == 1:
+        results.put({m: total / t / 1e9 for m, t in timings.items()})
+    dist.destroy_process_group()
+
+
+def transport_gbps(total: int, bucket: int, methods: tuple[str, ...] = ("shm", "gloo")) -> dict[str, float]:
+    """GB/s of moving buckets between two processes: shared memory (pack + map + copy out), gloo send/recv."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_transport_rank, args=(r, port, total, bucket, methods, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = results.get(timeout=600)
+    for p in procs:
+        p.join()
+    return out
+
+
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for name in PACKAGES:
@@ -116,6 +171,7 @@ def measure(directory: Path) -> Hardware:
         matmul_dtype=str(dtype).removeprefix("torch."),
         matmul_tflops=matmul_tflops(device, dtype),
         memcpy_gbps=memcpy_gbps(device),
+        link_gbps=0.0 if machine.cuda else transport_gbps(512 << 20, 64 << 20, ("gloo",))["gloo"],
         disk_write_gbps=write,
         disk_read_gbps=read,
         versions=versions(),

@@ -13,6 +13,7 @@ FLOPs (under 2% at these lengths) are left out. MFU sets them against the measur
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -307,37 +308,114 @@ def _phases(report: Report, runs: list[Run], peak: float) -> None:
 
 # The step-time model's phases and the measured ones they predict (the rollout's includes the rewards).
 PREDICTED = {"rollout": "rollout_and_reward", "old_logprobs": "old_logprobs", "train": "train", "sync": "sync"}
+# The CPU's efficiencies and fixed costs (mcore_rl/planner/steptime.py's DeviceSpec) are fitted to these runs, one
+# of each model, and the model is checked on the others. Each phase fits its own efficiency and fixed cost, in this
+# order (the sync's probe and the rollout's prefill use the scoring's).
+CALIBRATION = ("mcore-rl", "moe-ep1")
+FITS = (
+    ("old_logprobs", ("forward_efficiency", "call_latency")),
+    ("train", ("efficiency", "update_latency")),
+    ("rollout", ("memory_efficiency", "step_latency")),
+    ("sync", ("copy_efficiency", "sync_latency")),
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A run as the step-time model sees it: its config, its measured lengths, its device and its phases."""
+
+    name: str
+    config: object
+    lengths: object
+    device: object
+    measured: dict[str, float]
+    arch: object  # the model's shapes (planner.params.Architecture)
+
+    def predict(self, **fitted: float) -> dict[str, float]:
+        from mcore_rl.planner.steptime import step_time
+
+        return step_time(self.config, dataclasses.replace(self.device, **fitted), self.lengths, self.arch).phases
+
+
+def _case(run: Run, hardware: Hardware) -> Case:
+    from mcore_rl.config.schema import load_run_config
+    from mcore_rl.planner.params import Architecture
+    from mcore_rl.planner.steptime import DeviceSpec, Lengths
+    from models.registry import get_bridge
+
+    config = load_run_config(run.config)
+    n = config.runtime_args.num_devices
+    # each logical device has its share of the cores (and of their matmul rate and memory bandwidth); a pair of them
+    # exchanges over gloo at the measured rate
+    device = DeviceSpec.cpu(hardware.matmul_tflops * 1e12 / n, hardware.memcpy_gbps * 1e9 / n,
+                            hardware.link_gbps * 1e9, hardware.cores)  # fmt: skip
+    samples = run.median("samples")
+    response = run.median("response_tokens") / samples
+    lengths = Lengths(run.median("tokens") / samples - response, response,
+                      config.models.policy.rollout.train.max_new_tokens)  # fmt: skip
+    measured = {phase: run.median(m) for phase, m in PREDICTED.items()}
+    arch = Architecture.from_bridge(get_bridge(config.models.policy_trainer.load))
+    return Case(run.name, config, lengths, device, measured, arch)
+
+
+def fit(cases: list[Case]) -> dict[str, float]:
+    """The device's efficiencies and fixed costs that bring the model's phases closest to the measured ones, in
+    relative terms: for each phase, its fixed cost by non-negative least squares at every efficiency of a grid, then
+    of a finer grid around the best (decoding's time is the larger of its memory and compute terms, so a phase need
+    not be linear in the efficiency)."""
+    import numpy as np
+
+    fitted: dict[str, float] = {}
+    for phase, names in FITS:
+        grid = np.geomspace(0.01, 2.0, 80)
+        best = min((_fit_at(cases, fitted, phase, names, v) for v in grid), key=lambda r: r[0])[1]
+        around, step = best[names[0]], grid[1] / grid[0]
+        finer = np.geomspace(around / step, around * step, 41)
+        fitted |= min((_fit_at(cases, fitted, phase, names, v) for v in finer), key=lambda r: r[0])[1]
+    return fitted
+
+
+def _fit_at(cases: list[Case], fitted: dict, phase: str, names: tuple[str, str], value: float):
+    """(squared error of predicted / measured, the constants) at efficiency ``value``, with the best fixed cost."""
+    import numpy as np
+
+    efficiency, latency = names
+    trial = fitted | {efficiency: float(value), latency: 0.0}
+    measured = np.array([c.measured[phase] for c in cases])
+    base = np.array([c.predict(**trial)[phase] for c in cases]) / measured
+    unit = np.array([c.predict(**(trial | {latency: 1.0}))[phase] for c in cases]) / measured - base
+    cost = max(0.0, float(unit @ (1 - base) / (unit @ unit))) if unit @ unit > 0 else 0.0
+    return float(np.sum((base + cost * unit - 1) ** 2)), {efficiency: float(value), latency: cost}
 
 
 def _predicted(report: Report, runs: list[Run], hardware: Hardware) -> None:
     """The planner's step-time model (mcore_rl/planner/steptime.py) for each run's config at its measured mean
-    lengths, on this CPU as measured above, against the run's median phases."""
-    from mcore_rl.config.schema import load_run_config
-    from mcore_rl.planner.steptime import CPU_EFFICIENCY, DeviceSpec, Lengths, step_time
-
+    lengths, on this CPU as measured above with the efficiencies and fixed costs fitted to the calibration runs,
+    against the run's median phases."""
+    cases = [_case(run, hardware) for run in runs]
+    calibration = [c for c in cases if c.name in CALIBRATION]
+    if len(calibration) < len(CALIBRATION):
+        missing = set(CALIBRATION) - {c.name for c in calibration}
+        report.add("rl: the step-time model against the measured phases", f"Not fitted: no run of {missing}.")
+        return
+    fitted = fit(calibration)
     rows = []
-    for run in runs:
-        config = load_run_config(run.config)
-        rt = config.runtime_args
-        # each logical device has its share of the cores (and of their matmul rate and memory bandwidth)
-        device = DeviceSpec.cpu(hardware.matmul_tflops * 1e12 / rt.num_devices, hardware.memcpy_gbps * 1e9 / rt.num_devices,
-                                CPU_EFFICIENCY, hardware.cores)  # fmt: skip
-        samples = run.median("samples")
-        response = run.median("response_tokens") / samples
-        lengths = Lengths(run.median("tokens") / samples - response, response,
-                          config.models.policy.rollout.train.max_new_tokens)  # fmt: skip
-        predicted = step_time(config, device, lengths).phases
-        for phase, measured in PREDICTED.items():
-            m = run.median(measured)
-            rows.append([run.name, phase, f"{predicted[phase]:.3g}", f"{m:.3g}", f"{predicted[phase] / m:.2f}"])
+    for case in cases:
+        predicted = case.predict(**fitted)
+        for phase, measured in case.measured.items():
+            role = "fitted" if case.name in CALIBRATION else "checked"
+            rows.append([case.name, role, phase, f"{predicted[phase]:.3g}", f"{measured:.3g}",
+                         f"{predicted[phase] / measured:.2f}"])  # fmt: skip
+    constants = ", ".join(f"{k} {v:.3g}" + (" s" if k.endswith("latency") else "") for k, v in fitted.items())
     report.add(
         "rl: the step-time model against the measured phases",
         "`python -m mcore_rl.planner`'s step-time model for each run's config at its measured mean lengths (the "
         "longest response: max_new_tokens), on this machine as measured above: each logical device with its share of "
-        f"the matmul rate and memcpy bandwidth, whole layers at {CPU_EFFICIENCY} of the matmul rate (the main job's "
-        "train MFU in benchmarks/reports/2026-11-24_cpu2: the train phase of that job is calibrated, the others are "
-        "predictions). The rollout's measured time includes the rewards.",
-        table(["run", "phase", "predicted s", "measured s", "predicted / measured"], rows),
+        "the matmul rate and memcpy bandwidth, exchanging over gloo at the measured rate. Its efficiencies and fixed "
+        f"costs are fitted to the runs {', '.join(CALIBRATION)} (one per model; each phase its efficiency and fixed "
+        f"cost, so those rows match by construction): {constants}. The other runs check the model. The rollout's "
+        "measured time includes the rewards.",
+        table(["run", "runs", "phase", "predicted s", "measured s", "predicted / measured"], rows),
     )
 
 

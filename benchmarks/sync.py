@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import single_process_world
+from benchmarks.hardware import transport_gbps
 from benchmarks.report import Report, pyplot, table
 from mcore_rl.trainer.sync import ColocatedRoute, SyncConfig, WeightSync
 
@@ -35,58 +36,6 @@ SYNTHETIC = dict(
 
 
 TRANSPORT_BYTES = 2 << 30
-
-
-def _transport_rank(rank: int, port: int, total: int, bucket: int, results) -> None:
-    """One side of a two-process transfer of ``total`` bytes in ``bucket``-sized pieces, by shm and by gloo."""
-    import torch.distributed as dist
-
-    from mcore_rl.rollout.transport import BucketReceiver, BucketSender
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    data = torch.ones(bucket // 4)
-    cpu = torch.device("cpu")
-    sender = BucketSender(cpu, bucket) if rank == 0 else None
-    timings = {}
-    for method in ("shm", "gloo"):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(total // bucket):
-            if method == "gloo":
-                (dist.send if rank == 0 else dist.recv)(data, 1 - rank)
-                continue
-            box = [sender.pack([("x", data)]) if rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)  # the handle: a few hundred bytes
-            if rank == 1:
-                _, views = BucketReceiver(cpu).open(box[0])
-                data.copy_(views[0][1])  # what the engine's loader does: copy into its own memory
-            dist.barrier()  # the sender may reuse the buffer
-        timings[method] = time.perf_counter() - start
-    if sender is not None:
-        sender.close()
-    if rank == 1:
-        results.put({m: total / t / 1e9 for m, t in timings.items()})
-    dist.destroy_process_group()
-
-
-def transport_gbps(total: int, bucket: int) -> dict[str, float]:
-    """GB/s of moving buckets between two processes: shared memory (pack + map + copy out) vs gloo send/recv."""
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_transport_rank, args=(r, port, total, bucket, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = results.get(timeout=600)
-    for p in procs:
-        p.join()
-    return out
 
 
 def model_dir(name: str, scratch: Path) -> Path:

@@ -1,9 +1,12 @@
 """Seconds per phase of an episode, from the model's shapes, the run config and a device's numbers: the planner's
 step-time model, printed beside the memory plan in every dry run.
 
-Every phase is its compute (model FLOPs at the device's matmul rate times the fraction the run's kernels reach),
-or its memory traffic where that is larger (decoding reads every weight and the KV cache for each token), plus
-its communication, counted as not overlapped (mcore-rl's Megatron layouts keep the overlap options off):
+Every phase is its compute (model FLOPs at the device's matmul rate times the fraction the run's kernels reach:
+one for forward and backward, one for forward-only passes), or its memory traffic where that is larger (decoding
+reads every weight and the KV cache for each token), plus its communication, counted as not overlapped (mcore-rl's
+Megatron layouts keep the overlap options off), plus a fixed cost per unit of work that does not scale with its size
+(a scoring call, an optimizer step, a decoding step, a weight sync: the calls, launches and Python around the
+kernels, which decide the phases of small models):
 
 * rollout: prefill of each prompt once (prefix caching shares it among the prompt's samples), then decoding the
   responses in waves of what the KV cache holds, over the engines;
@@ -11,17 +14,20 @@ its communication, counted as not overlapped (mcore-rl's Megatron layouts keep t
   where samples share it); train: forward and backward (plus a forward where layers are recomputed) with the
   pipeline's bubble, the tensor-, sequence-, context- and expert-parallel exchanges of every layer, and the
   data-parallel gradient reduce-scatter and parameter all-gather of the distributed optimizer, then Adam;
-* sync: the trainer ranks gather the weights and the engines load them (colocated: device copies; else a broadcast
-  over the network); offload: the trainer's state out to the host and back, where colocated roles take turns on
-  GPUs.
+* sync: the trainer scores the probe batch, its ranks gather the weights and the engines load them (colocated:
+  device copies; else a broadcast over the network), then the engines score the probe; offload: the trainer's
+  state out to the host and back, where colocated roles take turns on GPUs.
 
 A device is its datasheet (:data:`DEVICES`: dense bf16 FLOP/s, HBM, NVLink and per-GPU network bandwidth) or, for
 the CPU, what the benchmark suite measures (``python -m benchmarks``; :meth:`DeviceSpec.cpu`); ``efficiency`` is
-the fraction of the matmul rate whole layers reach, measured for mcore-rl's trainer (its sources are named).
+the fraction of the matmul rate whole layers reach, measured for mcore-rl's trainer (its sources are named). The
+CPU's efficiencies and fixed costs are fitted by the rl suite to two of its runs and checked on the others
+(``benchmarks/rl.py``); on GPUs the fixed costs are not measured yet (vLLM cannot travel to a lent GPU) and count 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -41,31 +47,41 @@ class DeviceSpec:
     per_node: int  # devices per node
     memory_bytes: int  # per device (the engines' KV cache is what their share leaves)
     efficiency: float  # fraction of ``flops`` whole transformer layers reach in mcore-rl (forward and backward)
+    forward_efficiency: float  # the same for forward-only passes (scoring, prefill, the sync's probe)
     memory_efficiency: float  # fraction of ``memory_bw`` decoding reaches
     param_bytes: int  # bytes per parameter in training and in the engines (bf16: 2; the CPU build: fp32)
     source: str
+    # Fixed seconds beyond the work each unit does (calls, launches, Python): a scoring call over the trainer's
+    # ranks, an optimizer step (its micro-batches' passes, beyond their compute, Adam's traffic and the gradients'
+    # exchange), an engine's decoding step (scheduling, inputs, sampling), a weight sync (the engines' update
+    # calls, their wake-up).
+    call_latency: float = 0.0
+    update_latency: float = 0.0
+    step_latency: float = 0.0
+    sync_latency: float = 0.0
+    copy_efficiency: float = 1.0  # fraction of ``memory_bw`` the sync's copies (pack, the engines' loads) reach
 
     @classmethod
-    def cpu(cls, matmul_flops: float, memcpy_bw: float, efficiency: float, cores: int) -> DeviceSpec:
-        """This machine as the suite measures it: one node whose logical devices share the cores."""
-        return cls("cpu", matmul_flops, memcpy_bw, memcpy_bw, memcpy_bw, memcpy_bw, cores, 0, efficiency, 1.0, 4,
-                   "measured by python -m benchmarks")  # fmt: skip
+    def cpu(cls, matmul_flops: float, memcpy_bw: float, link_bw: float, cores: int, **fitted: float) -> DeviceSpec:
+        """This machine as the suite measures it: one node whose logical devices share the cores and exchange over
+        gloo (``link_bw``); ``fitted``: the efficiencies and fixed costs the rl suite fits (default: none, every
+        efficiency 1)."""
+        measured = cls("cpu", matmul_flops, memcpy_bw, link_bw, link_bw, memcpy_bw, cores, 0, 1.0, 1.0, 1.0, 4,
+                       "measured by python -m benchmarks")  # fmt: skip
+        return dataclasses.replace(measured, **fitted)
 
-
-# The CPU build's layers (fp32, Megatron's local modules) reach this fraction of the machine's matmul rate: the main
-# job's train MFU on the 2-core reference machine (benchmarks/reports/2026-11-24_cpu2).
-CPU_EFFICIENCY = 0.355
 
 # Datasheets (dense bf16 without sparsity; NVLink: half the bidirectional figure; one 400 Gb/s NIC per GPU on the
 # reference nodes; PCIe Gen5 x16). ``efficiency``: 0.255, mcore-rl's measured model FLOP/s of a 4-layer
 # Qwen3-30B-A3B step on an H200 over its datasheet peak (benchmarks/reports/2026-11-26_gpu_h200); the same kernels
-# on an H100 and a B200 are assumed to reach the same fraction. ``memory_efficiency``: 0.7 of HBM for decoding.
+# on an H100 and a B200 are assumed to reach the same fraction, and forward-only passes too (not measured on a GPU;
+# on the CPU they reach more). ``memory_efficiency``: 0.7 of HBM for decoding.
 DEVICES = {
-    "h100": DeviceSpec("H100 SXM", 989e12, 3.35e12, 450e9, 50e9, 55e9, 8, 80 << 30, 0.255, 0.7, 2,
+    "h100": DeviceSpec("H100 SXM", 989e12, 3.35e12, 450e9, 50e9, 55e9, 8, 80 << 30, 0.255, 0.255, 0.7, 2,
                        "NVIDIA H100 datasheet: 989 TFLOP/s bf16, 3.35 TB/s HBM3, NVLink 900 GB/s"),
-    "h200": DeviceSpec("H200 SXM", 989e12, 4.8e12, 450e9, 50e9, 55e9, 8, 141 << 30, 0.255, 0.7, 2,
+    "h200": DeviceSpec("H200 SXM", 989e12, 4.8e12, 450e9, 50e9, 55e9, 8, 141 << 30, 0.255, 0.255, 0.7, 2,
                        "NVIDIA H200 datasheet: 989 TFLOP/s bf16, 4.8 TB/s HBM3e, NVLink 900 GB/s"),
-    "b200": DeviceSpec("B200", 2250e12, 8e12, 900e9, 50e9, 55e9, 8, 180 << 30, 0.255, 0.7, 2,
+    "b200": DeviceSpec("B200", 2250e12, 8e12, 900e9, 50e9, 55e9, 8, 180 << 30, 0.255, 0.255, 0.7, 2,
                        "NVIDIA DGX B200 datasheet: 2.25 PFLOP/s bf16 per GPU, 8 TB/s HBM3e, NVLink 1.8 TB/s"),
 }  # fmt: skip
 
@@ -111,7 +127,7 @@ class StepTime:
     """Seconds of each phase of one episode (0: the run has no such phase), and what the episode processes."""
 
     phases: dict[str, float]
-    detail: dict[str, float]  # train's parts: compute, bubble, tp, cp, ep, pp, dp, optimizer
+    detail: dict[str, float]  # train's parts: compute, bubble, tp, cp, ep, pp, dp, optimizer, latency
     tokens: float  # prompt + response tokens of the episode's samples
     devices: int
 
@@ -153,8 +169,8 @@ def step_time(config, device: DeviceSpec, lengths: Lengths, arch: Architecture |
 
 
 def score_seconds(forward: float, devices: int, device: DeviceSpec) -> float:
-    """A forward of ``forward`` FLOPs over the role's devices (its communication is train's forward share)."""
-    return forward / (devices * device.flops * device.efficiency)
+    """A call scoring ``forward`` FLOPs over the role's devices (its communication is train's forward share)."""
+    return forward / (devices * device.flops * device.forward_efficiency) + (device.call_latency if forward else 0.0)
 
 
 def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, positions: float):
@@ -193,7 +209,9 @@ def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, p
     # Adam over this device's shard: fp32 main weights, gradients and moments read, weights and moments written
     optimizer = steps * 36 * (params - experts) / dense_dp / device.memory_bw
     optimizer += steps * 36 * experts / expert_dp / device.memory_bw
-    parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, ep=ep, pp=pipeline, dp=data, optimizer=optimizer)
+    latency = steps * device.update_latency
+    parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, ep=ep, pp=pipeline, dp=data, optimizer=optimizer,
+                 latency=latency)  # fmt: skip
     return sum(parts.values()), parts
 
 
@@ -206,7 +224,7 @@ def rollout_seconds(a: Architecture, config, device: DeviceSpec, lengths: Length
     samples = rt.sample_per_episode
     prompts = samples / m.policy.num_inference_per_prompt
     prefill = forward_flops(a, prompts * lengths.prompt, lengths.prompt / 2, prompts)
-    prefill /= engines * tp * device.flops * device.efficiency
+    prefill /= engines * tp * device.flops * device.forward_efficiency
     per_engine = samples / engines
     memory = engine_memory(a, rollout, device.memory_bytes)
     kv_bytes = memory.kv_bytes_per_token * device.param_bytes / 2  # one device's, counted in bf16 there
@@ -223,23 +241,31 @@ def rollout_seconds(a: Architecture, config, device: DeviceSpec, lengths: Length
     step = max(
         (weights + batch * (lengths.prompt + lengths.response / 2) * kv_bytes)
         / (device.memory_bw * device.memory_efficiency),
-        one_token / (tp * device.flops * device.efficiency),
+        one_token / (tp * device.flops * device.forward_efficiency),
     )
-    return prefill + waves * lengths.longest * step
+    return prefill + waves * lengths.longest * (step + device.step_latency)
 
 
 def sync_seconds(a: Architecture, config, device: DeviceSpec) -> float:
-    """The weights into the engines: colocated, the trainer ranks gather each engine's share over their links and
-    hand it over as a device copy the engine loads (two copies); on devices of their own, one broadcast over the
-    network."""
+    """The weights into the engines: the trainer scores the probe batch (every data-parallel replica the whole of
+    it); colocated, its ranks gather each engine's share over their links and hand it over as a device copy the
+    engine loads (two copies); on devices of their own, one broadcast over the network; then the engines score the
+    probe."""
     rt, m = config.runtime_args, config.models
     nbytes = a.engine_params() * device.param_bytes
-    p = m.policy_trainer.parallel
+    p, tp = m.policy_trainer.parallel, m.policy.rollout.tensor_parallel_size
     gather = _ring(p.tp * p.pp * p.ep, nbytes, _bandwidth(device, p.tp * p.pp * p.ep))
-    if not rt.colocated:
-        return gather + nbytes / device.network_bw
-    tp = m.policy.rollout.tensor_parallel_size
-    return gather + 2 * nbytes / tp / device.memory_bw
+    if rt.colocated:
+        transfer = gather + 2 * nbytes / tp / (device.memory_bw * device.copy_efficiency)
+    else:
+        transfer = gather + nbytes / device.network_bw
+    probe = 0.0
+    if m.policy.sync.probe:
+        tokens = m.policy.sync.probe_sequences * m.policy.sync.probe_length
+        flops = forward_flops(a, tokens, m.policy.sync.probe_length / 2, tokens)
+        trainer_probe = score_seconds(flops, p.tp * p.cp * p.pp, device)
+        probe = trainer_probe + flops / (tp * device.flops * device.forward_efficiency)  # and the engines'
+    return transfer + probe + device.sync_latency
 
 
 def offload_seconds(a: Architecture, config, device: DeviceSpec) -> float:
@@ -260,7 +286,8 @@ def describe(t: StepTime, device: DeviceSpec) -> list[str]:
     phases = ", ".join(f"{name} {s:.3g}" for name, s in t.phases.items() if s)
     train = ", ".join(f"{name} {s:.3g}" for name, s in t.detail.items() if s)
     return [
-        f"step time on {device.name} ({device.source}; {device.efficiency:.3g} of peak in layers):",
+        f"step time on {device.name} ({device.source}; {device.efficiency:.3g} of peak in layers, "
+        f"{device.forward_efficiency:.3g} forward-only):",
         f"  {t.seconds:.3g} s per episode: {phases}",
         f"  train: {train}",
         f"  {t.tokens_per_device_second:.4g} tokens per device-second ({t.tokens:.4g} tokens per episode)",

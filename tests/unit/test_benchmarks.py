@@ -3,6 +3,7 @@ the rl summary divides what it says, the report writes its sections. (Timings th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -131,3 +132,33 @@ def test_the_step_time_suite_predicts_each_published_run_on_its_terms():
         assert t.devices == row.gpus and t.tokens == pytest.approx(row.samples * row.mean_seq)
         assert t.tokens_per_device_second == pytest.approx(t.tokens / t.seconds / row.gpus)
         assert t.phases["rollout"] > 0 and t.phases["train"] > 0 and t.phases["sync"] > 0
+
+
+def test_the_rl_suite_fit_recovers_the_device_its_phases_were_made_with(monkeypatch, tmp_path):
+    """Phases predicted with known CPU efficiencies and fixed costs for the suite's two calibration runs (SmolLM2's
+    main job, the tiny DeepSeek-V3 at EP 1): the fit finds those constants again, and they reproduce every phase."""
+    from mcore_rl.config.schema import load_run_config
+    from mcore_rl.planner.params import Architecture
+    from mcore_rl.planner.steptime import DeviceSpec, Lengths
+    from models.registry import get_bridge
+    from tests.tiny import make_tiny
+
+    truth = dict(forward_efficiency=0.6, call_latency=0.1, efficiency=0.35, update_latency=0.15,
+                 memory_efficiency=0.3, step_latency=0.02, copy_efficiency=0.12, sync_latency=0.05)  # fmt: skip
+    device = DeviceSpec.cpu(0.09e12, 8e9, 1.5e9, 2)
+    tiny = make_tiny("DeepseekV3ForCausalLM", tmp_path / "tiny")
+    cases = []
+    for name, config, model, overrides in (
+        ("mcore-rl", "smollm2_135m_grpo", default_model_dir(), []),
+        ("moe-ep1", "tiny_deepseek_v3_grpo", tiny, ["models.policy_trainer.parallel.ep=1"]),
+    ):
+        monkeypatch.setenv("MCORE_RL_MODEL", str(model))
+        config = load_run_config(rl.REPO / f"scripts/configs/{config}.yaml", overrides)
+        case = rl.Case(name, config, Lengths(45, 15, 16), device, {}, Architecture.from_bridge(get_bridge(str(model))))
+        cases.append(dataclasses.replace(case, measured={p: case.predict(**truth)[p] for p in rl.PREDICTED}))
+    fitted = rl.fit(cases)
+    assert fitted.keys() == truth.keys()
+    assert all(fitted[k] == pytest.approx(v, rel=0.01) for k, v in truth.items())
+    for case in cases:
+        predicted = case.predict(**fitted)
+        assert all(predicted[p] == pytest.approx(case.measured[p], rel=0.005) for p in rl.PREDICTED)
