@@ -41,8 +41,10 @@ def merge_gated(gate: torch.Tensor, up: torch.Tensor, tp: int) -> torch.Tensor:
 
 
 def split_gated(fc1: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`merge_gated`."""
+    """Inverse of :func:`merge_gated`; at TP 1, views of ``fc1`` (a weight sync exports every layer's: no copies)."""
     halves = [shard.chunk(2) for shard in fc1.chunk(tp)]
+    if tp == 1:
+        return halves[0]
     return cat([g for g, _ in halves]), cat([u for _, u in halves])
 
 

@@ -26,6 +26,9 @@ def test_gated_merge_puts_gate_and_up_chunks_on_each_tp_rank():
     assert shard0.flatten().tolist() == [0, 1, 2, 3, 10, 11, 12, 13]
     g, u = transforms.split_gated(merged, tp=2)
     assert torch.equal(g, gate) and torch.equal(u, up)
+    # one shard: its halves, as views
+    g, u = transforms.split_gated(transforms.merge_gated(gate, up, tp=1), tp=1)
+    assert torch.equal(g, gate) and torch.equal(u, up) and g._base is not None and u._base is g._base
 
 
 def test_pad_vocab_and_errors():
