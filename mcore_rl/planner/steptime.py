@@ -74,8 +74,9 @@ class DeviceSpec:
 # Datasheets (dense bf16 without sparsity; NVLink: half the bidirectional figure; one 400 Gb/s NIC per GPU on the
 # reference nodes; PCIe Gen5 x16). ``efficiency``: 0.255, mcore-rl's measured model FLOP/s of a 4-layer
 # Qwen3-30B-A3B step on an H200 over its datasheet peak (benchmarks/reports/2026-11-26_gpu_h200); the same kernels
-# on an H100 and a B200 are assumed to reach the same fraction, and forward-only passes too (not measured on a GPU;
-# on the CPU they reach more). ``memory_efficiency``: 0.7 of HBM for decoding.
+# on an H100 and a B200 are assumed to reach the same fraction, and forward-only passes too (on the CPU they reach
+# more; the GPU self-check's mfu step measures them, ``forward_mfu``, from its next run on). ``memory_efficiency``:
+# 0.7 of HBM for decoding.
 DEVICES = {
     "h100": DeviceSpec("H100 SXM", 989e12, 3.35e12, 450e9, 50e9, 55e9, 8, 80 << 30, 0.255, 0.255, 0.7, 2,
                        "NVIDIA H100 datasheet: 989 TFLOP/s bf16, 3.35 TB/s HBM3, NVLink 900 GB/s"),

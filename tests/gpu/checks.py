@@ -641,8 +641,9 @@ BF16_PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 def mfu() -> tuple[str, dict]:
     """One train step's forward and backward of a Qwen3-30B-A3B-shaped model (its layers cut to fit the GPU, random
     weights, bf16, grouped experts): tokens per second and model FLOP utilisation (6 x active parameters per token,
-    as benchmarks/rl.py counts them) against the GPU's bf16 peak and against the matmul peak measured here; then one
-    more step under torch's profiler: the ops with the most CUDA time, where the step's time goes."""
+    as benchmarks/rl.py counts them) against the GPU's bf16 peak and against the matmul peak measured here; the
+    same for a forward alone, as scoring runs (the step-time model's ``forward_efficiency``); then one more step
+    under torch's profiler: the ops with the most CUDA time, where the step's time goes."""
     import json as json_module
 
     from benchmarks.hardware import matmul_tflops
@@ -679,6 +680,18 @@ def mfu() -> tuple[str, dict]:
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / repeats
     achieved = 3 * (flops["body"] + flops["head"]) * rows * length / seconds / 1e12  # forward + backward
+    with torch.no_grad():  # forward only, as scoring runs (the step-time model's forward_efficiency)
+        logits = chunks[0](tokens[:, :-1], positions, None)
+        token_logprobs(logits, tokens[:, 1:], bridge.vocab_size, groups.tp)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            logits = chunks[0](tokens[:, :-1], positions, None)
+            token_logprobs(logits, tokens[:, 1:], bridge.vocab_size, groups.tp)
+        torch.cuda.synchronize()
+        del logits
+    forward_seconds = (time.perf_counter() - start) / repeats
+    forward = (flops["body"] + flops["head"]) * rows * length / forward_seconds / 1e12
     measured_peak = matmul_tflops(torch.device("cuda"), torch.bfloat16, sizes=(4096, 8192))
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
@@ -693,10 +706,13 @@ def mfu() -> tuple[str, dict]:
     detail = (
         f"{layers}-layer Qwen3-30B-A3B shape, {rows}x{length} tokens: {seconds * 1e3:.0f} ms a step, "
         f"{rows * length / seconds:,.0f} tokens/s, {achieved:.0f} TFLOP/s; {against}"
-        f"{achieved / measured_peak:.1%} of the {measured_peak:.0f} TFLOP/s bf16 matmuls measured here"
+        f"{achieved / measured_peak:.1%} of the {measured_peak:.0f} TFLOP/s bf16 matmuls measured here; "
+        f"forward only {forward_seconds * 1e3:.0f} ms, {forward:.0f} TFLOP/s"
     )
     numbers = {"layers": layers, "tokens": rows * length, "step_seconds": seconds, "tflops": achieved}
     numbers |= {"mfu": achieved / spec if spec else None, "matmul_tflops": measured_peak, "profile_cuda_ms": top}
+    numbers |= {"forward_seconds": forward_seconds, "forward_tflops": forward}
+    numbers |= {"forward_mfu": forward / spec if spec else None}
     return detail, numbers
 
 
