@@ -402,8 +402,8 @@ def _predicted(report: Report, runs: list[Run], hardware: Hardware) -> None:
     rows = []
     for case in cases:
         predicted = case.predict(**fitted)
+        role = "fitted" if case.name in CALIBRATION else "checked"
         for phase, measured in case.measured.items():
-            role = "fitted" if case.name in CALIBRATION else "checked"
             rows.append([case.name, role, phase, f"{predicted[phase]:.3g}", f"{measured:.3g}",
                          f"{predicted[phase] / measured:.2f}"])  # fmt: skip
     constants = ", ".join(f"{k} {v:.3g}" + (" s" if k.endswith("latency") else "") for k, v in fitted.items())

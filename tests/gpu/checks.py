@@ -667,31 +667,28 @@ def mfu() -> tuple[str, dict]:
     tokens = _tokens(bridge.vocab_size, rows=rows, length=length + 1)
     positions = torch.arange(length, device="cuda").expand(rows, -1)
 
-    def step() -> None:
+    def forward() -> torch.Tensor:
         logits = chunks[0](tokens[:, :-1], positions, None)
-        (-token_logprobs(logits, tokens[:, 1:], bridge.vocab_size, groups.tp).mean()).backward()
+        return token_logprobs(logits, tokens[:, 1:], bridge.vocab_size, groups.tp)
 
-    for _ in range(2):  # warm-up: kernels chosen, memory pools grown
-        step()
-    torch.cuda.synchronize()
-    start, repeats = time.perf_counter(), 3
-    for _ in range(repeats):
-        step()
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - start) / repeats
-    achieved = 3 * (flops["body"] + flops["head"]) * rows * length / seconds / 1e12  # forward + backward
-    with torch.no_grad():  # forward only, as scoring runs (the step-time model's forward_efficiency)
-        logits = chunks[0](tokens[:, :-1], positions, None)
-        token_logprobs(logits, tokens[:, 1:], bridge.vocab_size, groups.tp)
+    def step() -> None:
+        (-forward().mean()).backward()
+
+    def mean_seconds(fn, warmups: int, repeats: int = 3) -> float:
+        for _ in range(warmups):  # kernels chosen, memory pools grown
+            fn()
         torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(repeats):
-            logits = chunks[0](tokens[:, :-1], positions, None)
-            token_logprobs(logits, tokens[:, 1:], bridge.vocab_size, groups.tp)
+            fn()
         torch.cuda.synchronize()
-        del logits
-    forward_seconds = (time.perf_counter() - start) / repeats
-    forward = (flops["body"] + flops["head"]) * rows * length / forward_seconds / 1e12
+        return (time.perf_counter() - start) / repeats
+
+    seconds = mean_seconds(step, warmups=2)
+    achieved = 3 * (flops["body"] + flops["head"]) * rows * length / seconds / 1e12  # forward + backward
+    with torch.no_grad():  # forward only, as scoring runs (the step-time model's forward_efficiency)
+        forward_seconds = mean_seconds(forward, warmups=1)
+    forward_tflops = (flops["body"] + flops["head"]) * rows * length / forward_seconds / 1e12
     measured_peak = matmul_tflops(torch.device("cuda"), torch.bfloat16, sizes=(4096, 8192))
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
@@ -707,12 +704,12 @@ def mfu() -> tuple[str, dict]:
         f"{layers}-layer Qwen3-30B-A3B shape, {rows}x{length} tokens: {seconds * 1e3:.0f} ms a step, "
         f"{rows * length / seconds:,.0f} tokens/s, {achieved:.0f} TFLOP/s; {against}"
         f"{achieved / measured_peak:.1%} of the {measured_peak:.0f} TFLOP/s bf16 matmuls measured here; "
-        f"forward only {forward_seconds * 1e3:.0f} ms, {forward:.0f} TFLOP/s"
+        f"forward only {forward_seconds * 1e3:.0f} ms, {forward_tflops:.0f} TFLOP/s"
     )
     numbers = {"layers": layers, "tokens": rows * length, "step_seconds": seconds, "tflops": achieved}
     numbers |= {"mfu": achieved / spec if spec else None, "matmul_tflops": measured_peak, "profile_cuda_ms": top}
-    numbers |= {"forward_seconds": forward_seconds, "forward_tflops": forward}
-    numbers |= {"forward_mfu": forward / spec if spec else None}
+    numbers |= {"forward_seconds": forward_seconds, "forward_tflops": forward_tflops}
+    numbers |= {"forward_mfu": forward_tflops / spec if spec else None}
     return detail, numbers
 
 
