@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mcore_rl.agent.trajectory import Segment
 from mcore_rl.algorithms.advantages import (
     ESTIMATORS,
     estimate,
@@ -35,33 +36,70 @@ def samples_of(prompts: list[Prompt], completions: list[list[Completion]], texts
     return [Sample(f"{p.row.id}/{k}", p, c, t) for (p, k, c), t in zip(flat, texts, strict=True)]
 
 
+def sample_rows(sample: Sample) -> list[Segment]:
+    """A sample's training rows: one, or a multi-turn trajectory's segments where its chat template rewrote the
+    history (:class:`~mcore_rl.agent.trajectory.Segment`), in order."""
+    c = sample.completion
+    last = Segment(sample.prompt.token_ids, c.token_ids, c.logprobs, c.loss_mask or [1] * len(c.token_ids))
+    return [*getattr(c, "segments", ()), last]
+
+
+def response_length(sample: Sample) -> int:
+    """The tokens after the sample's prompt, over all its rows."""
+    return sum(len(row.token_ids) for row in sample_rows(sample))
+
+
 def training_batch(samples: list[Sample], rewards: list[float]) -> dict:
     """Right-padded tensors of prompt + response: ``tokens`` [N, L]; per next-token position ([N, L-1]) the
-    response ``mask`` and the engine's ``rollout_logp``; per sample ``lengths`` and ``prompt_lengths`` (real
-    tokens) and ``rewards``; and when the engine returned them, ``routed_experts`` [N, L-1, layers, top-k]. A multi-turn trajectory's
-    observation tokens are masked (``Completion.loss_mask``)."""
-    sequences = [s.prompt.token_ids + s.completion.token_ids for s in samples]
+    response ``mask`` and the engine's ``rollout_logp``; per row ``lengths`` and ``prompt_lengths`` (real
+    tokens) and ``rewards``; and when the engine returned them, ``routed_experts`` [N, L-1, layers, top-k]. A
+    multi-turn trajectory's observation tokens are masked (``Completion.loss_mask``). Where a trajectory became
+    several rows (:func:`sample_rows`), ``owner`` [N] holds each row's sample index (and the rows outnumber the
+    samples)."""
+    owners, rows = zip(*[(i, row) for i, sample in enumerate(samples) for row in sample_rows(sample)], strict=True)
+    sequences = [row.prompt_ids + row.token_ids for row in rows]
     length = max(map(len, sequences))
-    n = len(samples)
+    n = len(rows)
     tokens = torch.zeros(n, length, dtype=torch.long)
     mask = torch.zeros(n, length - 1)
     rollout_logp = torch.zeros(n, length - 1)
-    for i, (sample, seq) in enumerate(zip(samples, sequences, strict=True)):
+    for i, (row, seq) in enumerate(zip(rows, sequences, strict=True)):
         tokens[i, : len(seq)] = torch.tensor(seq)
-        start, count = len(sample.prompt.token_ids) - 1, len(sample.completion.token_ids)
-        mask[i, start : start + count] = torch.tensor(sample.completion.loss_mask or [1] * count)
-        rollout_logp[i, start : start + count] = torch.tensor(sample.completion.logprobs)
+        start, count = len(row.prompt_ids) - 1, len(row.token_ids)
+        mask[i, start : start + count] = torch.tensor(row.loss_mask, dtype=mask.dtype)
+        rollout_logp[i, start : start + count] = torch.tensor(row.logprobs, dtype=rollout_logp.dtype)
+    owner = torch.tensor(owners)
     batch = {
         "tokens": tokens,
         "lengths": torch.tensor([len(seq) for seq in sequences]),
-        "prompt_lengths": torch.tensor([len(s.prompt.token_ids) for s in samples]),
+        "prompt_lengths": torch.tensor([len(row.prompt_ids) for row in rows]),
         "mask": mask,
         "rollout_logp": rollout_logp,
-        "rewards": torch.tensor(rewards, dtype=torch.float32),
+        "rewards": torch.tensor(rewards, dtype=torch.float32)[owner],
     }
+    if n > len(samples):
+        batch["owner"] = owner
     if samples[0].completion.routed_experts is not None:
         batch["routed_experts"] = routed_experts(samples, sequences, length - 1)
     return batch
+
+
+def first_rows(batch: dict) -> torch.Tensor:
+    """Whether each row is its sample's first: every row, but a trajectory's later segments."""
+    first = torch.ones(batch["tokens"].shape[0], dtype=torch.bool)
+    if "owner" in batch:
+        first[1:] = batch["owner"][1:] != batch["owner"][:-1]
+    return first
+
+
+def step_starts(batch: dict, global_batch_size: int) -> list[int]:
+    """The first row of each optimizer step: every ``global_batch_size`` samples, whatever rows they became (an
+    episode keeps its number of steps, and each step its samples)."""
+    rows = batch["tokens"].shape[0]
+    if "owner" not in batch:
+        return list(range(0, rows, global_batch_size))
+    step = batch["owner"] // global_batch_size
+    return [0, *(torch.nonzero(step[1:] != step[:-1]).flatten() + 1).tolist()]
 
 
 def add_advantages(batch: dict, trainer, group_size: int) -> dict[str, float]:
@@ -71,7 +109,11 @@ def add_advantages(batch: dict, trainer, group_size: int) -> dict[str, float]:
     reward, ``values`` for GAE, ``teacher_logp`` and ``old_logp`` for distillation. Returns the metrics."""
     mask, rewards, estimator = batch["mask"], batch["rewards"], trainer.advantage_estimator
     metrics = {}
-    if estimator in ESTIMATORS:
+    if estimator in ESTIMATORS and "owner" in batch:  # per sample, over all its rows; each row its sample's
+        owner = batch["owner"]
+        tokens = torch.zeros(int(owner[-1]) + 1).index_add_(0, owner, mask.sum(dim=1))
+        advantages = estimate(estimator, rewards[first_rows(batch)], group_size, tokens)[owner]
+    elif estimator in ESTIMATORS:
         advantages = estimate(estimator, rewards, group_size, mask.sum(dim=1))
     elif estimator == "none":  # distillation alone
         advantages = torch.zeros_like(mask)
@@ -135,7 +177,7 @@ def shape_overlong(samples: list[Sample], rewards: list[float], trainer, max_new
     responses within ``overlong_buffer`` tokens of ``max_new_tokens`` added, and its metrics."""
     if not trainer.overlong_buffer:
         return rewards, {}
-    lengths = torch.tensor([len(s.completion.token_ids) for s in samples])
+    lengths = torch.tensor([response_length(s) for s in samples])
     penalty = overlong_penalty(lengths, max_new_tokens, trainer.overlong_buffer, trainer.overlong_penalty)
     metrics = {
         "reward/overlong_penalty_mean": penalty.mean().item(),
@@ -148,13 +190,13 @@ def filter_truncated(batch: dict, samples: list[Sample]) -> dict[str, float]:
     """DAPO's overlong filtering: truncated samples (stopped at max_new_tokens) leave the loss (their response
     mask is cleared; they still count in their groups' advantages)."""
     truncated = torch.tensor([s.completion.finish_reason == "length" for s in samples])
-    batch["mask"][truncated] = 0
+    batch["mask"][truncated[batch["owner"]] if "owner" in batch else truncated] = 0
     return {"batch/truncated_filtered_fraction": truncated.float().mean().item()}
 
 
 def rollout_stats(samples: list[Sample], rewards: list[float], group_size: int) -> dict[str, float]:
     r = torch.tensor(rewards, dtype=torch.float32)
-    lengths = torch.tensor([len(s.completion.token_ids) for s in samples], dtype=torch.float32)
+    lengths = torch.tensor([response_length(s) for s in samples], dtype=torch.float32)
     groups = r.view(-1, group_size)
     truncated = sum(s.completion.finish_reason == "length" for s in samples)
     return reward_part_stats(samples) | {

@@ -32,11 +32,13 @@ from mcore_rl.batch import (
     add_advantages,
     fill_with_spares,
     filter_truncated,
+    first_rows,
     partition_groups,
     reward_part_stats,
     rollout_stats,
     shape_overlong,
     staleness_stats,
+    step_starts,
     training_batch,
 )
 from mcore_rl.config.loader import to_dict
@@ -277,7 +279,8 @@ def score_old(run: Run, batch: dict) -> None:
     own, unless the advantages read them (``old_logp``) before any step."""
     trainer = run.config.models.policy_trainer
     reads = bool(trainer.reward_kl_coef or trainer.distill_coef)
-    first = 0 if reads else run.config.runtime_args.train_global_batch_size
+    starts = step_starts(batch, run.config.runtime_args.train_global_batch_size) + [batch["tokens"].shape[0]]
+    first = 0 if reads else starts[1]
     old = run.system.trainer.score_old(scored(batch, first), trainer.micro_batch_size, fetch=reads)
     if reads:
         batch["old_logp"] = old
@@ -303,12 +306,14 @@ def train_policy(run: Run, batch: dict) -> dict[str, float]:
 
 
 def batch_sizes(batch: dict, n: int) -> dict[str, float]:
-    """Tokens trained on: all, the response tokens, and all with each group's shared prompt counted once."""
-    tokens = float(batch["mask"].sum())
+    """Tokens trained on: all, the response tokens, and all with each group's shared prompt counted once; the
+    rows per sample (a multi-turn trajectory whose history was rewritten is several)."""
+    tokens, prompts, first = float(batch["mask"].sum()), batch["prompt_lengths"], first_rows(batch)
     return {
         "batch/tokens": float(batch["lengths"].sum()),
         "batch/response_tokens": tokens,
-        "batch/tokens_prompts_once": tokens + float(batch["prompt_lengths"][::n].sum()),
+        "batch/tokens_prompts_once": tokens + float(prompts[first][::n].sum() + prompts[~first].sum()),
+        "batch/rows_per_sample": len(first) / float(first.sum()),
     }
 
 
@@ -498,4 +503,6 @@ def write_samples(path: Path, samples, rewards) -> None:
                 record["rewards"] = s.reward_parts
             if isinstance(s.completion, Trajectory):
                 record |= {"stop": s.completion.finish_reason, "messages": s.completion.messages}
+                if s.completion.segments:  # training samples, where the template rewrote the history
+                    record["segments"] = 1 + len(s.completion.segments)
             f.write(json.dumps(record) + "\n")

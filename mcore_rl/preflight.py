@@ -65,7 +65,8 @@ def check_tool_format(config: RunConfig, tools: dict) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(config.models.policy.load)
     try:
-        fmt = resolve_format(KEY, config.models.policy.rollout.multi_turn.tool_format, tokenizer.chat_template)
-        ChatFormat(tokenizer, [schema(t) for t in tools.values()], fmt)
+        limits = config.models.policy.rollout.multi_turn
+        fmt = resolve_format(KEY, limits.tool_format, tokenizer.chat_template)
+        ChatFormat(tokenizer, [schema(t) for t in tools.values()], fmt, limits.rewritten_history == "new_sample")
     except ValueError as err:
         raise ConfigError(str(err)) from None

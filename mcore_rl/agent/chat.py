@@ -8,6 +8,11 @@ the next assistant turn's opening). That text is what follows a marker assistant
 rendered with the observation. Any template that renders what came before the assistant turn the same once more
 messages follow works, also one that renders the assistant message itself differently (Qwen3's drops the empty
 ``<think>`` block of a turn that is no longer the last): the trajectory holds the sampled ids in its place.
+
+A template that rewrites the history (DeepSeek-R1's drops earlier turns' reasoning) gives the policy, at
+inference, a context that is not the trajectory's tokens. With ``rewritten_history: new_sample`` each observation
+checks the whole conversation rendered anew against the trajectory's context (:meth:`ChatFormat.follow`); where
+they differ, a new training sample starts from that rendering, as TRL and prime-rl do.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jinja2
 
 from mcore_rl.agent import tool_calls
 
+REWRITTEN_KEY = "models.policy.rollout.multi_turn.rewritten_history"
 _MARK = "\u2063mcore_rl\u2063"  # an assistant message's content, to find what the template puts after it
 
 # For templates that ignore ``tools`` (SmolLM2's, for one): the Hermes instructions Qwen's template renders.
@@ -39,8 +45,9 @@ def clip(text: str, max_chars: int) -> str:
 class ChatFormat:
     """Token ids of a trajectory's opening prompt and of the observations between its turns."""
 
-    def __init__(self, tokenizer, tool_schemas: list[dict], tool_format: str = "hermes"):
-        self.tokenizer, self.tools = tokenizer, tool_schemas or None
+    def __init__(self, tokenizer, tool_schemas: list[dict], tool_format: str = "hermes", new_samples: bool = False):
+        """``new_samples``: ``rewritten_history: new_sample`` (:meth:`follow`)."""
+        self.tokenizer, self.tools, self.new_samples = tokenizer, tool_schemas or None, new_samples
         probe = [{"role": "user", "content": "?"}]
         # A template that ignores ``tools`` gets them in a system message of Hermes instructions instead.
         self.tools_in_system = bool(self.tools) and self._render(probe, tools=self.tools) == self._render(probe)
@@ -56,7 +63,8 @@ class ChatFormat:
         # Every string the tokenizer turns into one added token (<|im_start|>, </tool_response>, <think>, ...)
         self._controls = sorted({t.content for t in tokenizer.added_tokens_decoder.values()}, key=len, reverse=True)
         if self.tools:  # a template that cannot put a tool's result after a turn fails here, before a run starts
-            self.observation([{"role": "tool", "tool_call_id": "call_0_0_0", "name": "probe", "content": "?"}], [])
+            probe = [{"role": "tool", "tool_call_id": "call_0_0_0", "name": "probe", "content": "?"}]
+            self._after_turn(probe, []) if new_samples else self.observation(probe, [])
 
     def _render(self, messages: list[dict], generation: bool = False, tools=None) -> str:
         return self.tokenizer.apply_chat_template(
@@ -83,19 +91,68 @@ class ChatFormat:
                 text = text.replace(control, control[0] + "\u2060" + control[1:])
         return text
 
+    def inert_messages(self, messages: list[dict]) -> list[dict]:
+        """``messages`` with every text :meth:`inert`: also a tool's name and a call's id, which the policy wrote and
+        some templates render (Kimi-K2's writes the name as the turn's role)."""
+        return [{k: self.inert(v) if isinstance(v, str) else v for k, v in m.items()} for m in messages]
+
     def prompt(self, messages: list[dict]) -> list[int]:
         """The opening messages, ending with the assistant turn's opening."""
-        text = self._render(
-            self.with_tools(messages), generation=True, tools=None if self.tools_in_system else self.tools
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.context(self.with_tools(messages))
+
+    def context(self, conversation: list[dict]) -> list[int]:
+        """The ids of ``conversation`` (with the tools' instructions, :meth:`with_tools`) as the next turn's
+        context."""
+        return self.tokenizer.encode(self._context(conversation), add_special_tokens=False)
+
+    def _context(self, conversation: list[dict]) -> str:
+        """``conversation`` (with the tools' instructions, :meth:`with_tools`) as the next turn's context."""
+        try:
+            return self._render(conversation, generation=True, tools=None if self.tools_in_system else self.tools)
+        except jinja2.TemplateError as err:  # its own raise_exception (gpt-oss's wants the call a result answers)
+            roles = "/".join(sorted({m["role"] for m in conversation}))
+            raise ValueError(f"the chat template refuses this conversation of {roles} messages ({err})") from None
+
+    def sampled(self, turn_ids: list[int]) -> dict:
+        """An assistant turn as the template reads it back to render the conversation: its sampled text with
+        the markers of reasoning and tool calls as written (without the end-of-turn token the template adds)."""
+        if turn_ids and turn_ids[-1] == self.tokenizer.eos_token_id:
+            turn_ids = turn_ids[:-1]
+        return {"role": "assistant", "content": self._decode(turn_ids)}
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def follow(self, conversation: list[dict], context: list[int], messages: list[dict], turn_ids: list[int]):
+        """What comes after an assistant turn (``turn_ids``, the last of ``context``) once the observation
+        ``messages`` follow: ``(ids, False)`` with the :meth:`observation` ids to append, or, with ``new_samples``
+        where the template rewrites the history (DeepSeek-R1's and Qwen3's drop the reasoning of earlier turns),
+        ``(ids, True)`` with the prompt of a new training sample: the whole ``conversation`` (as
+        :meth:`with_tools` and :meth:`sampled` give it) plus ``messages``, rendered anew, wherever that rendering is
+        not ``context`` plus the appended ids."""
+        if not self.new_samples:
+            return self.observation(messages, turn_ids), False
+        text = self._context(conversation + self.inert_messages(messages))
+        ids = self._after_turn(messages, turn_ids)
+        if ids is not None and self._decode(context + ids) == text:
+            return ids, False
+        return self.tokenizer.encode(text, add_special_tokens=False), True
 
     def observation(self, messages: list[dict], turn_ids: list[int]) -> list[int]:
         """What follows an assistant turn whose sampled ids were ``turn_ids``: the rest of its end-of-turn text,
-        the observation ``messages`` and the next assistant turn's opening. Every text of the messages is made
-        :meth:`inert`: also a tool's name and a call's id, which the policy wrote and some templates render (Kimi-K2's
-        writes the name as the turn's role)."""
-        messages = [{k: self.inert(v) if isinstance(v, str) else v for k, v in m.items()} for m in messages]
+        the observation ``messages`` (made :meth:`inert_messages`) and the next assistant turn's opening."""
+        ids = self._after_turn(messages, turn_ids)
+        if ids is None:
+            raise ValueError(
+                "the chat template renders earlier messages differently once more follow, so observations cannot "
+                "be appended to a trajectory's tokens; use a template that appends messages, or set "
+                f"{REWRITTEN_KEY}: new_sample to train on the rewritten history as a new sample"
+            )
+        return ids
+
+    def _after_turn(self, messages: list[dict], turn_ids: list[int]) -> list[int] | None:
+        """:meth:`observation`'s ids, or None where the template renders the turn before them differently."""
+        messages = self.inert_messages(messages)
         try:
             full = self._render(self._base + messages, generation=True)
         except jinja2.TemplateError as err:  # its own raise_exception (gpt-oss's wants the call a result answers)
@@ -107,10 +164,7 @@ class ChatFormat:
             ) from None
         mark = full.find(_MARK, len(self._opening))
         if not full.startswith(self._opening) or mark < 0:
-            raise ValueError(
-                "the chat template renders earlier messages differently once more follow, so observations cannot "
-                "be appended to a trajectory's tokens; use a template that appends messages"
-            )
+            return None
         rest = full[mark + len(_MARK) :]
         if turn_ids and turn_ids[-1] == self.tokenizer.eos_token_id and rest.startswith(self._eos):
             rest = rest[len(self._eos) :]  # the engine sampled the end-of-turn token itself

@@ -50,6 +50,8 @@ class _Live:
     env: object = None  # its environment actor, from the reset on
     resets: int = 0  # resets sent (one more when its actor died during the first)
     traj: TrajectoryBuilder = field(default_factory=TrajectoryBuilder)
+    # the conversation as the template reads it (rewritten_history: new_sample): the sampled turns as written
+    conversation: list[dict] = field(default_factory=list)
     results: dict[int, ToolResult] = field(default_factory=dict)  # this turn's tool results by call index
     call_ids: list[str] = field(default_factory=list)  # this turn's tool calls, by the ids their results name
 
@@ -76,7 +78,8 @@ class AgentLoop(GroupSampler):
         super().__init__()
         self.rollout, self.envs, self.tools, self.tokenizer = rollout, envs, tools, tokenizer
         self.tool_format = resolve_format(KEY, limits.tool_format, tokenizer.chat_template)
-        self.chat = ChatFormat(tokenizer, tools.schemas if tools else [], self.tool_format)
+        new_samples = limits.rewritten_history == "new_sample"
+        self.chat = ChatFormat(tokenizer, tools.schemas if tools else [], self.tool_format, new_samples)
         self.max_turns, self.max_tokens = limits.max_turns, limits.total_tokens(max_model_len)
         self.max_calls, self.max_chars = limits.max_tool_calls_per_turn, limits.max_observation_chars
         self.env_timeout_s = env_timeout_s
@@ -198,6 +201,7 @@ class AgentLoop(GroupSampler):
     def _opened(self, live: _Live, messages: list[dict]) -> None:
         traj = live.traj
         traj.messages, traj.prompt_ids = self.chat.with_tools(messages), self.chat.prompt(messages)
+        live.conversation = list(traj.messages)
         if len(traj.context) >= self.max_tokens:
             raise EnvError(
                 f"row {live.group.prompt.row.id!r}: the opening messages are {len(traj.context)} tokens, leaving no room "
@@ -219,6 +223,7 @@ class AgentLoop(GroupSampler):
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         message = {"role": "assistant", "content": text}
         live.traj.add_turn(completion, message)
+        live.conversation.append(self.chat.sampled(completion.token_ids))
         if completion.finish_reason == "length":
             return self._finish(live, "max_tokens" if len(live.traj.context) >= self.max_tokens else "length")
         calls = []
@@ -256,11 +261,12 @@ class AgentLoop(GroupSampler):
     def _observe(self, live: _Live, messages: list[dict]) -> None:
         """Append tool results (cut to max_observation_chars in their actor) or environment messages (cut here),
         made inert, and take the next turn."""
-        messages = [{**m, "content": self.chat.inert(m["content"])} for m in messages]
-        ids = self.chat.observation(messages, live.traj.last_turn)
-        if len(live.traj.context) + len(ids) >= self.max_tokens:  # no room left for a turn after it
+        messages, traj = self.chat.inert_messages(messages), live.traj
+        ids, rewritten = self.chat.follow(live.conversation, traj.context, messages, traj.last_turn)
+        if len(ids) + (0 if rewritten else len(traj.context)) >= self.max_tokens:  # no room left for a turn
             return self._finish(live, "max_tokens")
-        live.traj.add_observation(ids, messages)
+        traj.new_segment(ids, messages) if rewritten else traj.add_observation(ids, messages)
+        live.conversation += messages
         self._generate(live)
 
     def _env_error(self, live: _Live, error: str) -> None:
@@ -276,7 +282,7 @@ class AgentLoop(GroupSampler):
         if all(t is not None for t in group.done):
             with self._lock:
                 self._open.discard(group)
-            prompt, texts = group.prompt, [self.tokenizer.decode(t.token_ids) for t in group.done]
+            prompt, texts = group.prompt, [self.tokenizer.decode(t.response_ids) for t in group.done]
             samples = [
                 Sample(f"{prompt.row.id}/{k}", Prompt(prompt.row, t.prompt_ids), t, text)
                 for k, (t, text) in enumerate(zip(group.done, texts, strict=True))

@@ -141,7 +141,7 @@ class AgentPrograms(GroupSampler):
             with self._lock:
                 self._open.discard(group)
             samples = [
-                Sample(f"{row.id}/{k}", Prompt(row, t.prompt_ids), t, self.tokenizer.decode(t.token_ids))
+                Sample(f"{row.id}/{k}", Prompt(row, t.prompt_ids), t, self.tokenizer.decode(t.response_ids))
                 for k, (t, _) in enumerate(group.done)
             ]
             group.future.set_result((samples, [r for _, r in group.done]))

@@ -5,10 +5,12 @@ Each session is one trajectory, recorded as the built-in loop records its own (:
 first request's messages rendered by the policy's chat template are its prompt; each later request must repeat
 the session's messages so far exactly (the assistant turns as they were served) and add observations after the
 last assistant turn (tool results, user messages), whose ids the template puts after the sampled ids, never
-re-tokenising them. The policy's sampling settings are the run's: an agent may shorten a turn (``max_tokens``),
-not change how the policy samples. A request that does not fit (another model, a changed history or tool list, a
-finished session, a turn past the session's limits, malformed messages) is a :class:`RequestError` with what was
-expected, which the server answers with an OpenAI-style 400.
+re-tokenising them. With ``rewritten_history: new_sample`` a history the agent changed (compacted, summarised),
+or one the template renders differently once observations follow, is no error: the trajectory goes on from it
+rendered anew, a new training sample. The policy's sampling settings are the run's: an agent may shorten a turn
+(``max_tokens``), not change how the policy samples. A request that does not fit (another model, a changed history
+or tool list, a finished session, a turn past the session's limits, malformed messages) is a
+:class:`RequestError` with what was expected, which the server answers with an OpenAI-style 400.
 """
 
 from __future__ import annotations
@@ -164,6 +166,10 @@ class Session:
     index: int  # the session's number: its seeds
     traj: TrajectoryBuilder = field(default_factory=TrajectoryBuilder)
     served: list[dict] = field(default_factory=list)  # the conversation so far, normalized
+    # the conversation as the template reads it (rewritten_history: new_sample), and each served assistant message
+    # with the turn as sampled (what an earlier turn of a history the agent rewrote renders as)
+    conversation: list[dict] = field(default_factory=list)
+    turns: list[tuple[dict, dict]] = field(default_factory=list)
     tools: list | None = None  # the tool schemas of its first request, which every later one repeats
     chat: ChatFormat | None = None
     busy: bool = False
@@ -184,6 +190,7 @@ class Sessions:
         self.tool_format = resolve_format(KEY, limits.tool_format, tokenizer.chat_template)
         self.max_turns, self.max_tokens = limits.max_turns, limits.total_tokens(max_model_len)
         self.max_calls, self.max_chars = limits.max_tool_calls_per_turn, limits.max_observation_chars
+        self.new_samples = limits.rewritten_history == "new_sample"
         self._sessions: dict[str, Session] = {}
         self._finished: dict[str, str] = {}  # session id -> why it stopped, for the errors of late requests
         self._count = itertools.count()
@@ -196,7 +203,7 @@ class Sessions:
         key = json.dumps(tools or [], sort_keys=True, default=str)
         with self._lock:
             chat = self._formats.pop(key, None)
-        chat = chat or ChatFormat(self.tokenizer, tools or [], self.tool_format)
+        chat = chat or ChatFormat(self.tokenizer, tools or [], self.tool_format, self.new_samples)
         with self._lock:
             self._formats[key] = chat  # now the latest
             while len(self._formats) > FORMATS_KEPT:
@@ -280,12 +287,15 @@ class Sessions:
                 raise RequestError(f"messages: {len(ids)} tokens leave no room in max_total_tokens={self.max_tokens}")
             session.chat, session.tools = chat, tools
             traj.prompt_ids, traj.messages, session.served = ids, list(messages), list(messages)
+            session.conversation = chat.with_tools([_rendered(m) for m in messages])
             return
-        served = session.served
+        served, chat = session.served, session.chat
         if tools != session.tools:
             raise RequestError("tools: expected the tools of the session's first request", param="tools")
         if messages[: len(served)] != served:
             first = next((i for i, (a, b) in enumerate(zip(messages, served, strict=False)) if a != b), len(messages))
+            if self.new_samples:
+                return self._restart(session, messages, first)
             raise RequestError(
                 f"messages[{first}]: the session's history differs from here (or is shorter); each request repeats "
                 "the conversation so far as it was served, and adds messages after the last assistant turn",
@@ -294,12 +304,31 @@ class Sessions:
         new = messages[len(served) :]
         if not new or any(m["role"] not in OBSERVATION_ROLES for m in new):
             raise RequestError("messages: expected user or tool messages after the last assistant turn")
-        new = [{**m, "content": session.chat.inert(clip(m["content"], self.max_chars))} for m in new]
-        ids = session.chat.observation([_rendered(m) for m in new], traj.last_turn)
-        if len(traj.context) + len(ids) >= self.max_tokens:
+        new = chat.inert_messages([_rendered({**m, "content": clip(m["content"], self.max_chars)}) for m in new])
+        ids, rewritten = chat.follow(session.conversation, traj.context, new, traj.last_turn)
+        if len(ids) + (0 if rewritten else len(traj.context)) >= self.max_tokens:
             raise RequestError(f"messages: the session would pass max_total_tokens={self.max_tokens}")
-        traj.add_observation(ids, new)
-        session.served = messages
+        traj.new_segment(ids, new) if rewritten else traj.add_observation(ids, new)
+        session.served, session.conversation = messages, session.conversation + new
+
+    def _restart(self, session: Session, messages: list[dict], first: int) -> None:
+        """A history the agent changed from ``messages[first]`` on (compacted, summarised): a new training sample
+        from it, the assistant turns the session served rendered as they were sampled, every other text inert (and
+        user and tool messages cut to max_observation_chars, as when appended)."""
+        if messages[-1]["role"] == "assistant":
+            raise RequestError("messages: the last message is the assistant's; the policy writes its own turns")
+        chat, conversation = session.chat, []
+        for m in messages:
+            if m["role"] in OBSERVATION_ROLES:
+                m = {**m, "content": clip(m["content"], self.max_chars)}
+            view = next((view for served, view in session.turns if served == m), None)
+            conversation.append(view or chat.inert_messages([_rendered(m)])[0])
+        conversation = chat.with_tools(conversation)
+        ids = chat.context(conversation)
+        if len(ids) >= self.max_tokens:
+            raise RequestError(f"messages: {len(ids)} tokens leave no room in max_total_tokens={self.max_tokens}")
+        session.traj.new_segment(ids, messages[first:])
+        session.served, session.conversation = messages, conversation
 
     def _answer(self, session: Session, completion: Completion, body: dict) -> dict:
         traj, turn = session.traj, session.traj.stats["turns"]
@@ -316,7 +345,9 @@ class Sessions:
             message["tool_calls"] = openai_tool_calls(calls, call_ids(calls, f"call_{session.index}_{turn}"))
         served = normalize([message])[0]  # as the agent sends it back
         traj.add_turn(completion, served)
-        session.served = [*session.served, served]
+        sampled = session.chat.sampled(completion.token_ids)
+        session.served, session.conversation = [*session.served, served], [*session.conversation, sampled]
+        session.turns.append((served, sampled))
         finish = "tool_calls" if calls else completion.finish_reason
         if completion.finish_reason == "length" and len(traj.context) >= self.max_tokens:
             session.stop = "max_tokens"

@@ -385,6 +385,25 @@ def _multi_turn(config: RunConfig) -> None:
             "models.policy_trainer.moe.routing_replay: multi-turn trajectories are sampled turn by turn, with "
             "no routing of their observation tokens to replay; set it to false"
         )
+    if limits.rewritten_history == "new_sample":
+        _new_samples(config)
+
+
+def _new_samples(config: RunConfig) -> None:
+    """A trajectory may become several training samples (rows), so a step's rows vary: each sample's advantage
+    is its trajectory's, and the rows are planned as packed sequences."""
+    trainer, key = config.models.policy_trainer, "models.policy.rollout.multi_turn.rewritten_history=new_sample"
+    if trainer.advantage_estimator in TOKEN_ESTIMATORS:
+        raise ConfigError(
+            f"{key}: models.policy_trainer.advantage_estimator={trainer.advantage_estimator!r} chains the advantages "
+            f"of a trajectory's tokens, which its samples split; use a per-sample estimator ({sorted(ESTIMATORS)})"
+        )
+    if not trainer.max_token_in_packing or trainer.share_prompts:
+        raise ConfigError(
+            f"{key}: a step's rows vary with the samples its trajectories became; set "
+            "models.policy_trainer.max_token_in_packing > 0 (packed rows, planned whatever their number) and "
+            "share_prompts: false"
+        )
 
 
 def _layouts(config: RunConfig) -> None:

@@ -67,6 +67,9 @@ class SamplingConfig:
                 raise ValueError(f"{prefix}.{name}={getattr(self, name)!r}: expected {expected}")
 
 
+REWRITTEN_HISTORY = ("refuse", "new_sample")
+
+
 @dataclass
 class MultiTurnConfig:
     """Limits of multi-turn trajectories (used when ``models.reward`` names an environment or tools)."""
@@ -77,9 +80,18 @@ class MultiTurnConfig:
     max_observation_chars: int = 8192  # of each tool result or environment message; the rest is cut
     # How the policy writes tool calls (mcore_rl.agent.tool_calls.FORMATS); "auto": from its chat template
     tool_format: str = "auto"
+    # Where the chat template renders the history differently once more messages follow (DeepSeek-R1's and
+    # Qwen3's drop earlier turns' reasoning), or an agent sends a history it changed: "refuse" (an error), or
+    # "new_sample": the policy continues from the rewritten context, a new training sample of the trajectory
+    # (its reward and advantage shared; each counts as a sequence in the loss's per-sequence means)
+    rewritten_history: str = "refuse"
 
     def validate(self, prefix: str, max_model_len: int) -> None:
         check_bounds(prefix, self, ("max_turns", "max_tool_calls_per_turn", "max_observation_chars"), 1, "at least 1")
+        if self.rewritten_history not in REWRITTEN_HISTORY:
+            raise ValueError(
+                f"{prefix}.rewritten_history={self.rewritten_history!r}: expected one of {list(REWRITTEN_HISTORY)}"
+            )
         resolve_format(f"{prefix}.tool_format", self.tool_format, None)
         if not 0 <= self.max_total_tokens <= max_model_len:
             raise ValueError(

@@ -15,6 +15,7 @@ from converters.stream import export_hf
 from converters.torch_dist import LORA_FILE, find_megatron
 from mcore_rl.algorithms.grpo import PolicyLossConfig, policy_loss
 from mcore_rl.algorithms.mtp import mtp_logprobs, mtp_loss
+from mcore_rl.batch import step_starts
 from mcore_rl.trainer.logprobs import token_scores
 from mcore_rl.trainer.moe import RouterLoad
 from mcore_rl.trainer.packing import rows_of
@@ -135,7 +136,8 @@ class PolicyTrainer(TrainableRank):
         return loss, metrics | {"loss": loss.detach()}
 
     def train(self, batch: dict, global_batch_size: int, micro_batch_size: int) -> list[dict]:
-        """Optimizer steps over ``batch`` in global batches of ``global_batch_size`` rows; metrics per step.
+        """Optimizer steps over ``batch`` in global batches of ``global_batch_size`` samples (the rows they became:
+        :func:`~mcore_rl.batch.step_starts`); metrics per step.
 
         The old log-probs (``batch["old_logp"]``, else those :meth:`score_old` kept) cover its last rows (all, or
         those after the first step): a step without them is the first, whose old policy is the current one
@@ -145,11 +147,12 @@ class PolicyTrainer(TrainableRank):
         old, self._old_logp = batch.pop("old_logp", self._old_logp), None
         first_old = batch["tokens"].shape[0] - (old.shape[0] if old is not None else 0)
         steps = []
-        for start in range(0, batch["tokens"].shape[0], global_batch_size):
-            step = {k: v[start : start + global_batch_size] for k, v in batch.items()}
+        starts = step_starts(batch, global_batch_size)
+        for start, end in zip(starts, [*starts[1:], batch["tokens"].shape[0]], strict=True):
+            step = {k: v[start:end] for k, v in batch.items()}
             if start >= first_old:
-                step["old_logp"] = old[start - first_old : start - first_old + global_batch_size]
-            elif start + global_batch_size > first_old:
+                step["old_logp"] = old[start - first_old : end - first_old]
+            elif end > first_old:
                 raise ValueError(f"old_logp starts at row {first_old}, inside the step of rows {start}+")
             steps.append(step)
         names = ["mask", "old_logp", "rollout_logp", "ref_logp", *self._routing(batch), "advantages"]

@@ -136,11 +136,18 @@ class MegatronRank:
                 tokens, measure, micro_batch_size, lengths, prompt_lengths=prompts, shared_plan=plan
             )
             return all_reduce_(local, self.groups.dp).cpu()  # each row is scored on one rank, 0 on the others
-        mine = {k: batch[k].chunk(size)[rank].to(self.device) for k in ("tokens", *self._routing(batch))}
-        lengths = batch["lengths"].chunk(size)[rank].tolist() if packing else None
+        # Equal shares for the gather: a row count that is no multiple of the ranks (a multi-turn trajectory's
+        # rewritten history adds rows) is filled up with copies of the last row, scored and dropped.
+        rows = batch["tokens"].shape[0]
+        fill = -rows % size
+        keys = ("tokens", *self._routing(batch), *("lengths",) * bool(packing))
+        even = {k: torch.cat([batch[k], batch[k][-1:].expand(fill, *batch[k].shape[1:])]) for k in keys}
+        mine = {k: v.chunk(size)[rank] for k, v in even.items()}
+        lengths = mine.pop("lengths").tolist() if packing else None
+        mine = {k: v.to(self.device) for k, v in mine.items()}
         tokens = mine.pop("tokens")
         local = self.model.score(tokens, measure, micro_batch_size, lengths, packing, **mine)
-        return torch.cat([shards[0] for shards in all_gather_bucket([local], self.groups.dp)]).cpu()
+        return torch.cat([shards[0] for shards in all_gather_bucket([local], self.groups.dp)])[:rows].cpu()
 
     def _shared_plan(self, tokens, lengths: list[int], prompts: list[int], micro_batch_size: int):
         """Micro-batches of whole prompt groups for every data-parallel rank, as many on each (expert-parallel

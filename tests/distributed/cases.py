@@ -488,6 +488,23 @@ def _episode_batch() -> dict:
     return {"tokens": tokens, "lengths": lengths, "mask": mask, "advantages": torch.randn(8, generator=generator)}
 
 
+def policy_trainer_segments(hf_dir: str, layout: dict) -> dict:
+    """One packed episode of eight samples that became ten rows (multi-turn trajectories whose template rewrote
+    the history, ``owner`` their sample), as the driver runs it: the old log-probs of the rows after the first step
+    (five, over the data-parallel ranks), then two steps of four samples each (five rows each); returns every row's
+    log-probs at its response positions before the steps and each step's metrics."""
+    from mcore_rl.batch import step_starts
+
+    trainer = _policy_trainer(hf_dir, layout, 2, max_token_in_packing=24)
+    batch = {k: torch.cat([v, v[[1, 5]]]) for k, v in _episode_batch().items()}
+    batch["owner"] = torch.tensor([0, 0, 1, 2, 3, 4, 4, 5, 6, 7])
+    batch["advantages"] = torch.tensor([1.0, -0.5, 0.25, -0.75, 0.5, -1.0, 0.0, 2.0])[batch["owner"]]
+    batch["rollout_logp"] = logprobs = trainer.logprobs(batch, micro_batch_size=2) * batch["mask"]
+    first = step_starts(batch, 4)[1]
+    trainer.score_old({k: v[first:] for k, v in batch.items()}, 2, fetch=False)
+    return {"logprobs": logprobs, "steps": trainer.train(batch, global_batch_size=4, micro_batch_size=2)}
+
+
 def policy_trainer_episodes(
     hf_dir: str,
     layout: dict,

@@ -19,7 +19,7 @@ from mcore_rl.agent.programs import AgentPrograms
 from mcore_rl.agent.server import AgentServer
 from mcore_rl.agent.sessions import EngineCalls, Sessions
 from mcore_rl.agent.tools import Calculator, ToolError, invoke, schema
-from mcore_rl.batch import training_batch
+from mcore_rl.batch import Sample, training_batch
 from mcore_rl.data.arithmetic import arithmetic_splits
 from mcore_rl.data.prompts import Prompt, PromptRow, chat_token_ids
 from mcore_rl.roles.rollout import RolloutGroup
@@ -181,6 +181,46 @@ def test_requests_that_do_not_fit_get_openai_errors_and_leave_the_session_as_it_
     assert traj.turns == 3
     status, answer = _raw(server, "/sessions/bad/reward", json.dumps({"reward": 1.0}).encode())
     assert status == 400 and "has finished (done)" in answer["error"]["message"]
+
+
+def test_an_agent_that_rewrites_its_history_continues_in_a_new_sample(endpoint, tokenizer):
+    """With rewritten_history new_sample, a history the agent changed (its question summarised, its tool result
+    dropped) is no error: the policy continues from it rendered anew, the served turn kept as sampled; each sample
+    holds exactly what the client got, token for token with its log-probs."""
+    server, rollout = endpoint
+    limits = MultiTurnConfig(max_turns=3, rewritten_history="new_sample")
+    compacting = AgentServer(Sessions(server.sessions.engine, tokenizer, limits, MAX_LEN - 1, MODEL))
+    try:
+        row = arithmetic_splits(1, 0, seed=8)[0][0]
+        compacting.sessions.open("compact", row.as_dict(), SAMPLING)
+        client = _client(compacting, "compact")
+        first = _ask(client, list(row.messages), max_tokens=30).choices[0]
+        summary = [{"role": "user", "content": "(summarised) " + row.messages[-1]["content"]}, first.message]
+        history = [*summary, {"role": "user", "content": "Sure?"}]
+        second = _ask(client, history, max_tokens=30).choices[0]
+        traj, _ = compacting.sessions.finish("compact")
+    finally:
+        compacting.close()
+    (earlier,) = traj.segments
+    turns = [c.model_extra["token_ids"] for c in (first, second)]
+    assert earlier.prompt_ids == tokenizer.apply_chat_template(
+        row.messages, tools=TOOLS, add_generation_prompt=True, return_dict=False
+    )
+    assert earlier.token_ids == turns[0] and all(earlier.loss_mask)
+    assert earlier.logprobs == [t.logprob for t in first.logprobs.content]
+    sampled = tokenizer.decode(turns[0], skip_special_tokens=False).removesuffix(tokenizer.eos_token)
+    rendered = [summary[0], {"role": "assistant", "content": sampled}, history[-1]]
+    assert traj.prompt_ids == tokenizer.apply_chat_template(
+        rendered, tools=TOOLS, add_generation_prompt=True, return_dict=False
+    )
+    assert traj.token_ids == turns[1] and traj.logprobs == [t.logprob for t in second.logprobs.content]
+    scored = ray.get(rollout.engines[0].score.remote([traj.prompt_ids + traj.token_ids]))[0]
+    assert max(abs(a - b) for a, b in zip(traj.logprobs, scored[len(traj.prompt_ids) - 1 :], strict=True)) <= 1e-4
+    batch = training_batch([Sample(f"{row.id}/0", Prompt(row, traj.prompt_ids), traj, "")], [1.0])
+    assert batch["owner"].tolist() == [0, 0] and batch["mask"].sum().item() == len(turns[0]) + len(turns[1])
+    # the record: the opening and the first turn, the history the agent sent instead, the second turn
+    assert [m["role"] for m in traj.messages] == ["user", "assistant", "user", "assistant", "user", "assistant"]
+    assert traj.messages[2]["content"] == summary[0]["content"] and traj.turns == 2
 
 
 # Fails as its row's question says; "reward" sets its reward through the endpoint after one short turn.

@@ -46,6 +46,14 @@ class Environment:
             return [{"role": "user", "content": "again"}], float(len(message["content"])), False
         return [], 0.5, True
 """
+# GLM-4.5's rule for earlier turns: an assistant turn before the last user message gets an empty reasoning block.
+GLM_LIKE = (
+    "{%- set ns = namespace(last=0) %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and loop.index0 < ns.last %}<think></think>{% endif %}{{ m.content }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # Fails as its row says: raises in step, hangs in step, returns garbage, kills its process, or raises in reset.
 FAILING = """
 import os
@@ -198,6 +206,47 @@ def test_environment_rewards_over_several_steps_reach_the_advantages(rollout, to
         assert torch.equal(batch["advantages"], group_advantages(torch.tensor(expected), 3, True))
         assert torch.equal(batch["rewards"], torch.tensor(expected))
     assert any(s.completion.finish_reason == "max_turns" for s in samples)
+
+
+def test_a_rewritten_history_continues_as_a_new_sample_with_the_engine_s_logprobs(rollout, tokenizer, tmp_path):
+    """GLM-4.5's template renders every assistant turn before the last user message with an empty <think></think>
+    (here in the tiny model's template, whose character tokenizer cannot spell GLM's role tokens; the real one is
+    tests/unit/test_chat_format.py's), which the model did not sample: with rewritten_history new_sample the
+    environment's "again" starts a second training sample from that rendering. Each sample holds exactly its own
+    context and turn, with the engine's log-probs there, and both rows share their trajectory's advantage."""
+    (tmp_path / "two_steps.py").write_text(TWO_STEPS)
+    glm = transformers.AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    glm.chat_template = GLM_LIKE
+    limits = MultiTurnConfig(rewritten_history="new_sample")
+    loop, pools = _loop(rollout, glm, f"{tmp_path}/two_steps.py", [], limits)
+    rows = arithmetic_splits(2, 0, seed=5)[0]
+    try:
+        samples, rewards = loop.generate(_prompts(glm, rows), SamplingConfig(n=2, max_new_tokens=100, seed=7))
+    finally:
+        _close(loop, pools)
+    rewritten = [s for s in samples if s.completion.segments]
+    assert rewritten, "no trajectory reached its second turn"
+    engine = rollout.engines[0]
+    for sample in rewritten:
+        traj = sample.completion
+        (first,) = traj.segments
+        opening = glm.apply_chat_template(sample.prompt.row.messages, add_generation_prompt=True, tokenize=False)
+        assert glm.decode(first.prompt_ids) == opening and all(first.loss_mask)  # the first turn, as sampled
+        turn = {"role": "assistant", "content": glm.decode(first.token_ids[:-1])}  # its end token: the template's
+        again = [*sample.prompt.row.messages, turn, {"role": "user", "content": "again"}]
+        assert glm.decode(traj.prompt_ids) == glm.apply_chat_template(again, add_generation_prompt=True, tokenize=False)
+        assert glm.decode(traj.prompt_ids).endswith("<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n")
+        assert "<think></think>" in glm.decode(traj.prompt_ids) and traj.turns == 2
+        for prompt, ids, logprobs in ((first.prompt_ids, first.token_ids, first.logprobs),
+                                      (traj.prompt_ids, traj.token_ids, traj.logprobs)):  # fmt: skip
+            scored = ray.get(engine.score.remote([prompt + ids]))[0][len(prompt) - 1 :]
+            assert max(abs(a - b) for a, b in zip(logprobs, scored, strict=True)) <= 1e-4
+    batch = training_batch(samples, rewards)
+    owner = batch["owner"]
+    assert len(owner) == len(samples) + len(rewritten) and sorted(set(owner.tolist())) == list(range(len(samples)))
+    add_advantages(batch, TrainerConfig(advantage_estimator="grpo"), group_size=2)
+    expected = group_advantages(torch.tensor(rewards), 2, True)
+    assert torch.equal(batch["advantages"], expected[owner])
 
 
 def test_failing_tools_become_error_observations_and_a_hung_one_is_stopped(ray_address, tmp_path):

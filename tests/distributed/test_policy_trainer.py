@@ -29,6 +29,22 @@ def test_offload_between_episodes_is_exact_and_first_ratio_is_one(ranks, tiny_mo
     assert abs(plain["steps"][2]["ratio_mean"] - 1) < 1e-6
 
 
+def test_trajectories_of_several_rows_train_alike_on_every_data_parallel_layout(ranks, tiny_models):
+    """Ten rows of eight samples (rewritten multi-turn histories): scored over 4, 2 and 1 data-parallel ranks (the
+    last row repeated to even shares, then dropped) and trained in two steps of four samples each, the same."""
+    hf_dir = tiny_models["Qwen3ForCausalLM"]
+    reference = ranks.run(cases.policy_trainer_segments, hf_dir=hf_dir, layout=dict(tp=2, pp=2))[0]
+    assert len(reference["logprobs"]) == 10 and len(reference["steps"]) == 2
+    assert abs(reference["steps"][0]["ratio_mean"] - 1) < 1e-6  # the first step's rows are their own old policy
+    assert reference["steps"][1]["ratio_mean"] != 1  # the second's were scored before the first step
+    for layout in (dict(), dict(tp=2)):
+        for result in ranks.run(cases.policy_trainer_segments, hf_dir=hf_dir, layout=layout):
+            assert (result["logprobs"] - reference["logprobs"]).abs().max().item() <= 2e-5, layout
+            for step, expected in zip(result["steps"], reference["steps"], strict=True):
+                for key in ("loss", "grad_norm", "ratio_mean"):
+                    assert step[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), (layout, key)
+
+
 @pytest.mark.parametrize(
     "arch, layouts",
     [

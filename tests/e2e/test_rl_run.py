@@ -526,6 +526,8 @@ def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models,
 
 
 # A plain agent with the openai client and the calculator, as a user writes one; its reward: "42" in the answer.
+# After a tool round it restates the question (as agents that rewrite their context do): the run continues each
+# trajectory from that history as a new training sample (rewritten_history: new_sample).
 PROGRAM = """
 import itertools
 import json
@@ -549,6 +551,7 @@ def run(base_url, api_key, row):
             except ToolError as err:
                 result = f"error: {err}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        messages[0] = {"role": "user", "content": "Once more: " + row["messages"][0]["content"]}
     return 0.0
 """
 
@@ -559,11 +562,14 @@ def test_multi_turn_rl_with_the_calculator_tool(tool_model, tmp_path, ray_addres
     while the calculator runs and while the trainer trains (the trajectories in flight at the weight sync continue
     with the new weights); the episode logs the trajectories' statistics, and the rollout records keep each
     conversation. The agent is the built-in loop with the calculator tool, or a plain program with the openai client
-    and the calculator, through the run's endpoint."""
+    and the calculator, through the run's endpoint, which restates its question after a tool round: each such
+    trajectory trains as two samples, the second from the rewritten history, both scored by the trainer exactly as
+    the engine sampled them."""
     path = write_config(tmp_path, tool_model, "calculator")
     if agent == "openai program":
         (tmp_path / "agent.py").write_text(PROGRAM)
-        sampler = [f"models.reward.agent={tmp_path}/agent.py"]
+        sampler = [f"models.reward.agent={tmp_path}/agent.py", "models.policy_trainer.max_token_in_packing=512",
+                   "models.policy.rollout.multi_turn.rewritten_history=new_sample"]  # fmt: skip
     else:
         sampler = ["models.reward.fn=math", "models.reward.tools=[calculator]"]
     overrides = [
@@ -578,7 +584,10 @@ def test_multi_turn_rl_with_the_calculator_tool(tool_model, tmp_path, ray_addres
     (record,) = read_metrics(out / "metrics.jsonl")
     assert record["agent/tool_calls_mean"] > 0 and record["agent/turns_mean"] > 1  # seeded: 1 and 2 here
     assert sum(record[f"agent/stop_{s}_fraction"] for s in STOP_REASONS) == pytest.approx(1.0)
-    assert record["agent/env_errors"] == 0 and 0 < record["agent/observation_token_fraction"] < 1
+    assert record["agent/env_errors"] == 0
+    # the program's tool results come with its restated question: in the second sample's prompt, not between turns
+    observed = record["agent/observation_token_fraction"]
+    assert 0 < observed < 1 if agent == "built-in loop" else observed == 0
     assert record["train/grad_norm"] >= 0 and record["train/rollout_logp_abs_diff"] < 1e-4
     assert record["sync/probe_max_abs_diff"] < 1e-4
     rollouts = [json.loads(line) for line in (out / "rollouts" / "episode_1.jsonl").open()]
@@ -586,3 +595,6 @@ def test_multi_turn_rl_with_the_calculator_tool(tool_model, tmp_path, ray_addres
     called = [r for r in rollouts if any(m["role"] == "tool" for m in r["messages"])]
     assert called and all(r["messages"][1]["content"].startswith("<tool_call>") for r in called)
     assert "42" in {m["content"] for r in called for m in r["messages"] if m["role"] == "tool"}
+    if agent == "openai program":  # every trajectory with a tool round went on from its restated question
+        assert all(r["segments"] == 2 and r["messages"][2]["content"].startswith("Once more: ") for r in called)
+        assert record["agent/segments_mean"] == record["batch/rows_per_sample"] == 1 + len(called) / 8

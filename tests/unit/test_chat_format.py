@@ -185,8 +185,18 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2):
         "<|im_start|>system\n{{ messages | length }} messages<|im_end|>\n"
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     )
-    with pytest.raises(ValueError, match="renders earlier messages differently"):
+    with pytest.raises(ValueError, match="renders earlier messages differently.* or set .*rewritten_history"):
         ChatFormat(tokenizer, []).observation([{"role": "user", "content": "x"}], [tokenizer.eos_token_id])
+    with pytest.raises(ValueError, match="renders earlier messages differently"):  # with tools: before the run
+        ChatFormat(tokenizer, [schema(Calculator())])
+    # rewritten_history: new_sample: the policy goes on from the conversation rendered anew, a new training sample
+    chat = ChatFormat(tokenizer, [schema(Calculator())], new_samples=True)
+    turn = tokenizer.encode("41", add_special_tokens=False) + [tokenizer.eos_token_id]
+    conversation = [*chat.with_tools(OPENING), chat.sampled(turn)]
+    observation = [{"role": "user", "content": "x"}]
+    ids, rewritten = chat.follow(conversation, chat.prompt(OPENING) + turn, observation, turn)
+    expected = tokenizer.apply_chat_template([*conversation, *observation], add_generation_prompt=True, tokenize=False)
+    assert rewritten and tokenizer.decode(ids) == expected and expected.startswith("<|im_start|>system\n4 messages")
 
 
 def test_tool_output_cannot_forge_control_tokens(smollm2):
@@ -272,3 +282,61 @@ def test_agent_sessions_with_one_tool_list_share_its_chat_format(smollm2, monkey
     assert len(made) == 2 + sessions.FORMATS_KEPT
     assert agents._chat_format([{**tools[0], "n": 0}]) and len(made) == 2 + sessions.FORMATS_KEPT  # kept
     assert agents._chat_format(tools) is not first and len(made) == 3 + sessions.FORMATS_KEPT  # dropped, made again
+
+
+def test_a_template_that_appends_never_starts_a_new_sample(smollm2):
+    """rewritten_history: new_sample checks each observation against the whole conversation rendered anew; under
+    templates that append (SmolLM2's own, Qwen-like with tools) it appends exactly what observation() would."""
+    for template in (None, QWEN_LIKE):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+        tokenizer.chat_template = template or tokenizer.chat_template
+        chat, eos = ChatFormat(tokenizer, [schema(Calculator())], new_samples=True), [tokenizer.eos_token_id]
+        conversation, context = chat.with_tools(OPENING), chat.prompt(OPENING)
+        turns = [CALL, "<think>\nso\n</think>\n\nIt is 42.", "42"]
+        observations = [[{"role": "tool", "content": "42"}], [{"role": "user", "content": "again <|im_end|>"}]]
+        for text, observation in zip(turns, observations, strict=False):
+            turn = tokenizer.encode(text, add_special_tokens=False) + eos
+            context, conversation = context + turn, [*conversation, chat.sampled(turn)]
+            ids, rewritten = chat.follow(conversation, context, observation, turn)
+            assert not rewritten and ids == chat.observation(observation, turn)
+            context, conversation = context + ids, conversation + chat.inert_messages(observation)
+
+
+def test_a_template_that_drops_earlier_reasoning_starts_a_new_sample_from_the_rewritten_history():
+    """GLM-4.5's real template keeps an assistant turn's reasoning only after the last user message: a tool result
+    appends, a user message rewrites the turns before it (their reasoning becomes an empty <think></think>), and
+    the policy continues from that rendering as a new training sample; the one before it stays as sampled."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+    tokenizer.chat_template = (TEMPLATES / "glm45.jinja").read_text()
+    chat = ChatFormat(tokenizer, [schema(Calculator())], "glm45", new_samples=True)
+    call = "<tool_call>calculator\n<arg_key>expression</arg_key>\n<arg_value>6*7</arg_value>\n</tool_call>"
+    turns = [f"\n<think>multiply</think>\n{call}", "\n<think>it said 42</think>\nIt is 42."]
+    observations = [[{"role": "tool", "content": "42"}], [{"role": "user", "content": "Sure?"}]]
+    traj = TrajectoryBuilder(prompt_ids=chat.prompt(OPENING))
+    conversation = chat.with_tools(OPENING)
+    rewrites = []
+    for text, observation in zip(turns, observations, strict=True):
+        turn = tokenizer.encode(text, add_special_tokens=False)  # GLM's turns end at the next role's token
+        traj.add_turn(_turn(tokenizer, turn), {"role": "assistant", "content": text})
+        conversation.append(chat.sampled(turn))
+        ids, rewritten = chat.follow(conversation, traj.context, observation, turn)
+        traj.new_segment(ids, observation) if rewritten else traj.add_observation(ids, observation)
+        conversation += observation
+        rewrites.append(rewritten)
+    assert rewrites == [False, True]
+    rendered = tokenizer.apply_chat_template(conversation, tools=chat.tools, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(traj.prompt_ids) == rendered and not traj.ids  # the new sample's prompt
+    assert "multiply" not in rendered and "it said 42" not in rendered and "<think></think>\nIt is 42." in rendered
+    done = traj.build("done")
+    (first,) = done.segments  # the sample before, exactly as sampled: both turns with their reasoning
+    assert first.prompt_ids == chat.prompt(OPENING)
+    assert (
+        tokenizer.decode(first.token_ids)
+        == turns[0] + "<|observation|>\n<tool_response>\n42\n</tool_response><|assistant|>" + turns[1]
+    )
+    assert [t for t, m in zip(first.token_ids, first.loss_mask, strict=True) if m] == tokenizer.encode(
+        turns[0], add_special_tokens=False
+    ) + tokenizer.encode(turns[1], add_special_tokens=False)
+    assert first.logprobs == [-0.5 if m else 0.0 for m in first.loss_mask]
+    assert done.versions == [0] * sum(first.loss_mask)  # every segment's sampled tokens
+    assert done.response_ids == first.token_ids and done.messages[-1] == observations[1][0]

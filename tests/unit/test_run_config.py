@@ -246,6 +246,32 @@ def test_shared_prompts_are_checked_up_front(run_yaml, tmp_path):
             ["models.reward.env=answer", "models.policy_trainer.max_token_in_packing=1024"],
             r"max_token_in_packing=1024 is below the longest sample \(2048 tokens: a multi-turn trajectory's max_",
         ),
+        (
+            ["models.reward.env=answer", "models.policy.rollout.multi_turn.rewritten_history=restart"],
+            r"multi_turn.rewritten_history='restart': expected one of \['refuse', 'new_sample'\]",
+        ),
+        (
+            ["models.reward.env=answer", "models.policy.rollout.multi_turn.rewritten_history=new_sample"],
+            r"rewritten_history=new_sample: a step's rows vary .* set models.policy_trainer.max_token_in_packing > 0",
+        ),
+        (
+            [
+                "models.reward.env=answer",
+                "models.policy.rollout.multi_turn.rewritten_history=new_sample",
+                "models.policy_trainer.max_token_in_packing=4096",
+                "models.policy_trainer.share_prompts=true",
+            ],
+            r"rewritten_history=new_sample: .* and share_prompts: false",
+        ),
+        (
+            [
+                "models.reward.env=answer",
+                "models.policy.rollout.multi_turn.rewritten_history=new_sample",
+                "models.policy_trainer.max_token_in_packing=4096",
+                "models.policy_trainer.advantage_estimator=reinforce_pp",
+            ],
+            r"advantage_estimator='reinforce_pp' chains the advantages of a trajectory's tokens, which its samples",
+        ),
     ],
 )
 def test_bad_multi_turn_settings_are_refused_up_front(run_yaml, overrides, message):
