@@ -106,7 +106,7 @@ class ChatFormat:
         return self.tokenizer.encode(self._context(conversation), add_special_tokens=False)
 
     def _context(self, conversation: list[dict]) -> str:
-        """``conversation`` (with the tools' instructions, :meth:`with_tools`) as the next turn's context."""
+        """The text of :meth:`context`."""
         try:
             return self._render(conversation, generation=True, tools=None if self.tools_in_system else self.tools)
         except jinja2.TemplateError as err:  # its own raise_exception (gpt-oss's wants the call a result answers)

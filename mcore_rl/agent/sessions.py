@@ -256,7 +256,10 @@ class Sessions:
             self._check_open(session)
             if traj.stats["turns"] >= self.max_turns:
                 raise RequestError(f"agent session {session.sid!r} has had its max_turns={self.max_turns} turns")
-            self._extend(session, messages, tools)
+            try:
+                self._extend(session, messages, tools)
+            except ValueError as err:  # the chat template refuses the conversation (its own raise_exception)
+                raise RequestError(f"messages: {err}", param="messages") from None
             room = min(session.sampling.max_new_tokens, self.max_tokens - len(traj.context), cap or self.max_tokens)
             seed = session.sampling.seed
             seed = None if seed is None else seed + 1000 * session.index + traj.stats["turns"]

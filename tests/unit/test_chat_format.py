@@ -17,7 +17,7 @@ from mcore_rl.agent.trajectory import TrajectoryBuilder
 from mcore_rl.config.loader import ConfigError
 from mcore_rl.config.schema import RunConfig
 from mcore_rl.preflight import check_tool_format
-from mcore_rl.rollout.engine import Completion, MultiTurnConfig
+from mcore_rl.rollout.engine import Completion, MultiTurnConfig, SamplingConfig
 
 # Qwen2.5's way with tools, in short: schemas in the system turn; consecutive tool results grouped in one user turn
 # as <tool_response> blocks.
@@ -282,6 +282,20 @@ def test_agent_sessions_with_one_tool_list_share_its_chat_format(smollm2, monkey
     assert len(made) == 2 + sessions.FORMATS_KEPT
     assert agents._chat_format([{**tools[0], "n": 0}]) and len(made) == 2 + sessions.FORMATS_KEPT  # kept
     assert agents._chat_format(tools) is not first and len(made) == 3 + sessions.FORMATS_KEPT  # dropped, made again
+
+
+def test_a_conversation_the_template_refuses_is_the_agent_s_bad_request():
+    tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('System message must be first') }}{% endif %}{{ m.content }}{% endfor %}"
+    )
+    agents = sessions.Sessions(None, tokenizer, MultiTurnConfig(), 256, "policy")
+    agents.open("s", {}, SamplingConfig())
+    body = {"model": "policy", "messages": [*OPENING, {"role": "system", "content": "late"}]}
+    with pytest.raises(sessions.RequestError, match=r"messages: the chat template refuses .* must be first") as err:
+        agents.chat("s", body)
+    assert err.value.status == 400 and agents.check_running("s").traj.prompt_ids == []
 
 
 def test_a_template_that_appends_never_starts_a_new_sample(smollm2):
