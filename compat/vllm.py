@@ -208,7 +208,8 @@ def mla_engine_args(cuda: bool, rope_type: str) -> dict:
       too by turning the custom op off.
     - On a CPU with AMX it picks its AMX MLA backend, whose weight prepack takes bf16 or narrower only: an fp32
       engine (the CPU default) fails to start ("expect weight to be bfloat16, ..."). The reference CPU MLA backend
-      serves every dtype.
+      serves every dtype; the MTP drafter, which selects its own backend, is given it too
+      (:func:`mcore_rl.rollout.engine.speculative_engine_args`).
     """
     if cuda:
         return {}

@@ -188,12 +188,16 @@ def lora_engine_args(rank: int) -> dict:
     return dict(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in vllm_lora_ranks() if r >= rank))
 
 
-def speculative_engine_args(tokens: int) -> dict:
+def speculative_engine_args(tokens: int, attention_backend: str | None = None) -> dict:
     """``vllm.LLM`` arguments to draft ``tokens`` tokens per step with the model's MTP layers, with the statistics
-    that count accepted drafts."""
+    that count accepted drafts. vLLM 0.32 selects the drafter's attention backend on its own unless its speculative
+    config names one: ``attention_backend``, the model's where the model names one (``compat.vllm.mla_engine_args``)."""
     if not tokens:
         return {}
-    return dict(speculative_config={"method": "mtp", "num_speculative_tokens": tokens}, disable_log_stats=False)
+    speculative = {"method": "mtp", "num_speculative_tokens": tokens}
+    if attention_backend:
+        speculative["attention_backend"] = attention_backend
+    return dict(speculative_config=speculative, disable_log_stats=False)
 
 
 def thread_binding(cores: list[list[int]]) -> str:
@@ -240,6 +244,7 @@ class RolloutEngine:
                 )
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             routing = dict(enable_return_routed_experts=True)
+        model_args = bridge.rollout_engine_args(self.machine.cuda)
         self.llm = LLM(
             model=str(model_dir),
             tensor_parallel_size=config.tensor_parallel_size,
@@ -252,8 +257,8 @@ class RolloutEngine:
             **self.machine.engine_args(config, colocated),
             **routing,
             **lora_engine_args(config.lora_rank),
-            **speculative_engine_args(config.speculative_tokens),
-            **bridge.rollout_engine_args(self.machine.cuda),
+            **speculative_engine_args(config.speculative_tokens, model_args.get("attention_backend")),
+            **model_args,
         )
         self.llm.collective_rpc("mcore_rl_check_reloadable")
         self.asleep = False  # KV cache released (and, on CUDA, weights offloaded until wake_weights)
