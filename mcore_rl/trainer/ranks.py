@@ -140,8 +140,9 @@ class MegatronRank:
         # rewritten history adds rows) is filled up with copies of the last row, scored and dropped.
         rows = batch["tokens"].shape[0]
         fill = -rows % size
-        keys = ("tokens", *self._routing(batch), *("lengths",) * bool(packing))
-        even = {k: torch.cat([batch[k], batch[k][-1:].expand(fill, *batch[k].shape[1:])]) for k in keys}
+        keys = ("tokens", *self._routing(batch)) + (("lengths",) if packing else ())
+        even = {k: torch.cat([batch[k], batch[k][-1:].expand(fill, *batch[k].shape[1:])]) if fill else batch[k]
+                for k in keys}  # fmt: skip
         mine = {k: v.chunk(size)[rank] for k, v in even.items()}
         lengths = mine.pop("lengths").tolist() if packing else None
         mine = {k: v.to(self.device) for k, v in mine.items()}
