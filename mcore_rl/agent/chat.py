@@ -62,6 +62,7 @@ class ChatFormat:
         self._eos = tokenizer.decode([tokenizer.eos_token_id]) if tokenizer.eos_token_id is not None else ""
         # Every string the tokenizer turns into one added token (<|im_start|>, </tool_response>, <think>, ...)
         self._controls = sorted({t.content for t in tokenizer.added_tokens_decoder.values()}, key=len, reverse=True)
+        self._control_ids = set(tokenizer.added_tokens_decoder)
         if self.tools:  # a template that cannot put a tool's result after a turn fails here, before a run starts
             probe = [{"role": "tool", "tool_call_id": "call_0_0_0", "name": "probe", "content": "?"}]
             self._after_turn(probe, []) if new_samples else self.observation(probe, [])
@@ -114,11 +115,21 @@ class ChatFormat:
             raise ValueError(f"the chat template refuses this conversation of {roles} messages ({err})") from None
 
     def sampled(self, turn_ids: list[int]) -> dict:
-        """An assistant turn as the template reads it back to render the conversation: its sampled text with
-        the markers of reasoning and tool calls as written (without the end-of-turn token the template adds)."""
+        """An assistant turn as the template reads it back to render the conversation: its sampled text with the
+        markers of reasoning and tool calls as written (without the end-of-turn token the template adds). Only
+        the control tokens the policy sampled stay control tokens: text between them is made :meth:`inert`, so a
+        turn that spells ``<|im_start|>`` in ordinary tokens cannot open a turn once the conversation is encoded
+        anew."""
         if turn_ids and turn_ids[-1] == self.tokenizer.eos_token_id:
             turn_ids = turn_ids[:-1]
-        return {"role": "assistant", "content": self._decode(turn_ids)}
+        pieces, text = [], []
+        for token in turn_ids:
+            if token in self._control_ids:
+                pieces += [self.inert(self._decode(text)), self._decode([token])]
+                text = []
+            else:
+                text.append(token)
+        return {"role": "assistant", "content": "".join([*pieces, self.inert(self._decode(text))])}
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
