@@ -5,8 +5,8 @@ Every phase is its compute (model FLOPs at the device's matmul rate times the fr
 one for forward and backward, one for forward-only passes), or its memory traffic where that is larger (decoding
 reads every weight and the KV cache for each token), plus its communication, counted as not overlapped (mcore-rl's
 Megatron layouts keep the overlap options off), plus a fixed cost per unit of work that does not scale with its size
-(a scoring call, an optimizer step, a decoding step, a weight sync: the calls, launches and Python around the
-kernels, which decide the phases of small models):
+(a scoring call, a layer's share of an optimizer step, a decoding step, a weight sync: the calls, launches and
+Python around the kernels, which decide the phases of small models):
 
 * rollout: prefill of each prompt once (prefix caching shares it among the prompt's samples), then decoding the
   responses in waves of what the KV cache holds, over the engines;
@@ -52,11 +52,12 @@ class DeviceSpec:
     param_bytes: int  # bytes per parameter in training and in the engines (bf16: 2; the CPU build: fp32)
     source: str
     # Fixed seconds beyond the work each unit does (calls, launches, Python): a scoring call over the trainer's
-    # ranks, an optimizer step (its micro-batches' passes, beyond their compute, Adam's traffic and the gradients'
-    # exchange), an engine's decoding step (scheduling, inputs, sampling), a weight sync (the engines' update
+    # ranks, each layer (of the busiest pipeline stage) in an optimizer step (beyond its compute, Adam's traffic and
+    # the gradients' exchange: the optimizer, the gradient clipping and the buffers walk every parameter tensor, a
+    # few per layer), an engine's decoding step (scheduling, inputs, sampling), a weight sync (the engines' update
     # calls, their wake-up).
     call_latency: float = 0.0
-    update_latency: float = 0.0
+    layer_update_latency: float = 0.0
     step_latency: float = 0.0
     sync_latency: float = 0.0
     copy_efficiency: float = 1.0  # fraction of ``memory_bw`` the sync's copies (pack, the engines' loads) reach
@@ -210,7 +211,7 @@ def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, p
     # Adam over this device's shard: fp32 main weights, gradients and moments read, weights and moments written
     optimizer = steps * 36 * (params - experts) / dense_dp / device.memory_bw
     optimizer += steps * 36 * experts / expert_dp / device.memory_bw
-    latency = steps * device.update_latency
+    latency = steps * stage_layers * device.layer_update_latency
     parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, ep=ep, pp=pipeline, dp=data, optimizer=optimizer,
                  latency=latency)  # fmt: skip
     return sum(parts.values()), parts
