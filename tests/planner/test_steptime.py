@@ -75,6 +75,16 @@ def test_each_parallel_exchange_appears_where_its_dimension_is_used():
     assert wide["dp"] > base["dp"] and wide["compute"] == pytest.approx(base["compute"] / 2)
 
 
+def test_an_optimizer_step_s_fixed_cost_is_per_layer_of_the_busiest_stage():
+    device = dataclasses.replace(DEVICES["h100"], layer_update_latency=0.01)
+    config = _config(dict(tp=1, ep=1, sequence_parallel="false"))
+    steps = config.runtime_args.sample_per_episode // config.runtime_args.train_global_batch_size
+    layers = Architecture.from_bridge(get_bridge(config.models.policy_trainer.load)).layers
+    assert step_time(config, device, LENGTHS).detail["latency"] == pytest.approx(steps * layers * 0.01)
+    pp = step_time(_config(dict(tp=1, ep=1, pp=2, sequence_parallel="false")), device, LENGTHS).detail
+    assert pp["latency"] == pytest.approx(steps * layers / 2 * 0.01)  # 48 layers, 24 a stage
+
+
 def test_decoding_a_few_samples_is_bound_by_memory_and_many_by_compute():
     config = _config(dict(tp=2, ep=8), sample_per_episode=16, train_global_batch_size=16)
     h100 = DEVICES["h100"]
