@@ -223,7 +223,8 @@ class AgentLoop(GroupSampler):
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         message = {"role": "assistant", "content": text}
         live.traj.add_turn(completion, message)
-        live.conversation.append(self.chat.sampled(completion.token_ids))
+        if self.chat.new_samples:  # only a rewritten history reads it (a pass over the turn's ids)
+            live.conversation.append(self.chat.sampled(completion.token_ids))
         if completion.finish_reason == "length":
             return self._finish(live, "max_tokens" if len(live.traj.context) >= self.max_tokens else "length")
         calls = []

@@ -348,9 +348,11 @@ class Sessions:
             message["tool_calls"] = openai_tool_calls(calls, call_ids(calls, f"call_{session.index}_{turn}"))
         served = normalize([message])[0]  # as the agent sends it back
         traj.add_turn(completion, served)
-        sampled = session.chat.sampled(completion.token_ids)
-        session.served, session.conversation = [*session.served, served], [*session.conversation, sampled]
-        session.turns.append((served, sampled))
+        session.served = [*session.served, served]
+        if self.new_samples:  # only a rewritten history reads them (a pass over the turn's ids)
+            sampled = session.chat.sampled(completion.token_ids)
+            session.conversation = [*session.conversation, sampled]
+            session.turns.append((served, sampled))
         finish = "tool_calls" if calls else completion.finish_reason
         if completion.finish_reason == "length" and len(traj.context) >= self.max_tokens:
             session.stop = "max_tokens"
