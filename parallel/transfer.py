@@ -67,12 +67,15 @@ def free_addresses(count: int, loopback: bool) -> list[tuple[str, int]]:
 
 def tcp_store(address: tuple[str, int], world: int, is_master: bool, timeout: timedelta) -> dist.TCPStore:
     """A rendezvous store whose master listens on ``address``'s host alone (torch's own listens on every
-    interface, even when given 127.0.0.1): a single-node run's stores are not reachable from the network."""
+    interface, even when given 127.0.0.1): a single-node run's stores are not reachable from the network. A master
+    given port 0 listens on the kernel's choice (``store.port``), held from the bind on: no other process can take
+    it before the workers connect."""
     if not is_master:
         return dist.TCPStore(address[0], address[1], world, False, timeout, wait_for_workers=False)
     listener = socket.create_server(address, backlog=max(world, 128))
+    port = listener.getsockname()[1]
     return dist.TCPStore(
-        address[0], address[1], world, True, timeout, wait_for_workers=False, master_listen_fd=listener.detach()
+        address[0], port, world, True, timeout, wait_for_workers=False, master_listen_fd=listener.detach()
     )
 
 

@@ -652,6 +652,18 @@ def policy_trainer_steps(
     return dict(logprobs=logprobs * batch["mask"], steps=steps, kept_diff=kept_diff)
 
 
+def fails_on_rank(rank: int) -> None:
+    """Raises on ``rank`` alone, after its peers' last collective: they answer, the pool rejoins them."""
+    if torch.distributed.get_rank() == rank:
+        raise ValueError(f"rank {rank} fails on purpose")
+
+
+def default_group_sum() -> float:
+    ones = torch.ones(1)
+    torch.distributed.all_reduce(ones)
+    return ones.item()
+
+
 def layout_changes_release_threads(hf_dir: str, layouts: list[dict], tokens: torch.Tensor) -> dict:
     """This rank's threads by name before ``layouts``, their highest total while each layout's model took a training
     step (its groups alive), and by name after the last layout was torn down."""

@@ -14,37 +14,34 @@ import gc
 import os
 import queue
 import signal
-import socket
 import sys
 import time
 import traceback
+from datetime import timedelta
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from parallel.transfer import tcp_store
 
 CASE_TIMEOUT_S = 300
 HANG_DUMP_S = 120  # a rank still busy after this prints its stack (stderr): hangs show where they are
 PEER_GRACE_S = 20  # after one rank failed, how long the others get before the pool is restarted
 THREADS_END_S = 30  # how long a destroyed group's gloo threads get to end (a leaked group's never do)
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+STORE_TIMEOUT = timedelta(minutes=30)
 
 
 def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None:
     libc = ctypes.CDLL(None)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a killed test session takes its ranks with it
     sys.path.insert(0, repo)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import warnings
 
     warnings.filterwarnings("ignore")
     import torch
-    import torch.distributed as dist
 
     from compat.megatron_core import install_fixes
     from parallel.groups import destroy_parallel, gloo_connects_on_first_use
@@ -52,7 +49,8 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
     torch.set_num_threads(1)
     install_fixes(cpu=True)
     gloo_connects_on_first_use()  # as a role's ranks (parallel.groups.init_parallel)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    store = tcp_store(("127.0.0.1", port), world, False, STORE_TIMEOUT)  # hosted by the pool (RankPool._start)
+    dist.init_process_group("gloo", store=dist.PrefixStore("join0", store), rank=rank, world_size=world)
 
     dist.barrier()  # the default group starts its loops on its first collective: count them in the baseline
     baseline = _gloo_threads()
@@ -63,6 +61,8 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
     gc.freeze()
     while (task := tasks.get()) is not None:
         fn, kwargs = task
+        if fn is _rejoin:
+            kwargs = {**kwargs, "store": store}
         faulthandler.dump_traceback_later(HANG_DUMP_S)
         try:
             ok, value = True, fn(**kwargs)
@@ -81,14 +81,12 @@ def _worker(rank: int, world: int, port: int, repo: str, tasks, results) -> None
     dist.destroy_process_group()
 
 
-def _rejoin(port: int) -> None:
-    """Replace the default group by a fresh one on ``port``: what a failed case left unmatched in it is gone."""
-    import torch.distributed as dist
-
+def _rejoin(join: int, store) -> None:
+    """Replace the default group by a fresh one under the store's prefix ``join<join>``: what a failed case left
+    unmatched in the old one is gone, and the new one's rendezvous keys cannot meet the old one's."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dist.destroy_process_group()
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"join{join}", store), rank=rank, world_size=world)
     dist.barrier()
 
 
@@ -123,7 +121,10 @@ class RankPool:
         repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world_size)]
-        port = _free_port()
+        # The pool hosts its ranks' store: its port is held from the choice on, while the ranks take seconds to
+        # import (a port chosen and let go was once taken meanwhile: EADDRINUSE at a rank's bind).
+        self.store, self.joins = tcp_store(("127.0.0.1", 0), self.world_size, True, STORE_TIMEOUT), 0
+        port = self.store.port
         # Not daemonic: Megatron's checkpoint writer starts a multiprocessing manager, which daemons may not.
         # ``close`` (the session fixture's teardown) ends them.
         self.procs = [
@@ -142,7 +143,8 @@ class RankPool:
         """
         out, errors, answered = self._run(fn, kwargs)
         if errors:
-            if not answered or self._run(_rejoin, {"port": _free_port()})[1]:
+            self.joins += 1
+            if not answered or self._run(_rejoin, {"join": self.joins})[1]:
                 self.close()
                 self._start()
             raise RuntimeError("\n".join(errors))

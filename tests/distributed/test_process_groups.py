@@ -4,6 +4,7 @@ groups connect at their first collective: those a role never uses cost no connec
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.distributed import cases
@@ -39,3 +40,13 @@ def test_a_layout_s_groups_connect_at_their_first_collective(ranks):
     # ... and the tensor-parallel groups (two pairs) connect at their all-reduce: a new socket for each pair, on one
     # of its ends at least (counted per rank, 4 ranks, the lazy pair's other end was seen opening none then)
     assert sum(rank["collective"] for rank in opened) >= 2, opened
+
+
+def test_a_case_that_fails_on_one_rank_leaves_the_same_ranks_in_a_fresh_default_group(ranks):
+    """The pool's own recovery: every rank answered, so they join a new default group under a new prefix of the
+    pool's store (no restart; a rendezvous key of the old group cannot meet the new one's)."""
+    pids = [p.pid for p in ranks.procs]
+    with pytest.raises(RuntimeError, match="rank 1 fails on purpose"):
+        ranks.run(cases.fails_on_rank, rank=1)
+    assert ranks.run(cases.default_group_sum) == [float(ranks.world_size)] * ranks.world_size
+    assert [p.pid for p in ranks.procs] == pids

@@ -30,6 +30,16 @@ def test_a_loopback_store_listens_on_loopback_alone():
     assert _listeners(port) == ["0100007F"]  # 127.0.0.1, and nothing on 0.0.0.0 or ::
 
 
+def test_a_master_on_port_0_listens_on_the_kernels_choice_from_its_bind():
+    """The test pool's store: the port is held from the choice on, so ranks that take seconds to start cannot find
+    it taken (a CI run lost one to another connection between the choice and the master's bind)."""
+    master = tcp_store(("127.0.0.1", 0), 2, True, timedelta(seconds=60))
+    assert master.port > 0 and _listeners(master.port) == ["0100007F"]
+    worker = tcp_store(("127.0.0.1", master.port), 2, False, timedelta(seconds=60))
+    worker.set("key", "value")
+    assert master.get("key") == b"value"
+
+
 def test_rendezvous_ports_lie_below_the_ephemeral_range():
     """Between the choice of a rendezvous port and its master's bind, other processes' connections (gloo's, vLLM's)
     are handed ephemeral ports: a port from below that range cannot be taken by one of them. Distinct, and free."""
