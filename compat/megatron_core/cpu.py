@@ -51,6 +51,11 @@ What a module-level proxy cannot reach is patched narrowly:
   > 1) as lists of different sizes, which NCCL accepts and gloo rejects. The CPU versions pad to the longest
   split (gather) or all-reduce and slice (reduce-scatter); even splits still take Megatron's path.
 
+* param_and_grad_buffer.py:35-36 (``dist_reduce_scatter_func``, ``dist_all_gather_func``): the data-parallel
+  grad reduce-scatter and param all-gather of every bucket go through shared memory
+  (:class:`parallel.shm.SharedMemoryCollectives`; gloo's take about a third of a step on 2 cores), torch's where
+  a group's ranks cannot share it.
+
 ``torch_norm``'s sequence-parallel assert is not patched: our layer spec substitutes its own norm module
 (:mod:`models.spec`), Megatron's intended extension point. ``tests/distributed/test_cpu_compat.py`` fails when a
 training step reaches a CUDA call site that this module does not cover.
@@ -67,8 +72,9 @@ import types
 import torch
 from torch.overrides import TorchFunctionMode
 
-from compat import expect_parameters
+from compat import UpstreamChangedError, expect_parameters
 from compat.megatron_core import INSTALLED_MARK, check_version, set_attr_path, target
+from parallel.shm import SharedMemoryCollectives
 
 PROXIED_MODULES = (
     "megatron.core.tensor_parallel.random",
@@ -351,10 +357,21 @@ _WRAPPED = {
 }
 
 
+# Megatron's bucket collectives (param_and_grad_buffer.py): the names it calls and torch's functions they hold.
+_BUCKET_COLLECTIVES = {
+    "dist_reduce_scatter_func": torch.distributed.reduce_scatter_tensor,
+    "dist_all_gather_func": torch.distributed.all_gather_into_tensor,
+}
+_BUCKETS = "megatron.core.distributed.param_and_grad_buffer"
+
+
 def check_targets() -> None:
     """Every patched module, function and attribute is there, with the parameters it had in 0.16.1."""
     for name in PROXIED_MODULES:
         target(name, "torch")
+    for name, function in _BUCKET_COLLECTIVES.items():
+        if target(_BUCKETS, name) is not function:
+            raise UpstreamChangedError(f"{_BUCKETS}.{name} is not torch.distributed.{function.__name__}")
     for module_name, path in _CUDA_TENSOR_CALLERS:
         target(module_name, path)
     for (module_name, path), params in _WRAPPED.items():
@@ -390,6 +407,13 @@ def install_cpu_compat() -> bool:
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
     mappings._gather_along_first_dim = _gloo_uneven_gather(mappings._gather_along_first_dim)
     mappings._reduce_scatter_along_first_dim = _gloo_uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
+
+    buckets = importlib.import_module(_BUCKETS)
+    shm = SharedMemoryCollectives(buckets.dist_reduce_scatter_func, buckets.dist_all_gather_func)
+    buckets.dist_reduce_scatter_func, buckets.dist_all_gather_func = (
+        shm.reduce_scatter_tensor,
+        shm.all_gather_into_tensor,
+    )
 
     no_master = _no_master_weight_when_loaded(
         importlib.import_module(_MASTER_WEIGHT_CALLERS[0])._initialize_affine_weight_cpu

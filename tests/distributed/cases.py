@@ -1083,3 +1083,46 @@ def sockets_opened_by_a_layout(layout: dict) -> dict:
     with connecting_now():
         init_parallel(ParallelConfig(**layout))
     return opened | dict(eager=len(settled() - before))
+
+
+def shm_collectives_match_gloo(directory: str | None) -> dict:
+    """Megatron's bucket collectives through shared windows against gloo's, on the whole world and on pairs: a
+    bucket reduce-scattered into its own shard (a view of it, as Megatron's grads) and all-gathered from it (as its
+    params), fp32 and bf16, the windows growing with a larger bucket. ``directory``: where the windows are made
+    (a rank-private one: no rank can map its peers' windows, and torch's collectives serve)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from parallel.shm import SHM_DIR, SharedMemoryCollectives
+
+    rank = dist.get_rank()
+    shm = SharedMemoryCollectives(directory=Path(directory) / str(rank) if directory else SHM_DIR)
+    if directory:
+        (Path(directory) / str(rank)).mkdir(parents=True, exist_ok=True)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    results = {}
+    for name, group in (("world", dist.group.WORLD), ("pair", pairs[rank // 2])):
+        size, grank = group.size(), group.rank()
+        for dtype, count in ((torch.float32, 1000), (torch.bfloat16, 24), (torch.float32, 4096)):
+            generator = torch.Generator().manual_seed(rank * 7 + count)
+            bucket = torch.randn(count * size, generator=generator).to(dtype)
+            expected = torch.empty(count, dtype=dtype)
+            dist.reduce_scatter_tensor(expected, bucket.clone(), group=group)
+            shard = bucket[grank * count : (grank + 1) * count]
+            shm.reduce_scatter_tensor(shard, bucket, group=group)
+            reduced = shard.clone()
+            gathered = torch.empty(count * size, dtype=dtype)
+            dist.all_gather_into_tensor(gathered, reduced, group=group)
+            shm.all_gather_into_tensor(bucket, shard, group=group)
+            results[f"{name}/{dtype}/{count}"] = {
+                "reduce_scatter": ((reduced - expected).abs().max() / expected.abs().max()).item(),  # relative
+                "exact": torch.equal(reduced, expected),
+                "all_gather": torch.equal(bucket, gathered),
+            }
+    results["shared"] = {name: shm._windows.get(group) is not None for name, group in (("world", dist.group.WORLD),)}
+    left = list(Path(directory or SHM_DIR).glob(f"**/mcore_rl_shm_{os.getuid()}_*"))
+    results["files_left"] = [str(p) for p in left]
+    for group in pairs:
+        dist.destroy_process_group(group)
+    return results

@@ -1,0 +1,126 @@
+"""Reduce-scatter and all-gather through shared memory, for CPU process groups whose ranks share a host.
+
+gloo moves a data-parallel step's gradients and parameters over loopback TCP, and its reduce-scatter of a flat
+tensor is slower than its all-reduce of the same tensor: on the 2-core machine, for SmolLM2's 540 MB of fp32 grads
+at data parallel 2, 0.63 s to reduce-scatter and 0.53 s to all-gather them, about 35% of a training step. Through
+a shared window per rank the same collectives cost one memcpy of the data each (0.14 and 0.13 s).
+
+Each rank of a group maps a window of its own that its peers map too (files in ``/dev/shm``, unlinked once every
+rank has mapped them: nothing is left there, whatever happens next). A collective writes what the peers need into
+the window, waits for all (the group's own gloo barrier), reads what it needs from the peers' windows, and waits
+again before the windows can be written anew. Sums run in a fixed order (this rank's part, then the peers' in rank
+order), so a result does not depend on timing. A group whose ranks cannot map each other's windows (other hosts,
+no ``/dev/shm``) falls back to torch's collectives, decided once per group by all its ranks together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SHM_DIR = Path("/dev/shm")
+ALIGN = 64  # window sizes are multiples of this many bytes
+
+
+class SharedMemoryCollectives:
+    """Drop-in ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (torch's signatures) for flat contiguous
+    CPU tensors; anything else (CUDA tensors, other ops than SUM, a single rank, groups without shared windows)
+    goes to ``reduce_scatter`` and ``all_gather`` (torch's by default). One instance holds each group's windows
+    for as long as the group lives."""
+
+    def __init__(self, reduce_scatter=dist.reduce_scatter_tensor, all_gather=dist.all_gather_into_tensor,
+                 directory: Path = SHM_DIR):  # fmt: skip
+        self._reduce_scatter, self._all_gather, self.directory = reduce_scatter, all_gather, directory
+        # group -> its ranks' windows (uint8, this rank's at group.rank()), or None: torch's collectives
+        self._windows: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        """``output`` (may be a view of ``input``: Megatron's shard of its bucket) gets this rank's shard of the
+        sum of every rank's ``input``. Synchronous; returns None."""
+        group = group or dist.group.WORLD
+        windows = self._usable(group, (output, input), input.nbytes) if op == dist.ReduceOp.SUM else None
+        if windows is None:
+            return self._reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+        rank, size, count = group.rank(), group.size(), output.numel()
+        mine, own = windows[rank].view(input.dtype), slice(rank * count, (rank + 1) * count)
+        mine[: own.start].copy_(input[: own.start])  # the peers' shards only: each reads its own from here
+        mine[own.stop : input.numel()].copy_(input[own.stop :])
+        _barrier(group)
+        if output.data_ptr() != input[own].data_ptr():
+            output.copy_(input[own])
+        for peer in range(size):
+            if peer != rank:
+                output.add_(windows[peer].view(input.dtype)[own])
+        _barrier(group)  # every peer has read this rank's window before the next collective writes it
+        return None
+
+    def all_gather_into_tensor(self, output, input, group=None, async_op=False):
+        """``output`` gets every rank's ``input`` in rank order (``input`` may be a view of it). Synchronous;
+        returns None."""
+        group = group or dist.group.WORLD
+        windows = self._usable(group, (output, input), input.nbytes)
+        if windows is None:
+            return self._all_gather(output, input, group=group, async_op=async_op)
+        rank, size, count = group.rank(), group.size(), input.numel()
+        windows[rank].view(input.dtype)[:count].copy_(input)
+        _barrier(group)
+        for peer in range(size):
+            part = output[peer * count : (peer + 1) * count]
+            if peer != rank:
+                part.copy_(windows[peer].view(input.dtype)[:count])
+            elif part.data_ptr() != input.data_ptr():
+                part.copy_(input)
+        _barrier(group)
+        return None
+
+    def _usable(self, group, tensors, nbytes: int) -> list[torch.Tensor] | None:
+        """The group's windows, each at least ``nbytes`` (grown together: every rank asks for the same size at the
+        same collective), or None where torch's collective serves."""
+        if group.size() == 1 or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+            return None
+        windows = self._windows.get(group, [])
+        if windows is not None and (not windows or windows[0].numel() < nbytes):
+            windows = self._windows[group] = self._map(group, nbytes)
+        return windows
+
+    def _map(self, group, nbytes: int) -> list[torch.Tensor] | None:
+        """Collective over ``group``: each rank creates its window, maps every peer's, and all agree whether every
+        rank mapped every window (None: they did not)."""
+        token = torch.tensor([secrets.randbits(62)])
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        group.broadcast([token], options).wait()
+        paths = [self.directory / f"mcore_rl_shm_{os.getuid()}_{token.item()}_{r}" for r in range(group.size())]
+        nbytes = -(-nbytes // ALIGN) * ALIGN  # any dtype's view of a window fits
+        windows = None
+        with contextlib.suppress(OSError, RuntimeError):
+            _map_file(paths[group.rank()], nbytes, create=True)
+        _barrier(group)
+        with contextlib.suppress(OSError, RuntimeError):
+            windows = [_map_file(path, nbytes, create=False) for path in paths]
+        mapped = torch.tensor([windows is not None], dtype=torch.int32)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        group.allreduce([mapped], options).wait()  # every rank has tried every window: the files can go
+        paths[group.rank()].unlink(missing_ok=True)
+        return windows if mapped.item() else None
+
+
+def _map_file(path: Path, nbytes: int, create: bool) -> torch.Tensor:
+    """``nbytes`` of ``path`` mapped shared (created where ``create``; a peer's must exist: torch would create an
+    empty one on a host that does not share it)."""
+    if not create and not path.exists():
+        raise FileNotFoundError(path)
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _barrier(group) -> None:
+    """The group's barrier, called on the group itself: inside Megatron's ``_coalescing_manager`` (which captures
+    ``torch.distributed``'s collectives to run them at its exit) it runs now."""
+    group.barrier(dist.BarrierOptions()).wait()

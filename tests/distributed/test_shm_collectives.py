@@ -1,0 +1,27 @@
+"""Data-parallel gradient reduce-scatter and parameter all-gather on CPU go through shared memory
+(:mod:`parallel.shm`, installed into Megatron-Core's buckets by the CPU support): the same results as gloo's."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.distributed import cases
+
+
+def test_shared_memory_collectives_give_gloo_s_results(ranks):
+    for result in ranks.run(cases.shm_collectives_match_gloo, directory=None):
+        assert result.pop("shared") == {"world": True}
+        assert result.pop("files_left") == []  # unlinked once every rank mapped them
+        for key, got in result.items():
+            assert got["all_gather"], key
+            if key.startswith("pair"):  # a sum of two is the same in any order
+                assert got["exact"], key
+            else:  # four ranks: gloo's ring adds in another order; a few roundings of the largest sum apart
+                assert got["reduce_scatter"] <= 4 * torch.finfo(getattr(torch, key.split("/")[1][6:])).eps, key
+
+
+def test_ranks_that_cannot_map_each_other_s_windows_use_gloo(ranks, tmp_path):
+    for result in ranks.run(cases.shm_collectives_match_gloo, directory=str(tmp_path)):
+        assert result.pop("shared") == {"world": False}
+        assert result.pop("files_left") == []
+        assert all(got["exact"] and got["all_gather"] for got in result.values()), result
