@@ -216,3 +216,28 @@ def test_a_reload_names_layers_left_stale_and_drops_vllms_warning_for_computed_a
     assert [r.getMessage() for r in records] == ["_Scaled: Failed to load weights"]
     assert model.embed_tokens.weight.eq(2).all() and model.norm.weight.eq(2).all()
     assert model.rotary_emb.cos_sin_cache.eq(1).all()  # the previous table, put back
+
+
+def test_clipping_s_foreach_kernels_give_megatron_s_fallbacks_results():
+    """Gradient clipping without TransformerEngine or Apex: the norm of the grads (to fp32 rounding: per-tensor
+    reductions in another order) and the clipped grads (exactly) of Megatron's per-tensor fallbacks."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    from compat.megatron_core import _foreach_l2_norm, _foreach_scale
+
+    assert megatron_core.foreach_clipping()  # no TransformerEngine or Apex here
+    assert clip_grads.l2_norm_impl is _foreach_l2_norm and clip_grads.multi_tensor_scale_impl is _foreach_scale
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=generator) * 3 for shape in ((576, 1536), (1536,), (49152, 8), (7,))]
+    expected = torch.norm(torch.tensor([torch.norm(g) for g in grads]))[None]  # the fallback's, on this device
+    norm, _ = _foreach_l2_norm(0, None, [grads], False)
+    assert norm.shape == (1,) and norm.dtype == torch.float32
+    torch.testing.assert_close(norm, expected, rtol=2e-7, atol=0)
+    scaled = [g.clone() for g in grads]
+    utils.local_multi_tensor_scale(0, None, [grads, scaled], 0.3)  # into other tensors
+    in_place = [g.clone() for g in grads]
+    _foreach_scale(0, None, [in_place, in_place], 0.3)
+    into = [torch.empty_like(g) for g in grads]
+    _foreach_scale(0, None, [grads, into], 0.3)
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(scaled, in_place, into, strict=True))
