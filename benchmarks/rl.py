@@ -346,7 +346,7 @@ def _case(run: Run, hardware: Hardware) -> Case:
     config = load_run_config(run.config)
     n = config.runtime_args.num_devices
     # each logical device has its share of the cores (and of their matmul rate and memory bandwidth); a pair of them
-    # exchanges over gloo at the measured rate
+    # exchanges over gloo at the measured rate, and their data-parallel buckets through shared memory
     device = DeviceSpec.cpu(hardware.matmul_tflops * 1e12 / n, hardware.memcpy_gbps * 1e9 / n,
                             hardware.link_gbps * 1e9, hardware.cores)  # fmt: skip
     samples = run.median("samples")
@@ -411,7 +411,8 @@ def _predicted(report: Report, runs: list[Run], hardware: Hardware) -> None:
         "rl: the step-time model against the measured phases",
         "`python -m mcore_rl.planner`'s step-time model for each run's config at its measured mean lengths (the "
         "longest response: max_new_tokens), on this machine as measured above: each logical device with its share of "
-        "the matmul rate and memcpy bandwidth, exchanging over gloo at the measured rate. Its efficiencies and fixed "
+        "the matmul rate and memcpy bandwidth, exchanging over gloo at the measured rate (the data-parallel buckets "
+        "through shared memory, at the memcpy rate). Its efficiencies and fixed "
         f"costs are fitted to the runs {', '.join(CALIBRATION)} (one per model; each phase its efficiency and fixed "
         f"cost, so those rows match by construction): {constants}. The other runs check the model. The rollout's "
         "measured time includes the rewards.",

@@ -61,14 +61,17 @@ class DeviceSpec:
     step_latency: float = 0.0
     sync_latency: float = 0.0
     copy_efficiency: float = 1.0  # fraction of ``memory_bw`` the sync's copies (pack, the engines' loads) reach
+    # bytes/s of the data-parallel gradient and parameter buckets between devices of a node (0: ``link_bw``; the
+    # CPU: through shared memory, :mod:`parallel.shm`, at its memcpy rate)
+    bucket_bw: float = 0.0
 
     @classmethod
     def cpu(cls, matmul_flops: float, memcpy_bw: float, link_bw: float, cores: int, **fitted: float) -> DeviceSpec:
         """This machine as the suite measures it: one node whose logical devices share the cores and exchange over
-        gloo (``link_bw``); ``fitted``: the efficiencies and fixed costs the rl suite fits (default: none, every
-        efficiency 1)."""
+        gloo (``link_bw``), their data-parallel buckets through shared memory (``memcpy_bw``); ``fitted``: the
+        efficiencies and fixed costs the rl suite fits (default: none, every efficiency 1)."""
         measured = cls("cpu", matmul_flops, memcpy_bw, link_bw, link_bw, memcpy_bw, cores, 0, 1.0, 1.0, 1.0, 4,
-                       "measured by python -m benchmarks")  # fmt: skip
+                       "measured by python -m benchmarks", bucket_bw=memcpy_bw)  # fmt: skip
         return dataclasses.replace(measured, **fitted)
 
 
@@ -205,7 +208,7 @@ def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, p
     params, experts = max(stage_params(a, p), key=lambda s: s[0])
     steps = rt.sample_per_episode // rt.train_global_batch_size
     dense_dp, expert_dp = optimizer_shards(p, world)
-    wide = _bandwidth(device, world)
+    wide = device.network_bw if world > device.per_node else device.bucket_bw or device.link_bw
     grads = _ring(dense_dp, (params - experts) * (4 + act), wide) + _ring(expert_dp, experts * (4 + act), wide)
     data = steps * grads
     # Adam over this device's shard: fp32 main weights, gradients and moments read, weights and moments written

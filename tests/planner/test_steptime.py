@@ -12,7 +12,7 @@ import transformers
 
 from mcore_rl.config.schema import load_run_config
 from mcore_rl.planner.params import Architecture
-from mcore_rl.planner.steptime import DEVICES, Lengths, forward_flops, step_time
+from mcore_rl.planner.steptime import DEVICES, DeviceSpec, Lengths, forward_flops, step_time
 from models.registry import get_bridge
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,6 +73,20 @@ def test_each_parallel_exchange_appears_where_its_dimension_is_used():
     # the same layout over twice the devices (two nodes): the gradients' exchange leaves NVLink for the network
     wide = step_time(_config(dict(tp=1, ep=1, sequence_parallel="false"), num_devices=32), device, LENGTHS).detail
     assert wide["dp"] > base["dp"] and wide["compute"] == pytest.approx(base["compute"] / 2)
+
+
+def test_a_cpu_node_s_data_parallel_buckets_go_through_shared_memory():
+    """On the CPU the buckets' reduce-scatter and all-gather run through shared memory (parallel.shm) at the
+    memcpy rate, the other exchanges over gloo; GPUs' buckets take the link."""
+    config = _config(dict(tp=2, ep=1))
+    gloo, memcpy = 1e9, 8e9
+    cpu = DeviceSpec.cpu(1e12, memcpy, gloo, cores=16)
+    detail = step_time(config, cpu, LENGTHS).detail
+    slow = step_time(config, dataclasses.replace(cpu, bucket_bw=gloo), LENGTHS).detail
+    assert detail["dp"] == pytest.approx(slow["dp"] * gloo / memcpy) and detail["tp"] == slow["tp"] > 0
+    h100 = DEVICES["h100"]
+    linked = step_time(config, dataclasses.replace(h100, bucket_bw=h100.link_bw), LENGTHS).detail
+    assert step_time(config, h100, LENGTHS).detail["dp"] == linked["dp"] > 0
 
 
 def test_an_optimizer_step_s_fixed_cost_is_per_layer_of_the_busiest_stage():
