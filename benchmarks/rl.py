@@ -314,7 +314,7 @@ PREDICTED = {"rollout": "rollout_and_reward", "old_logprobs": "old_logprobs", "t
 CALIBRATION = ("mcore-rl", "moe-ep1")
 FITS = (
     ("old_logprobs", ("forward_efficiency", "call_latency")),
-    ("train", ("efficiency", "layer_update_latency")),
+    ("train", ("efficiency", "tensor_update_latency")),
     ("rollout", ("memory_efficiency", "step_latency")),
     ("sync", ("copy_efficiency", "sync_latency")),
 )

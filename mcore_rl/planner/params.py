@@ -207,6 +207,31 @@ def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, i
     return out
 
 
+def layer_tensors(a: Architecture, moe: bool, parallel: ParallelConfig) -> int:
+    """Parameter tensors of one layer on one device, however TP shards them: what an optimizer step, the gradient
+    clipping and the gradient buffers walk one by one (their fixed cost per step)."""
+    if a.mla:  # norm; queries (down, norm, up, or one projection); keys and values (down, norm, up); output
+        attention = 1 + (3 if a.q_lora else 1) + 3 + 1
+    else:  # norm, fused QKV (and its bias), query and key norms, output
+        attention = 1 + 1 + a.qkv_bias + 2 * a.qk_norm + 1
+    if not moe:
+        return attention + 3  # norm, fc1, fc2
+    return attention + 2 + 2 * (a.experts // parallel.ep) + (2 if a.shared_ffn else 0)  # norm, router, experts
+
+
+def stage_tensors(a: Architecture, parallel: ParallelConfig) -> list[int]:
+    """Per pipeline rank: the parameter tensors one of its devices holds (:func:`stage_params`' tensors)."""
+    out = []
+    for rank, layers in enumerate(rank_layers(parallel, a.layers)):
+        tensors = sum(layer_tensors(a, a.moe_layers[i], parallel) for i in layers) + (rank == 0)
+        if rank == parallel.pp - 1:  # final norm; the LM head (its tied copy under PP) or a value head; MTP layers
+            head = a.value_head or not a.tied or parallel.pp > 1
+            mtp = a.mtp_layers * (layer_tensors(a, a.moe_layers[-1], parallel) + 4)  # 3 norms, the projection
+            tensors += 1 + head + mtp + (a.mtp_layers > 0 and parallel.pp > 1)
+        out.append(tensors)
+    return out
+
+
 # ---- activations ---------------------------------------------------------------------------------------------
 def optimizer_shards(parallel: ParallelConfig, world: int) -> tuple[int, int]:
     """Over how many devices the distributed optimizer shards a dense parameter (its DP x CP group) and an expert

@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 
 from mcore_rl.planner.memory import Workload, engine_memory
-from mcore_rl.planner.params import Architecture, layer_params, optimizer_shards, stage_params
+from mcore_rl.planner.params import Architecture, layer_params, optimizer_shards, stage_params, stage_tensors
 from parallel.config import ParallelConfig
 
 
@@ -52,12 +52,12 @@ class DeviceSpec:
     param_bytes: int  # bytes per parameter in training and in the engines (bf16: 2; the CPU build: fp32)
     source: str
     # Fixed seconds beyond the work each unit does (calls, launches, Python): a scoring call over the trainer's
-    # ranks, each layer (of the busiest pipeline stage) in an optimizer step (beyond its compute, Adam's traffic and
-    # the gradients' exchange: the optimizer, the gradient clipping and the buffers walk every parameter tensor, a
-    # few per layer), an engine's decoding step (scheduling, inputs, sampling), a weight sync (the engines' update
-    # calls, their wake-up).
+    # ranks, each parameter tensor (of the busiest pipeline stage's devices) in an optimizer step (beyond its
+    # compute, Adam's traffic and the gradients' exchange: the gradient hooks, the optimizer, the clipping and the
+    # buffers walk every parameter tensor; an MoE layer has two per local expert, a dense layer a handful), an
+    # engine's decoding step (scheduling, inputs, sampling), a weight sync (the engines' update calls, their wake-up).
     call_latency: float = 0.0
-    layer_update_latency: float = 0.0
+    tensor_update_latency: float = 0.0
     step_latency: float = 0.0
     sync_latency: float = 0.0
     copy_efficiency: float = 1.0  # fraction of ``memory_bw`` the sync's copies (pack, the engines' loads) reach
@@ -214,7 +214,7 @@ def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, p
     # Adam over this device's shard: fp32 main weights, gradients and moments read, weights and moments written
     optimizer = steps * 36 * (params - experts) / dense_dp / device.memory_bw
     optimizer += steps * 36 * experts / expert_dp / device.memory_bw
-    latency = steps * stage_layers * device.layer_update_latency
+    latency = steps * max(stage_tensors(a, p)) * device.tensor_update_latency
     parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, ep=ep, pp=pipeline, dp=data, optimizer=optimizer,
                  latency=latency)  # fmt: skip
     return sum(parts.values()), parts

@@ -57,12 +57,12 @@ def saved_bytes(hf_dir: str, layout: dict, lengths: list[int], seed: int = 0) ->
     return dict(totals)
 
 
-def params_per_rank(hf_dir: str, layout: dict) -> tuple[int, int, int]:
-    """(pipeline rank, parameters, expert parameters) this rank's Megatron model holds."""
+def params_per_rank(hf_dir: str, layout: dict) -> tuple[int, int, int, int]:
+    """(pipeline rank, parameters, expert parameters, parameter tensors) this rank's Megatron model holds."""
     _, _, chunks, groups = _load(hf_dir, layout)
     params = [p for chunk in chunks for p in chunk.parameters()]
     experts = sum(p.numel() for p in params if not getattr(p, "allreduce", True))
-    return torch.distributed.get_rank(groups.pp), sum(p.numel() for p in params), experts
+    return torch.distributed.get_rank(groups.pp), sum(p.numel() for p in params), experts, len(params)
 
 
 def lora_params_per_rank(

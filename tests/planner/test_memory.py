@@ -22,7 +22,15 @@ from mcore_rl.planner.memory import (
     trainer_memory,
 )
 from mcore_rl.planner.meta import hf_tensors
-from mcore_rl.planner.params import Architecture, lora_params, mtp_params, rank_layers, stage_params, trained_router
+from mcore_rl.planner.params import (
+    Architecture,
+    lora_params,
+    mtp_params,
+    rank_layers,
+    stage_params,
+    stage_tensors,
+    trained_router,
+)
 from mcore_rl.rollout.engine import RolloutConfig
 from models.lora import LINEARS, MLA, LoRAConfig
 from models.registry import get_bridge
@@ -86,9 +94,10 @@ def moonlight(tmp_path_factory):
 )
 def test_stage_params_equal_megatron_models(ranks, tiny_models, moonlight, arch, layout):
     hf_dir = moonlight if arch == "moonlight" else tiny_models[arch]
-    expected = stage_params(Architecture.from_bridge(get_bridge(hf_dir)), ParallelConfig(**layout))
-    for stage, params, experts in ranks.run(activations.params_per_rank, hf_dir=hf_dir, layout=layout):
-        assert (params, experts) == expected[stage]
+    a, parallel = Architecture.from_bridge(get_bridge(hf_dir)), ParallelConfig(**layout)
+    expected, tensors = stage_params(a, parallel), stage_tensors(a, parallel)
+    for stage, params, experts, count in ranks.run(activations.params_per_rank, hf_dir=hf_dir, layout=layout):
+        assert (params, experts, count) == (*expected[stage], tensors[stage])
 
 
 @pytest.mark.parametrize(

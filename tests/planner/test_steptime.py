@@ -89,14 +89,22 @@ def test_a_cpu_node_s_data_parallel_buckets_go_through_shared_memory():
     assert step_time(config, h100, LENGTHS).detail["dp"] == linked["dp"] > 0
 
 
-def test_an_optimizer_step_s_fixed_cost_is_per_layer_of_the_busiest_stage():
-    device = dataclasses.replace(DEVICES["h100"], layer_update_latency=0.01)
+def test_an_optimizer_step_s_fixed_cost_is_per_parameter_tensor_of_the_busiest_stage():
+    """Qwen3-30B-A3B: 48 MoE layers of 9 tensors and 2 per local expert, the embedding, the final norm and the LM
+    head; expert parallelism divides the experts' tensors, pipeline parallelism the layers."""
+    device = dataclasses.replace(DEVICES["h100"], tensor_update_latency=0.001)
     config = _config(dict(tp=1, ep=1, sequence_parallel="false"))
     steps = config.runtime_args.sample_per_episode // config.runtime_args.train_global_batch_size
-    layers = Architecture.from_bridge(get_bridge(config.models.policy_trainer.load)).layers
-    assert step_time(config, device, LENGTHS).detail["latency"] == pytest.approx(steps * layers * 0.01)
-    pp = step_time(_config(dict(tp=1, ep=1, pp=2, sequence_parallel="false")), device, LENGTHS).detail
-    assert pp["latency"] == pytest.approx(steps * layers / 2 * 0.01)  # 48 layers, 24 a stage
+    a = Architecture.from_bridge(get_bridge(config.models.policy_trainer.load))
+    assert (a.layers, a.experts, a.qk_norm, a.tied) == (48, 128, True, False)
+    per_layer = 1 + 1 + 2 + 1 + 1 + 1  # norm, QKV, query and key norms, output; norm and router
+    for layout, tensors in (
+        (dict(tp=1, ep=1), 48 * (per_layer + 2 * 128) + 3),
+        (dict(tp=1, ep=8), 48 * (per_layer + 2 * 16) + 3),
+        (dict(tp=1, ep=8, pp=2), 24 * (per_layer + 2 * 16) + 2),  # the last stage: its norm and head
+    ):
+        detail = step_time(_config(dict(layout, sequence_parallel="false")), device, LENGTHS).detail
+        assert detail["latency"] == pytest.approx(steps * tensors * 0.001), layout
 
 
 def test_decoding_a_few_samples_is_bound_by_memory_and_many_by_compute():

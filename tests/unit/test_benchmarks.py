@@ -143,7 +143,7 @@ def test_the_rl_suite_fit_recovers_the_device_its_phases_were_made_with(monkeypa
     from models.registry import get_bridge
     from tests.tiny import make_tiny
 
-    truth = dict(forward_efficiency=0.6, call_latency=0.1, efficiency=0.35, layer_update_latency=0.005,
+    truth = dict(forward_efficiency=0.6, call_latency=0.1, efficiency=0.35, tensor_update_latency=0.001,
                  memory_efficiency=0.3, step_latency=0.02, copy_efficiency=0.12, sync_latency=0.05)  # fmt: skip
     device = DeviceSpec.cpu(0.09e12, 8e9, 1.5e9, 2)
     tiny = make_tiny("DeepseekV3ForCausalLM", tmp_path / "tiny")
