@@ -113,9 +113,19 @@ class SharedMemoryCollectives:
 
 
 def _map_file(path: Path, nbytes: int, create: bool) -> torch.Tensor:
-    """``nbytes`` of ``path`` mapped shared (created where ``create``; a peer's must exist: torch would create an
-    empty one on a host that does not share it)."""
-    if not create and not path.exists():
+    """``nbytes`` of ``path`` mapped shared. ``create``: a new file that only this user reads, its pages allocated
+    now (a full ``/dev/shm``, as containers' default 64 MB, is an error here, not a SIGBUS at a later write). A
+    peer's must exist: torch would create an empty one on a host that does not share it."""
+    if create:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            path.unlink()
+            raise
+        finally:
+            os.close(fd)
+    elif not path.exists():
         raise FileNotFoundError(path)
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
