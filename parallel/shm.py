@@ -6,8 +6,9 @@ at data parallel 2, 0.63 s to reduce-scatter and 0.53 s to all-gather them, abou
 a shared window per rank the same collectives cost one memcpy of the data each (0.14 and 0.13 s).
 
 Each rank of a group maps a window of its own that its peers map too (files in ``/dev/shm``, unlinked once every
-rank has mapped them: nothing is left there, whatever happens next). A collective writes what the peers need into
-the window, waits for all (the group's own gloo barrier), reads what it needs from the peers' windows, and waits
+rank has mapped them: nothing is left there, whatever happens next), as large as what its peers read from it: the
+other ranks' shards of the largest bucket (half of it at data parallel 2). A collective writes what the peers need
+into the window, waits for all (the group's own gloo barrier), reads what it needs from the peers' windows, and waits
 again before the windows can be written anew. Sums run in a fixed order (this rank's part, then the peers' in rank
 order), so a result does not depend on timing. A group whose ranks cannot map each other's windows (other hosts,
 no ``/dev/shm``) falls back to torch's collectives, decided once per group by all its ranks together.
@@ -29,8 +30,8 @@ ALIGN = 64  # window sizes are multiples of this many bytes
 
 
 class SharedMemoryCollectives:
-    """Drop-in ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (torch's signatures) for flat contiguous
-    CPU tensors; anything else (CUDA tensors, other ops than SUM, a single rank, groups without shared windows)
+    """Drop-in ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (torch's signatures) for flat (1-D)
+    contiguous CPU tensors; anything else (CUDA tensors, other ops than SUM, a single rank, groups without shared windows)
     goes to ``reduce_scatter`` and ``all_gather`` (torch's by default). One instance holds each group's windows
     for as long as the group lives."""
 
@@ -44,19 +45,22 @@ class SharedMemoryCollectives:
         """``output`` (may be a view of ``input``: Megatron's shard of its bucket) gets this rank's shard of the
         sum of every rank's ``input``. Synchronous; returns None."""
         group = group or dist.group.WORLD
-        windows = self._usable(group, (output, input), input.nbytes) if op == dist.ReduceOp.SUM else None
+        peers_bytes = input.nbytes - output.nbytes
+        windows = self._usable(group, (output, input), peers_bytes) if op == dist.ReduceOp.SUM else None
         if windows is None:
             return self._reduce_scatter(output, input, op=op, group=group, async_op=async_op)
         rank, size, count = group.rank(), group.size(), output.numel()
-        mine, own = windows[rank].view(input.dtype), slice(rank * count, (rank + 1) * count)
-        mine[: own.start].copy_(input[: own.start])  # the peers' shards only: each reads its own from here
-        mine[own.stop : input.numel()].copy_(input[own.stop :])
+        own = slice(rank * count, (rank + 1) * count)
+        mine = windows[rank].view(input.dtype)  # the peers' shards in rank order: each reads its own from here
+        mine[: own.start].copy_(input[: own.start])
+        mine[own.start : input.numel() - count].copy_(input[own.stop :])
         _barrier(group)
         if output.data_ptr() != input[own].data_ptr():
             output.copy_(input[own])
         for peer in range(size):
             if peer != rank:
-                output.add_(windows[peer].view(input.dtype)[own])
+                slot = rank if rank < peer else rank - 1  # where the peer's window keeps this rank's shard
+                output.add_(windows[peer].view(input.dtype)[slot * count : (slot + 1) * count])
         _barrier(group)  # every peer has read this rank's window before the next collective writes it
         return None
 
@@ -82,7 +86,7 @@ class SharedMemoryCollectives:
     def _usable(self, group, tensors, nbytes: int) -> list[torch.Tensor] | None:
         """The group's windows, each at least ``nbytes`` (grown together: every rank asks for the same size at the
         same collective), or None where torch's collective serves."""
-        if group.size() == 1 or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        if group.size() == 1 or any(t.device.type != "cpu" or t.dim() != 1 or not t.is_contiguous() for t in tensors):
             return None
         windows = self._windows.get(group, [])
         if windows is not None and (not windows or windows[0].numel() < nbytes):

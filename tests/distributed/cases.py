@@ -1120,7 +1120,9 @@ def shm_collectives_match_gloo(directory: str | None) -> dict:
                 "exact": torch.equal(reduced, expected),
                 "all_gather": torch.equal(bucket, gathered),
             }
-    results["shared"] = {name: shm._windows.get(group) is not None for name, group in (("world", dist.group.WORLD),)}
+    windows = shm._windows.get(dist.group.WORLD)
+    results["shared"] = {"world": windows is not None}
+    results["window_bytes"] = windows[rank].numel() if windows else 0
     left = list(Path(directory or SHM_DIR).glob(f"**/mcore_rl_shm_{os.getuid()}_*"))
     results["files_left"] = [str(p) for p in left]
     for group in pairs:

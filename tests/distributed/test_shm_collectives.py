@@ -11,6 +11,7 @@ from tests.distributed import cases
 def test_shared_memory_collectives_give_gloo_s_results(ranks):
     for result in ranks.run(cases.shm_collectives_match_gloo, directory=None):
         assert result.pop("shared") == {"world": True}
+        assert result.pop("window_bytes") == 3 * 4096 * 4  # the peers' shards of the largest bucket, no more
         assert result.pop("files_left") == []  # unlinked once every rank mapped them
         for key, got in result.items():
             assert got["all_gather"], key
@@ -22,6 +23,6 @@ def test_shared_memory_collectives_give_gloo_s_results(ranks):
 
 def test_ranks_that_cannot_map_each_other_s_windows_use_gloo(ranks, tmp_path):
     for result in ranks.run(cases.shm_collectives_match_gloo, directory=str(tmp_path)):
-        assert result.pop("shared") == {"world": False}
+        assert result.pop("shared") == {"world": False} and result.pop("window_bytes") == 0
         assert result.pop("files_left") == []
         assert all(got["exact"] and got["all_gather"] for got in result.values()), result
