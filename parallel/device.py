@@ -95,6 +95,13 @@ class Device:
         per = max(1, len(cores) // parts)
         return [cores[i * per : (i + 1) * per] or [cores[i % len(cores)]] for i in range(parts)]
 
+    @property
+    def shared_memory_buckets(self) -> bool:
+        """Whether Megatron's data-parallel bucket collectives (the gradients' reduce-scatter, the parameters'
+        all-gather) go through shared memory (:mod:`parallel.shm`, gloo's where a group's ranks cannot share it):
+        on CPU, where gloo's took a third of a SmolLM2 step; NCCL's on GPUs."""
+        return not self.cuda
+
     def optimizer_args(self) -> dict:
         """Keyword arguments of Megatron-Core's ``get_megatron_optimizer`` besides the config and the model.
 

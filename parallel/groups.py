@@ -14,9 +14,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from compat.megatron_core import destroy_groups, install_fixes
+from compat.megatron_core.cpu import route_bucket_collectives
 from compat.torch import fake_store, release_groups
 from parallel.config import ParallelConfig
 from parallel.device import Device
+from parallel.shm import SharedMemoryCollectives
 from parallel.transfer import LAZY_GLOO, tcp_store
 
 
@@ -41,6 +43,8 @@ def init_parallel(
     """
     device = device or Device.current()
     install_fixes(cpu=not device.cuda)
+    if device.shared_memory_buckets:
+        route_bucket_collectives(SharedMemoryCollectives)
     gloo_connects_on_first_use()
     if not dist.is_initialized():
         if device.cuda:

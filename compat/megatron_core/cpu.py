@@ -52,9 +52,9 @@ What a module-level proxy cannot reach is patched narrowly:
   split (gather) or all-reduce and slice (reduce-scatter); even splits still take Megatron's path.
 
 * param_and_grad_buffer.py:35-36 (``dist_reduce_scatter_func``, ``dist_all_gather_func``): the data-parallel
-  grad reduce-scatter and param all-gather of every bucket go through shared memory
-  (:class:`parallel.shm.SharedMemoryCollectives`; gloo's take about a third of a step on 2 cores), torch's where
-  a group's ranks cannot share it.
+  grad reduce-scatter and param all-gather of every bucket can be routed elsewhere (:func:`route_bucket_collectives`;
+  :func:`parallel.groups.init_parallel` routes them through shared memory on CPU, where gloo's take about a third
+  of a step on 2 cores).
 
 ``torch_norm``'s sequence-parallel assert is not patched: our layer spec substitutes its own norm module
 (:mod:`models.spec`), Megatron's intended extension point. ``tests/distributed/test_cpu_compat.py`` fails when a
@@ -74,7 +74,6 @@ from torch.overrides import TorchFunctionMode
 
 from compat import UpstreamChangedError, expect_parameters
 from compat.megatron_core import INSTALLED_MARK, check_version, set_attr_path, target
-from parallel.shm import SharedMemoryCollectives
 
 PROXIED_MODULES = (
     "megatron.core.tensor_parallel.random",
@@ -369,13 +368,31 @@ def check_targets() -> None:
     """Every patched module, function and attribute is there, with the parameters it had in 0.16.1."""
     for name in PROXIED_MODULES:
         target(name, "torch")
-    for name, function in _BUCKET_COLLECTIVES.items():
-        if target(_BUCKETS, name) is not function:
-            raise UpstreamChangedError(f"{_BUCKETS}.{name} is not torch.distributed.{function.__name__}")
+    for name in _BUCKET_COLLECTIVES:
+        target(_BUCKETS, name)
     for module_name, path in _CUDA_TENSOR_CALLERS:
         target(module_name, path)
     for (module_name, path), params in _WRAPPED.items():
         expect_parameters(target(module_name, path), params, f"{module_name}.{path}")
+
+
+def route_bucket_collectives(collectives) -> bool:
+    """Megatron's bucket reduce-scatter and all-gather (``_BUCKET_COLLECTIVES``) become the ``reduce_scatter_tensor``
+    and ``all_gather_into_tensor`` methods of ``collectives(reduce_scatter, all_gather)``, a class built on torch's
+    two functions (what it falls back to). Once per process (returns False when already routed); refuses a
+    megatron-core whose names hold other functions."""
+    buckets = importlib.import_module(_BUCKETS)
+    if getattr(buckets, INSTALLED_MARK, False):
+        return False
+    check_version("bucket collectives")
+    for name, function in _BUCKET_COLLECTIVES.items():
+        if target(_BUCKETS, name) is not function:
+            raise UpstreamChangedError(f"{_BUCKETS}.{name} is not torch.distributed.{function.__name__}")
+    routed = collectives(*_BUCKET_COLLECTIVES.values())
+    buckets.dist_reduce_scatter_func = routed.reduce_scatter_tensor
+    buckets.dist_all_gather_func = routed.all_gather_into_tensor
+    setattr(buckets, INSTALLED_MARK, True)
+    return True
 
 
 def install_cpu_compat() -> bool:
@@ -407,13 +424,6 @@ def install_cpu_compat() -> bool:
     mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
     mappings._gather_along_first_dim = _gloo_uneven_gather(mappings._gather_along_first_dim)
     mappings._reduce_scatter_along_first_dim = _gloo_uneven_reduce_scatter(mappings._reduce_scatter_along_first_dim)
-
-    buckets = importlib.import_module(_BUCKETS)
-    shm = SharedMemoryCollectives(buckets.dist_reduce_scatter_func, buckets.dist_all_gather_func)
-    buckets.dist_reduce_scatter_func, buckets.dist_all_gather_func = (
-        shm.reduce_scatter_tensor,
-        shm.all_gather_into_tensor,
-    )
 
     no_master = _no_master_weight_when_loaded(
         importlib.import_module(_MASTER_WEIGHT_CALLERS[0])._initialize_affine_weight_cpu

@@ -227,6 +227,39 @@ def test_each_device_gets_every_fix_that_is_not_about_the_cpu():
     ], run.stdout
 
 
+def test_data_parallel_buckets_go_through_shared_memory_on_cpu_only():
+    """The decision, and the routing it makes (in a fresh process: it rebinds Megatron's names): once, onto a
+    ``SharedMemoryCollectives`` built on torch's two functions; a megatron-core whose names hold something else is
+    refused by name."""
+    assert (CPU.shared_memory_buckets, CUDA.shared_memory_buckets) == (True, False)
+    code = (
+        "import torch.distributed as dist\n"
+        "from megatron.core.distributed import param_and_grad_buffer as b\n"
+        "from compat import UpstreamChangedError\n"
+        "from compat.megatron_core.cpu import route_bucket_collectives\n"
+        "from parallel.shm import SharedMemoryCollectives\n"
+        "assert b.dist_reduce_scatter_func is dist.reduce_scatter_tensor\n"
+        "saved = b.dist_all_gather_func\n"
+        "b.dist_all_gather_func = print\n"
+        "try:\n"
+        "    route_bucket_collectives(SharedMemoryCollectives)\n"
+        "except UpstreamChangedError as error:\n"
+        "    print(error)\n"
+        "b.dist_all_gather_func = saved\n"
+        "print(route_bucket_collectives(SharedMemoryCollectives), route_bucket_collectives(SharedMemoryCollectives))\n"
+        "shm = b.dist_reduce_scatter_func.__self__\n"
+        "assert isinstance(shm, SharedMemoryCollectives) and b.dist_all_gather_func.__self__ is shm\n"
+        "assert (shm._reduce_scatter, shm._all_gather) == (dist.reduce_scatter_tensor, dist.all_gather_into_tensor)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.splitlines() == [
+        "megatron.core.distributed.param_and_grad_buffer.dist_all_gather_func is not "
+        "torch.distributed.all_gather_into_tensor",
+        "True False",
+    ], run.stdout
+
+
 def test_routed_experts_are_grouped_only_where_the_kernel_is_faster():
     """Grouped GEMMs on CUDA for more than one local expert; Megatron's loop on CPU (slower there at every
     measured count) and for a single local expert, whatever the device."""
