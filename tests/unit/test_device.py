@@ -192,6 +192,13 @@ def test_the_engine_acknowledges_a_bucket_only_after_its_stream_read_it(monkeypa
         assert torch.equal(param, weights[name]), name
 
 
+def _fresh_process(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a new interpreter (what it patches in Megatron-Core stays there), which must succeed."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 def test_each_device_gets_every_fix_that_is_not_about_the_cpu():
     """What :func:`compat.megatron_core.install_fixes` installs per device, each in a fresh process. A CUDA process
     (the device decision ``install_fixes(cpu=False)``, as :func:`parallel.groups.init_parallel` makes it on a GPU)
@@ -217,8 +224,7 @@ def test_each_device_gets_every_fix_that_is_not_about_the_cpu():
         "print(getattr(megatron.core, m.INSTALLED_MARK, False))\n"
         "print(m.install_fixes(cpu=True), getattr(megatron.core, m.INSTALLED_MARK, False))\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _fresh_process(code)
     every_device = ["router_without_te", "torch_adam_checkpoints", "in_process_save_results", "foreach_clipping"]
     assert run.stdout.split("\n")[:3] == [
         f"{every_device} {every_device}",  # the CUDA decision: no CPU support
@@ -251,8 +257,7 @@ def test_data_parallel_buckets_go_through_shared_memory_on_cpu_only():
         "assert isinstance(shm, SharedMemoryCollectives) and b.dist_all_gather_func.__self__ is shm\n"
         "assert (shm._reduce_scatter, shm._all_gather) == (dist.reduce_scatter_tensor, dist.all_gather_into_tensor)\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _fresh_process(code)
     assert run.stdout.splitlines() == [
         "megatron.core.distributed.param_and_grad_buffer.dist_all_gather_func is not "
         "torch.distributed.all_gather_into_tensor",
