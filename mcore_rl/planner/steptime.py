@@ -116,10 +116,10 @@ def forward_flops(a: Architecture, tokens: float, context: float, head_tokens: f
     return tokens * (2 * active + attention) + head_tokens * 2 * a.vocab * a.hidden
 
 
-def _bandwidth(device: DeviceSpec, group_span: int) -> float:
-    """A group's collectives run over NVLink where the group's devices (``group_span`` consecutive ones) share a
-    node, else over the network."""
-    return device.link_bw if group_span <= device.per_node else device.network_bw
+def _bandwidth(device: DeviceSpec, group_span: int, within: float = 0.0) -> float:
+    """A group's collectives run over NVLink (or ``within``'s rate, where given) where the group's devices
+    (``group_span`` consecutive ones) share a node, else over the network."""
+    return (within or device.link_bw) if group_span <= device.per_node else device.network_bw
 
 
 def _ring(size: int, nbytes: float, bw: float) -> float:
@@ -208,7 +208,7 @@ def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, p
     params, experts = max(stage_params(a, p), key=lambda s: s[0])
     steps = rt.sample_per_episode // rt.train_global_batch_size
     dense_dp, expert_dp = optimizer_shards(p, world)
-    wide = device.network_bw if world > device.per_node else device.bucket_bw or device.link_bw
+    wide = _bandwidth(device, world, device.bucket_bw)
     grads = _ring(dense_dp, (params - experts) * (4 + act), wide) + _ring(expert_dp, experts * (4 + act), wide)
     data = steps * grads
     # Adam over this device's shard: fp32 main weights, gradients and moments read, weights and moments written
