@@ -1085,21 +1085,22 @@ def sockets_opened_by_a_layout(layout: dict) -> dict:
     return opened | dict(eager=len(settled() - before))
 
 
-def shm_collectives_match_gloo(directory: str | None) -> dict:
+def shm_collectives_match_gloo(directory: str, private: bool) -> dict:
     """Megatron's bucket collectives through shared windows against gloo's, on the whole world and on pairs: a
     bucket reduce-scattered into its own shard (a view of it, as Megatron's grads) and all-gathered from it (as its
     params), fp32 and bf16, the windows growing with a larger bucket. ``directory``: where the windows are made
-    (a rank-private one: no rank can map its peers' windows, and torch's collectives serve)."""
+    (its own, so no other process's windows are counted as left); ``private``: a subdirectory per rank, where no
+    rank can map its peers' windows, and torch's collectives serve."""
     from pathlib import Path
 
     import torch.distributed as dist
 
-    from parallel.shm import SHM_DIR, SharedMemoryCollectives
+    from parallel.shm import SharedMemoryCollectives
 
     rank = dist.get_rank()
-    shm = SharedMemoryCollectives(directory=Path(directory) / str(rank) if directory else SHM_DIR)
-    if directory:
-        (Path(directory) / str(rank)).mkdir(parents=True, exist_ok=True)
+    where = Path(directory) / str(rank) if private else Path(directory)
+    where.mkdir(parents=True, exist_ok=True)
+    shm = SharedMemoryCollectives(directory=where)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     results = {}
     for name, group in (("world", dist.group.WORLD), ("pair", pairs[rank // 2])):
@@ -1123,7 +1124,8 @@ def shm_collectives_match_gloo(directory: str | None) -> dict:
     windows = shm._windows.get(dist.group.WORLD)
     results["shared"] = {"world": windows is not None}
     results["window_bytes"] = windows[rank].numel() if windows else 0
-    left = list(Path(directory or SHM_DIR).glob(f"**/mcore_rl_shm_{os.getuid()}_*"))
+    dist.barrier()  # every rank has unlinked its windows
+    left = list(Path(directory).glob(f"**/mcore_rl_shm_{os.getuid()}_*"))
     results["files_left"] = [str(p) for p in left]
     for group in pairs:
         dist.destroy_process_group(group)

@@ -3,13 +3,22 @@
 
 from __future__ import annotations
 
+import shutil
+import uuid
+
 import torch
 
+from parallel.shm import SHM_DIR
 from tests.distributed import cases
 
 
 def test_shared_memory_collectives_give_gloo_s_results(ranks):
-    for result in ranks.run(cases.shm_collectives_match_gloo, directory=None):
+    directory = SHM_DIR / f"mcore_rl_test_{uuid.uuid4().hex}"  # in /dev/shm, apart from other processes' windows
+    try:
+        results = ranks.run(cases.shm_collectives_match_gloo, directory=str(directory), private=False)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    for result in results:
         assert result.pop("shared") == {"world": True}
         assert result.pop("window_bytes") == 3 * 4096 * 4  # the peers' shards of the largest bucket, no more
         assert result.pop("files_left") == []  # unlinked once every rank mapped them
@@ -22,7 +31,7 @@ def test_shared_memory_collectives_give_gloo_s_results(ranks):
 
 
 def test_ranks_that_cannot_map_each_other_s_windows_use_gloo(ranks, tmp_path):
-    for result in ranks.run(cases.shm_collectives_match_gloo, directory=str(tmp_path)):
+    for result in ranks.run(cases.shm_collectives_match_gloo, directory=str(tmp_path), private=True):
         assert result.pop("shared") == {"world": False} and result.pop("window_bytes") == 0
         assert result.pop("files_left") == []
         assert all(got["exact"] and got["all_gather"] for got in result.values()), result
