@@ -167,12 +167,13 @@ class Run:
 
     def save(self, episode: int) -> None:
         system, root = self.system, self.out / "checkpoints"
+        start = time.perf_counter()
         try:
             partial = checkpoint.partial_dir(root, episode)
             meta = self.progress.meta()
             for key, role in system.trained_roles():
                 with system.on_device(role):
-                    role.save(str(partial))
+                    role.save(str(partial), self.config.runtime_args.save_reshardable)
                     meta[key] = role.optimizer_digest()
             copy_model_files(self.config.models.policy_trainer.load, partial, skip=(checkpoint.MARKER,))
             path = checkpoint.commit(root, episode, meta)
@@ -185,7 +186,7 @@ class Run:
                 f"{free / 2**20:.1f} MiB were left free on its file system); the run stopped, and the complete "
                 f"checkpoints are as they were ({kept}): free space and run the same command to resume"
             ) from err
-        self.logger.event("checkpoint", path=str(path), **meta)
+        self.logger.event("checkpoint", path=str(path), seconds=round(time.perf_counter() - start, 2), **meta)
         checkpoint.prune(root, self.config.runtime_args.keep_checkpoints)
 
 

@@ -2,8 +2,9 @@
 TransformerEngine (:func:`router_without_te`), torch Adam's checkpoints (:func:`install_adam_fixes`), multi-latent
 attention without TransformerEngine (:func:`mla_without_te`), models and process groups that outlive a layout
 (:func:`release_dispatcher_graphs`, :func:`destroy_groups`), an import that pulls in torch's compiler for
-nothing (:func:`compile_on_first_call`), and a process server behind every checkpoint save
-(:func:`in_process_save_results`).
+nothing (:func:`compile_on_first_call`), a process server behind every checkpoint save
+(:func:`in_process_save_results`), and the per-rank optimizer checkpoint's load into fp32 models
+(:func:`dp_reshardable_load`).
 
 **On CPU**: :mod:`compat.megatron_core.cpu`.
 
@@ -25,6 +26,11 @@ about the CPU cannot end up in the CPU support by accident):
   :func:`fuse_torch_adam` switches its parameter groups to torch's fused kernel (CPU and CUDA) once it is built; a
   checkpoint load keeps the flags (a checkpoint of the per-tensor loop resumes fused:
   ``tests/distributed/test_critic.py``).
+* The per-rank optimizer checkpoint's load into fp32 models. Where the model's parameters are fp32, the distributed
+  optimizer's main parameters are views of them (leaves that require grad); ``dp_reshardable``'s load
+  (distrib_optimizer.py:1804, through :940) copies into them outside ``no_grad`` and raises "a view of a leaf
+  Variable that requires grad is being used in an in-place operation" (bf16 models have main parameters of their
+  own). :func:`dp_reshardable_load` runs that load under ``torch.no_grad()``, as the ``fully_reshardable`` load is.
 * Gradient clipping's fallbacks. Without TransformerEngine or Apex (always on CPU), clip_grads.py:36-43 takes
   ``local_multi_tensor_l2_norm`` (a norm per tensor, collected through a host list) and
   ``local_multi_tensor_scale`` (a scaled copy per tensor, then a copy back): 140 ms of a 2.3 s SmolLM2 step at DP 2
@@ -200,6 +206,30 @@ def foreach_clipping() -> bool:
     return replaced
 
 
+def dp_reshardable_load() -> bool:
+    """Run the distributed optimizer's per-rank (``dp_reshardable``) checkpoint load without autograd (module
+    docstring); True once installed. Idempotent; checks its target first."""
+    path = "DistributedOptimizer.load_parameter_state_from_dp_reshardable"
+    module = importlib.import_module("megatron.core.optimizer.distrib_optimizer")
+    method = target(module.__name__, path)
+    if getattr(method, INSTALLED_MARK, False):
+        return True
+    check_version("per-rank optimizer checkpoint load")
+    expect_parameters(method, ("self", "state_dict"), f"megatron.core.optimizer.distrib_optimizer.{path}")
+
+    def wrap(original):
+        @functools.wraps(original)
+        @torch.no_grad()
+        def wrapped(self, state_dict):
+            return original(self, state_dict)
+
+        setattr(wrapped, INSTALLED_MARK, True)
+        return wrapped
+
+    set_attr_path(module, path, wrap)
+    return True
+
+
 def router_without_te() -> bool:
     """Bind the router's ``te_general_gemm`` to None where TransformerEngine does not import (module docstring);
     returns whether it was needed. Idempotent."""
@@ -243,6 +273,7 @@ def install_fixes(cpu: bool) -> list[str]:
         "torch_adam_checkpoints": install_adam_fixes,
         "in_process_save_results": in_process_save_results,
         "foreach_clipping": foreach_clipping,
+        "dp_reshardable_load": dp_reshardable_load,
         "cpu_support": _cpu_support if cpu else lambda: False,
     }
     return [name for name, install in fixes.items() if install()]

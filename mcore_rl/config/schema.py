@@ -44,6 +44,10 @@ class RuntimeArgs:
     save_episode_interval: int = 5
     keep_checkpoints: int = 2  # the newest N complete checkpoints stay (0: all); SmolLM2's is 2.1 GB in fp32
     save_hf: bool = False  # each checkpoint also holds the policy as an HF model (hf/: vllm serve, transformers)
+    # true: the optimizer state is gathered and saved per parameter, so a resume may change the parallel layout and
+    # the number of devices (saves take several times longer); false: each rank saves its own shard, and a resume
+    # keeps the layout and devices
+    save_reshardable: bool = False
     eval_episode_interval: int = 5
     data_shuffle: bool = True
     seed: int = 1

@@ -44,8 +44,8 @@ class TrainedGroup(ReferenceGroup):
     def memory_bytes(self) -> int:
         return self.call("memory_bytes")[0]
 
-    def save(self, directory: str) -> None:
-        self.call("save", directory)
+    def save(self, directory: str, reshardable: bool) -> None:
+        self.call("save", directory, reshardable)
 
     def load(self, directory: str) -> None:
         self.call("load", directory)

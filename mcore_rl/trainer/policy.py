@@ -204,12 +204,12 @@ class PolicyTrainer(TrainableRank):
     # ---- checkpoints --------------------------------------------------------------------------------------
     checkpoint_dir = "policy"
 
-    def save(self, directory: str) -> None:
+    def save(self, directory: str, reshardable: bool = False) -> None:
         """The role's checkpoint (:meth:`TrainableRank.save`), its LoRA settings and this rank's RNG states; with
         ``save_hf``, the HF model in ``directory/hf`` (:meth:`_save_hf`)."""
         from megatron.core import tensor_parallel
 
-        super().save(directory)
+        super().save(directory, reshardable)
         if self.save_hf:
             self._save_hf(Path(directory) / HF_DIR)
         if self.lora.rank and self.rank == 0:  # what the converters need to export the adapters

@@ -488,6 +488,29 @@ def _episode_batch() -> dict:
     return {"tokens": tokens, "lengths": lengths, "mask": mask, "advantages": torch.randn(8, generator=generator)}
 
 
+def policy_resume(hf_dir: str, layout: dict, checkpoint_dir: str, save: str | None = None) -> dict:
+    """Two GRPO steps of the policy trainer at ``layout`` with a checkpoint between them (``save``: as
+    ``per_rank`` or ``reshardable`` saves write it, or ``legacy``: gathered without the record of its layouts, as
+    mcore-rl wrote them before); or, ``save`` None, the checkpoint loaded instead of the first step. The second
+    step's metrics and the Adam digest after it."""
+    trainer, batch = _policy_trainer(hf_dir, layout, 4, lr=1e-2), _episode_batch()
+    batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=2) * batch["mask"]
+    if save is None:
+        trainer.load(checkpoint_dir)
+    else:
+        trainer.train(batch, global_batch_size=8, micro_batch_size=2)
+        trainer.save(checkpoint_dir, reshardable=save != "per_rank")
+        torch.distributed.barrier()
+        if save == "legacy" and torch.distributed.get_rank() == 0:  # the record of its layouts taken out
+            common = os.path.join(checkpoint_dir, trainer.checkpoint_dir, "common.pt")
+            state = torch.load(common, weights_only=False)
+            del state["content_metadata"]
+            torch.save(state, common)
+        torch.distributed.barrier()
+    step = trainer.train(batch, global_batch_size=8, micro_batch_size=2)[0]
+    return dict(step=step, digest=trainer.optimizer_digest())
+
+
 def policy_trainer_segments(hf_dir: str, layout: dict) -> dict:
     """One packed episode of eight samples that became ten rows (multi-turn trajectories whose template rewrote
     the history, ``owner`` their sample), as the driver runs it: the old log-probs of the rows after the first step
@@ -786,7 +809,7 @@ def critic_episodes(
         values.append(batch["values"])
         steps += critic.train(batch, global_batch_size=4, micro_batch_size=2)
         if checkpoint_dir and not resume and episode == 0:
-            critic.save(checkpoint_dir)
+            critic.save(checkpoint_dir, reshardable=True)  # the test resumes it under another layout
     fused = all(group["fused"] for group in groups)
     return dict(values=values, steps=steps, digest=critic.optimizer_digest(), fused=fused)
 
