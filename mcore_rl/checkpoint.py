@@ -18,6 +18,12 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+# Megatron-Core's two layouts of the distributed optimizer's state in a trained role's checkpoint
+# (distrib_optimizer.py:1175), and the keys of its content metadata that record which it holds and under which
+# parallel layout (:meth:`mcore_rl.trainer.ranks.TrainableRank.save`).
+PER_RANK, RESHARDABLE = "dp_reshardable", "fully_reshardable"
+OPTIMIZER_LAYOUT, PARALLEL_LAYOUT = "mcore_rl_optimizer_layout", "mcore_rl_parallel_layout"
+
 
 class CheckpointError(RuntimeError):
     """A save that could not finish (a full disk, a failing file system): its partial directory is removed, the
@@ -130,3 +136,26 @@ def prune(root: str | Path, keep: int) -> list[Path]:
 
 def read_meta(path: str | Path) -> dict:
     return json.loads((Path(path) / MARKER).read_text())
+
+
+def parallel_layout(parallel, world: int) -> dict:
+    """What a role's per-rank optimizer state must be loaded under: every parallel size of its ``world`` ranks."""
+    p = parallel
+    return dict(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.expert_tp, cp=p.cp, dp=p.dp(world),
+                first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)  # fmt: skip
+
+
+def optimizer_layout(role_dir: str | Path, layout: dict) -> str:
+    """How the role checkpoint in ``role_dir`` holds its optimizer state (:data:`PER_RANK` or :data:`RESHARDABLE`;
+    checkpoints without the record are gathered); ``ValueError`` where it is per rank under another ``layout``."""
+    from megatron.core import dist_checkpointing
+
+    content = dist_checkpointing.load_content_metadata(str(role_dir)) or {}
+    saved = content.get(OPTIMIZER_LAYOUT, RESHARDABLE)
+    if saved == PER_RANK and content[PARALLEL_LAYOUT] != layout:
+        raise ValueError(
+            f"{role_dir}: its optimizer state was saved per rank under the layout {content[PARALLEL_LAYOUT]} and "
+            f"loads under that one only; this run's is {layout}. Resume with the checkpoint's parallel sizes and "
+            "devices, or save with runtime_args.save_reshardable=true where a run must change them"
+        )
+    return saved

@@ -4,6 +4,9 @@ that code that cannot load or answer fails in seconds with the key that names it
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from mcore_rl import checkpoint
 from mcore_rl.config.loader import ConfigError
 from mcore_rl.config.schema import RunConfig
 from mcore_rl.data.run_data import Data
@@ -12,11 +15,37 @@ from mcore_rl.rewards.user import Rewards
 
 
 def check_inputs(config: RunConfig) -> Data:
-    """The model directories' files, the data, and the user's code on the first prompt: the run's data."""
+    """The model directories' files, the checkpoints a resume would load, the data, and the user's code on the first
+    prompt: the run's data."""
     config.check_files()
+    check_resume(config)
     data = Data(config)
     check_user_code(config, data.train.batch(0, 1)[0].row)
     return data
+
+
+def check_resume(config: RunConfig) -> None:
+    """Where the run's directory holds complete checkpoints, one of them loads under the run's layout: a trained
+    role's optimizer state saved per rank loads under its own layout and devices only
+    (:func:`mcore_rl.checkpoint.optimizer_layout`); else the newest's reason, before any role starts."""
+    from mcore_rl.trainer.policy import PolicyTrainer
+    from mcore_rl.trainer.value import ValueTrainer
+
+    rt, m = config.runtime_args, config.models
+    roles = [(PolicyTrainer.checkpoint_dir, m.policy_trainer.parallel)]
+    if m.uses("critic"):
+        roles.append((ValueTrainer.checkpoint_dir, m.critic.parallel))
+    problems = []
+    for _, path in reversed(checkpoint.complete(Path(rt.output_dir) / "checkpoints")):
+        try:
+            for name, parallel in roles:
+                if (path / name).is_dir():  # a role new to the run: its load says so
+                    checkpoint.optimizer_layout(path / name, checkpoint.parallel_layout(parallel, rt.trainer_devices))
+            return
+        except ValueError as err:
+            problems.append(str(err))
+    if problems:
+        raise ConfigError(f"runtime_args.output_dir: no checkpoint there loads under this run's layout: {problems[0]}")
 
 
 def check_user_code(config: RunConfig, row) -> None:

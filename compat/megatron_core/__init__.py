@@ -17,8 +17,9 @@ about the CPU cannot end up in the CPU support by accident):
   None, the value Megatron tests for, so the router takes its torch path.
 * torch Adam's checkpoints. Megatron-Core falls back to ``torch.optim.AdamW`` where neither TransformerEngine nor
   Apex imports: always on CPU, and on GPUs without them. Its distributed optimizer then fails to load its own
-  checkpoint with ``KeyError: 'step'`` (distrib_optimizer.py:940; the loaded tensors get the already-restored step
-  added), and its load shares one ``step`` tensor among all parameters (:825), which Adam then advances once per
+  checkpoint with ``KeyError: 'step'`` (distrib_optimizer.py:940), or, from a per-rank (``dp_reshardable``)
+  checkpoint, sets every parameter's step back to the one it held before the load (the loaded tensors get the
+  already-restored step instead), and its load shares one ``step`` tensor among all parameters (:825), which Adam then advances once per
   parameter per step (the loaded states get their own copies). :func:`install_adam_fixes` installs both wherever
   that fallback is in use.
 * torch Adam's speed. That fallback is built with neither ``fused`` nor ``foreach``, and on CPU torch then takes its
@@ -50,12 +51,15 @@ from compat import MEGATRON_CORE, UpstreamChangedError, expect_parameters
 
 
 def _keep_adam_step(original):
-    """distrib_optimizer.py:940 copies every key of torch Adam's state, ``step`` included, from the loaded
-    tensors, which carry no ``step`` (it travels in the param groups and is already restored): KeyError."""
+    """distrib_optimizer.py:940 copies every key of torch Adam's state, ``step`` included, from the loaded tensors.
+    The step travels in the param groups and is already restored there (:817); the loaded tensors carry none
+    (``fully_reshardable``: KeyError) or the step the state held before the load (``dp_reshardable`` keeps it as a
+    local non-persistent object, :1663: every resumed parameter's Adam went back to the dummy state's step).
+    Each parameter keeps its restored step."""
 
     @functools.wraps(original)
     def wrapped(self, model_param, tensors):
-        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        if not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             group, order = self.model_param_group_index_map[model_param]
             state = self.optimizer.state[self.optimizer.param_groups[group]["params"][order]]
             if "step" in state:

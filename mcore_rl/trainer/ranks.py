@@ -19,6 +19,14 @@ import torch
 from converters.stream import load_weights
 from converters.torch_dist import model_state
 from mcore_rl.algorithms.grpo import Share
+from mcore_rl.checkpoint import (
+    OPTIMIZER_LAYOUT,
+    PARALLEL_LAYOUT,
+    PER_RANK,
+    RESHARDABLE,
+    optimizer_layout,
+    parallel_layout,
+)
 from mcore_rl.console import setup_actor
 from mcore_rl.metrics import process_stats
 from mcore_rl.trainer.logprobs import token_logprobs
@@ -37,11 +45,6 @@ if TYPE_CHECKING:
     ModelSection = TrainerConfig | ReferenceConfig | CriticConfig | RewardModelConfig
 
 log = logging.getLogger(__name__)
-
-# Megatron-Core's two layouts of the distributed optimizer's state in a checkpoint (distrib_optimizer.py:1175), and
-# the keys of a checkpoint's content metadata that record which one it holds and under which model layout.
-PER_RANK, RESHARDABLE = "dp_reshardable", "fully_reshardable"
-OPTIMIZER_LAYOUT, PARALLEL_LAYOUT = "mcore_rl_optimizer_layout", "mcore_rl_parallel_layout"
 
 
 class MegatronRank:
@@ -319,12 +322,6 @@ class TrainableRank(MegatronRank):
         optimizer = self.model.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
         return {**model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
-    def _layout(self) -> dict:
-        """What a per-rank optimizer checkpoint must be loaded under: every parallel size."""
-        p = self.parallel
-        return dict(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.expert_tp, cp=p.cp, dp=self.dp[0],
-                    first_stage_layers=p.first_stage_layers, last_stage_layers=p.last_stage_layers)  # fmt: skip
-
     def save(self, directory: str, reshardable: bool = False) -> None:
         """Model, optimizer and LR schedule as a Megatron distributed checkpoint in ``directory/checkpoint_dir``. The
         optimizer's state as each rank holds it (every rank writes its own at once; it loads under the same layout
@@ -335,7 +332,10 @@ class TrainableRank(MegatronRank):
         layout = RESHARDABLE if reshardable else PER_RANK
         path = Path(directory) / self.checkpoint_dir
         path.mkdir(exist_ok=True)
-        content = {OPTIMIZER_LAYOUT: layout, PARALLEL_LAYOUT: self._layout()}
+        content = {
+            OPTIMIZER_LAYOUT: layout,
+            PARALLEL_LAYOUT: parallel_layout(self.parallel, torch.distributed.get_world_size()),
+        }
         dist_checkpointing.save(self._sharded_state(False, layout), str(path), content_metadata=content)
 
     def load(self, directory: str) -> None:
@@ -343,14 +343,7 @@ class TrainableRank(MegatronRank):
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         path = str(Path(directory) / self.checkpoint_dir)
-        content = dist_checkpointing.load_content_metadata(path) or {}
-        layout = content.get(OPTIMIZER_LAYOUT, RESHARDABLE)  # what checkpoints without the record hold
-        if layout == PER_RANK and content[PARALLEL_LAYOUT] != self._layout():
-            raise ValueError(
-                f"{path}: its optimizer state was saved per rank under the layout {content[PARALLEL_LAYOUT]} and "
-                f"loads under that one only; this run's is {self._layout()}. Resume with the checkpoint's parallel "
-                "sizes and devices, or save with runtime_args.save_reshardable=true where a run must change them"
-            )
+        layout = optimizer_layout(path, parallel_layout(self.parallel, torch.distributed.get_world_size()))
         for opt in self._optimizers():
             if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
                 opt._init_optimizer_states_with_dummy_values()  # Adam's state exists only after a step otherwise

@@ -489,16 +489,17 @@ def _episode_batch() -> dict:
 
 
 def policy_resume(hf_dir: str, layout: dict, checkpoint_dir: str, save: str | None = None) -> dict:
-    """Two GRPO steps of the policy trainer at ``layout`` with a checkpoint between them (``save``: as
+    """Three GRPO steps of the policy trainer at ``layout`` with a checkpoint after the second (``save``: as
     ``per_rank`` or ``reshardable`` saves write it, or ``legacy``: gathered without the record of its layouts, as
-    mcore-rl wrote them before); or, ``save`` None, the checkpoint loaded instead of the first step. The second
-    step's metrics and the Adam digest after it."""
+    mcore-rl wrote them before); or, ``save`` None, the checkpoint loaded instead of the first two. The third
+    step's metrics and the Adam digest after it (its step count: 3, where each parameter's Adam step resumed)."""
     trainer, batch = _policy_trainer(hf_dir, layout, 4, lr=1e-2), _episode_batch()
     batch["old_logp"] = batch["rollout_logp"] = trainer.logprobs(batch, micro_batch_size=2) * batch["mask"]
     if save is None:
         trainer.load(checkpoint_dir)
     else:
-        trainer.train(batch, global_batch_size=8, micro_batch_size=2)
+        for _ in range(2):
+            trainer.train(batch, global_batch_size=8, micro_batch_size=2)
         trainer.save(checkpoint_dir, reshardable=save != "per_rank")
         torch.distributed.barrier()
         if save == "legacy" and torch.distributed.get_rank() == 0:  # the record of its layouts taken out
