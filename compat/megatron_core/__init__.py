@@ -19,9 +19,9 @@ about the CPU cannot end up in the CPU support by accident):
   Apex imports: always on CPU, and on GPUs without them. Its distributed optimizer then fails to load its own
   checkpoint with ``KeyError: 'step'`` (distrib_optimizer.py:940), or, from a per-rank (``dp_reshardable``)
   checkpoint, sets every parameter's step back to the one it held before the load (the loaded tensors get the
-  already-restored step instead), and its load shares one ``step`` tensor among all parameters (:825), which Adam then advances once per
-  parameter per step (the loaded states get their own copies). :func:`install_adam_fixes` installs both wherever
-  that fallback is in use.
+  already-restored step instead); and its load shares one ``step`` tensor among all parameters (:825), which Adam
+  then advances once per parameter per step (the loaded states get their own copies). :func:`install_adam_fixes`
+  installs both wherever that fallback is in use.
 * torch Adam's speed. That fallback is built with neither ``fused`` nor ``foreach``, and on CPU torch then takes its
   per-tensor loop: 0.345 s a step for one rank's half of SmolLM2-135M's shard against 0.095 s fused (one thread).
   :func:`fuse_torch_adam` switches its parameter groups to torch's fused kernel (CPU and CUDA) once it is built; a

@@ -316,9 +316,11 @@ class TrainableRank(MegatronRank):
         return list(getattr(self.model.optimizer, "chained_optimizers", [self.model.optimizer]))
 
     # ---- checkpoints --------------------------------------------------------------------------------------
-    def _sharded_state(self, is_loading: bool, optimizer_layout: str) -> dict:
+    def _sharded_state(self, is_loading: bool, layout: str) -> dict:
+        """Model, optimizer (its state in Megatron's ``layout``: :data:`~mcore_rl.checkpoint.PER_RANK` or
+        :data:`~mcore_rl.checkpoint.RESHARDABLE`) and LR schedule as Megatron's sharded state dict."""
         model = model_state(self.chunks)
-        metadata = {"distrib_optim_sharding_type": optimizer_layout}
+        metadata = {"distrib_optim_sharding_type": layout}
         optimizer = self.model.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
         return {**model, "optimizer": optimizer, "scheduler": self.scheduler.state_dict()}
 
