@@ -5,7 +5,8 @@ Suites: rl (end-to-end GRPO against TRL's GRPOTrainer), agent (word problems wit
 tool), algorithms (one SmolLM2 run per advantage estimator: rloo, reinforce_pp, gae, distillation), rewards (the math
 checker alone, with a reward model weighted in, and with judges), lora (LoRA against full fine-tuning), experts
 (grouped vs sequential experts), packing (utilisation and speed-up on long-tailed lengths), sync (trainer -> engine
-weight sync), convert (hf2mcore and mcore2hf on a generated multi-GB checkpoint), sandbox (the code sandbox's
+weight sync), convert (hf2mcore and mcore2hf on a generated multi-GB checkpoint), checkpoint (the trainer's save and
+resume, per-rank against gathered optimizer state), sandbox (the code sandbox's
 start-up, per-call cost and tool calls per second), lm_head (peak memory of the loss's log-probs and entropy at
 4k-32k tokens, unchunked and chunked), steptime (the planner's step-time model against a peer's published runs;
 the rl suite sets it against this machine's phases). No suite: all. The same commands run on a GPU machine (bf16
@@ -21,13 +22,28 @@ import shlex
 import sys
 from pathlib import Path
 
-from benchmarks import agent, algorithms, convert, experts, lm_head, lora, packing, rewards, rl, sandbox, steptime, sync
+from benchmarks import (
+    agent,
+    algorithms,
+    checkpoint,
+    convert,
+    experts,
+    lm_head,
+    lora,
+    packing,
+    rewards,
+    rl,
+    sandbox,
+    steptime,
+    sync,
+)
 from benchmarks.hardware import measure
 from benchmarks.report import Report, table
 
 SUITES = {
     "rl": rl, "agent": agent, "algorithms": algorithms, "rewards": rewards, "lora": lora, "experts": experts,
-    "packing": packing, "sync": sync, "convert": convert, "sandbox": sandbox, "lm_head": lm_head, "steptime": steptime,
+    "packing": packing, "sync": sync, "convert": convert, "checkpoint": checkpoint, "sandbox": sandbox,
+    "lm_head": lm_head, "steptime": steptime,
 }  # fmt: skip
 
 
