@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from megatron.core import dist_checkpointing
 
 from converters.hf_io import HFCheckpoint
 from mcore_rl import checkpoint
@@ -412,7 +413,8 @@ def test_a_full_disk_during_a_save_stops_the_run_with_the_earlier_checkpoints_in
 ):
     """The output directory on a small file system that fills up during episode 2 (the reward function writes the
     ballast once episode 1's checkpoint is complete): the save of episode 2 fails, the run stops with exit status 1
-    and one error line, its partial directory is gone, and episode 1's checkpoint is complete as committed."""
+    and one error line, its partial directory is gone, and episode 1's checkpoint is complete as committed (its
+    optimizer state gathered, as runtime_args.save_reshardable asks and its record says)."""
     small = tmp_path / "small"
     small.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(small)], check=True)
@@ -433,6 +435,7 @@ def test_a_full_disk_during_a_save_stops_the_run_with_the_earlier_checkpoints_in
         overrides = [
             f"runtime_args.output_dir={out}", "runtime_args.num_episode=2", "runtime_args.save_episode_interval=1",
             "runtime_args.eval_episode_interval=0", "runtime_args.num_devices=1", f"models.reward.fn={reward}",
+            "runtime_args.save_reshardable=true",
             "models.policy_trainer.algorithm.kl_coef=0", *(f"{r}.parallel.tp=1" for r in ROLES),
         ]  # fmt: skip
         assert main([str(path), *overrides]) == 1
@@ -447,7 +450,10 @@ def test_a_full_disk_during_a_save_stops_the_run_with_the_earlier_checkpoints_in
         root = out / "checkpoints"
         assert [e for e, _ in checkpoint.complete(root)] == [1]  # its marker's files all there, every size right
         assert not list(root.glob(".episode_*.partial"))
-        assert [e["path"] for e in events(out, "checkpoint")] == [str(root / "episode_1")]
+        (saved,) = events(out, "checkpoint")  # the complete one, with its whole save's seconds
+        assert saved["path"] == str(root / "episode_1") and saved["seconds"] > 0
+        content = dist_checkpointing.load_content_metadata(str(root / "episode_1" / "policy"))
+        assert content[checkpoint.OPTIMIZER_LAYOUT] == checkpoint.RESHARDABLE
     finally:
         subprocess.run(["umount", "-l", str(small)], check=True)
 
