@@ -42,6 +42,16 @@ def clip(text: str, max_chars: int) -> str:
     return f"{text[:max_chars]}\n[... {len(text) - max_chars} more characters cut]"
 
 
+def _hermes_calls(message: dict) -> dict:
+    """An assistant message with its ``tool_calls`` (as chat templates read them) in its content, as Qwen2.5's
+    template renders them: the text, then one ``<tool_call>`` block per call, each on lines of its own."""
+    calls = [call.get("function", call) for call in message["tool_calls"]]
+    blocks = [json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False) for c in calls]
+    text = [message["content"]] if message.get("content") else []
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": "\n".join(text + [f"<tool_call>\n{b}\n</tool_call>" for b in blocks])}
+
+
 class ChatFormat:
     """Token ids of a trajectory's opening prompt and of the observations between its turns."""
 
@@ -73,10 +83,12 @@ class ChatFormat:
         )
 
     def with_tools(self, messages: list[dict]) -> list[dict]:
-        """``messages`` as the policy sees them: with the tools' Hermes instructions in the system message when
-        the template does not render tools itself."""
+        """``messages`` as the policy sees them: where the template does not render tools itself, with the tools'
+        Hermes instructions in the system message and each assistant message's tool calls written into its content
+        as Hermes calls (such a template renders the content alone: a client's earlier call would vanish)."""
         if not self.tools_in_system:
             return list(messages)  # a trajectory's own list: its turns are appended to it
+        messages = [_hermes_calls(m) if m.get("tool_calls") else m for m in messages]
         listing = "\n".join(json.dumps(t) for t in self.tools)
         system = HERMES_SYSTEM.format(tools=listing)
         if messages and messages[0]["role"] == "system":

@@ -179,6 +179,30 @@ def test_hermes_instructions_join_an_existing_system_message(smollm2):
     check_tool_format(config, {"calculator": Calculator()})
 
 
+def test_a_client_s_earlier_tool_calls_reach_a_template_that_ignores_tools_as_hermes_calls(smollm2):
+    """SmolLM2's template renders an assistant message's content alone: a history an agent sends with its earlier
+    calls gets them written into that content as the Hermes instructions ask, and the parser reads them back."""
+    chat = ChatFormat(smollm2, [schema(Calculator())])
+    calls = [
+        {"type": "function", "id": f"c{i}", "function": {"name": "calculator", "arguments": {"expression": e}}}
+        for i, e in enumerate(["6*7", "6+7"])
+    ]
+    for content, written in [("", CALL), ("Let me compute.", "Let me compute.\n" + CALL)]:
+        history = [*OPENING, {"role": "assistant", "content": content, "tool_calls": calls[:1]},
+                   {"role": "tool", "tool_call_id": "c0", "content": "42"}]  # fmt: skip
+        text = smollm2.decode(chat.prompt(history))
+        assert text.endswith(
+            f"<|im_start|>assistant\n{written}<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+        ), text
+        assert chat.with_tools(history)[1:] == [OPENING[0], {"role": "assistant", "content": written}, history[-1]]
+    both = chat.with_tools([*OPENING, {"role": "assistant", "content": "", "tool_calls": calls}])[2]
+    parsed = parse_tool_calls(both["content"], 8)
+    assert [(c.name, c.arguments, c.error) for c in parsed] == [
+        ("calculator", {"expression": "6*7"}, ""),
+        ("calculator", {"expression": "6+7"}, ""),
+    ]
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused(smollm2):
     tokenizer = transformers.AutoTokenizer.from_pretrained(default_model_dir())
     tokenizer.chat_template = (
