@@ -99,9 +99,10 @@ def problem(path: Path) -> str | None:
     return None
 
 
-def complete(root: str | Path) -> list[tuple[int, Path]]:
+def complete(root: str | Path, report: bool = True) -> list[tuple[int, Path]]:
     """Every complete checkpoint under ``root`` as (episode, path), oldest first; a marked one that fails its
-    marker's check is logged and left out."""
+    marker's check is left out, and logged where ``report`` (the resume's look, once a run: not the preflight's
+    before it, or each save's prune after it)."""
     root = Path(root)
     found = []
     for path in root.iterdir() if root.is_dir() else ():
@@ -109,7 +110,7 @@ def complete(root: str | Path) -> list[tuple[int, Path]]:
         if match and (path / MARKER).is_file():
             if (why := problem(path)) is None:
                 found.append((int(match.group(1)), path))
-            else:
+            elif report:
                 log.warning("checkpoint %s is not complete: %s; it is skipped", path, why)
     return sorted(found)
 
@@ -126,7 +127,7 @@ def prune(root: str | Path, keep: int) -> list[Path]:
     Called after a commit, so the newest complete checkpoint is never the one deleted; the marker goes first,
     so a crash mid-delete leaves a directory that no longer counts as complete.
     """
-    found = complete(root)
+    found = complete(root, report=False)
     doomed = [path for _, path in found[: max(len(found) - keep, 0)]] if keep > 0 else []
     for path in doomed:
         (path / MARKER).unlink()

@@ -180,7 +180,7 @@ class Run:
         except Exception as err:  # noqa: BLE001 - a full disk reaches here as OSError or wrapped by Ray
             free = shutil.disk_usage(root).free  # before the partial directory goes: what the save left
             checkpoint.abandon(root, episode)
-            kept = ", ".join(p.name for _, p in checkpoint.complete(root)) or "none"
+            kept = ", ".join(p.name for _, p in checkpoint.complete(root, report=False)) or "none"
             raise checkpoint.CheckpointError(
                 f"saving the checkpoint of episode {episode} under {root} failed ({_last_line(err)}; "
                 f"{free / 2**20:.1f} MiB were left free on its file system); the run stopped, and the complete "

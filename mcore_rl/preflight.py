@@ -36,7 +36,7 @@ def check_resume(config: RunConfig) -> None:
     if m.uses("critic"):
         roles.append((ValueTrainer.checkpoint_dir, m.critic.parallel))
     problems = []
-    for _, path in reversed(checkpoint.complete(Path(rt.output_dir) / "checkpoints")):
+    for _, path in reversed(checkpoint.complete(Path(rt.output_dir) / "checkpoints", report=False)):
         try:
             for name, parallel in roles:
                 if (path / name).is_dir():  # a role new to the run: its load says so

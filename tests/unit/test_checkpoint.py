@@ -52,5 +52,8 @@ def test_the_marker_lists_what_it_covers_and_is_checked(tmp_path, caplog):
     assert [e for e, _ in complete(tmp_path)] == [1]
     assert "episode_3 is not complete: policy/shard.distcp is 50 bytes, the marker says 100" in caplog.text
     assert "rng_rank0.pt is missing" in caplog.text
+    caplog.clear()  # the preflight's look and each save's prune leave the report to the resume's, once a run
+    assert [e for e, _ in complete(tmp_path, report=False)] == [1] and prune(tmp_path, keep=1) == []
+    assert caplog.text == ""
     (tmp_path / "episode_1" / "COMPLETE").write_text("{not json")
     assert complete(tmp_path) == []
