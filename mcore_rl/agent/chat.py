@@ -45,7 +45,7 @@ def clip(text: str, max_chars: int) -> str:
 def _hermes_calls(message: dict) -> dict:
     """An assistant message with its ``tool_calls`` (as chat templates read them) in its content, as Qwen2.5's
     template renders them: the text, then one ``<tool_call>`` block per call, each on lines of its own."""
-    calls = [call.get("function", call) for call in message["tool_calls"]]
+    calls = [call["function"] for call in message["tool_calls"]]
     blocks = [json.dumps({"name": c["name"], "arguments": c["arguments"]}, ensure_ascii=False) for c in calls]
     text = [message["content"]] if message.get("content") else []
     rest = {k: v for k, v in message.items() if k != "tool_calls"}
