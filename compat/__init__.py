@@ -17,6 +17,7 @@ import importlib.machinery
 import importlib.metadata
 import inspect
 import logging
+import os
 import re
 import sys
 import warnings
@@ -146,12 +147,18 @@ AFTER_IMPORT = {"megatron.core.jit": "compat.megatron_core:compile_on_first_call
 # Upstream modules that import an optional package at import time for features mcore-rl never runs, and take its
 # absence (ImportError) in their stride: the package is hidden from them while they execute. megatron-core 0.16.1
 # imports wandb (5 s of CPU in every Megatron process once wandb is installed for runtime_args.log.loggers) for its
-# inference engine's and timers' logging.
+# inference engine's and timers' logging. vLLM 0.32's env_override imports torch._inductor.lowering (0.6 s of
+# every engine's start) to let Inductor fall back to vLLM's custom ops in the graphs it compiles, and skips that
+# patch without it: hidden only where nothing compiles (:data:`WITHOUT_WHERE`).
 WITHOUT = {
     "megatron.core.timers": "wandb",
     "megatron.core.inference.contexts.dynamic_context": "wandb",
     "megatron.core.inference.engines.dynamic_engine": "wandb",
+    "vllm.env_override": "torch._inductor.lowering",
 }
+# The entries of WITHOUT that hold only where a condition does: the CPU engine's TORCHDYNAMO_DISABLE
+# (parallel.device.Device.engine_env), under which torch.compile runs every function eagerly.
+WITHOUT_WHERE = {"vllm.env_override": lambda: os.environ.get("TORCHDYNAMO_DISABLE") == "1"}
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -168,7 +175,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_adjust(module):
             hidden = WITHOUT.get(name)
-            hide = hidden is not None and hidden not in sys.modules  # already imported: nothing left to save
+            # already imported: nothing left to save
+            hide = hidden is not None and hidden not in sys.modules and WITHOUT_WHERE.get(name, lambda: True)()
             if hide:
                 sys.modules[hidden] = None  # ``import hidden`` raises ImportError
             try:

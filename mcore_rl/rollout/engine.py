@@ -219,6 +219,7 @@ class RolloutEngine:
 
     def __init__(self, model_dir: str | Path, config: RolloutConfig, colocated: bool = True):
         """``colocated``: the engine takes turns with the trainer on its devices, and sleeps while it trains."""
+        from compat.vllm import freeze_imports
         from models.registry import get_bridge
         from parallel.device import Device
 
@@ -245,6 +246,7 @@ class RolloutEngine:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             routing = dict(enable_return_routed_experts=True)
         model_args = bridge.rollout_engine_args(self.machine.cuda)
+        freeze_imports()  # out of the collections vLLM runs while it starts
         self.llm = LLM(
             model=str(model_dir),
             tensor_parallel_size=config.tensor_parallel_size,

@@ -3,6 +3,7 @@ the installed upstreams pass, and the notices it silences are the ones upstream 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import subprocess
@@ -159,7 +160,35 @@ def test_megatron_core_imports_without_wandb_which_imports_for_the_loggers_after
     )
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], check=True, capture_output=True, text=True)
     assert out.stdout.splitlines() == ["False None False", "wandb"]
-    assert set(compat.WITHOUT.values()) == {"wandb"}
+
+
+def test_vllm_imports_without_inductor_s_lowering_where_nothing_compiles():
+    """In fresh processes: under the CPU engine's TORCHDYNAMO_DISABLE, vLLM's import leaves Inductor's lowering
+    (0.6 s) unimported and unpatched, and it still imports afterwards; elsewhere vLLM patches it as it would."""
+    code = (
+        "import sys, compat, vllm\n"
+        "print('torch._inductor.lowering' in sys.modules)\n"
+        "from torch._inductor import lowering\n"
+        "print(getattr(lowering.FALLBACK_ALLOW_LIST, '_vllm_patched', False))\n"
+    )
+    outs = {}
+    for disabled in ("1", None):
+        env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+        env |= {"TORCHDYNAMO_DISABLE": disabled} if disabled else {}
+        run = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, env=env)
+        assert run.returncode == 0, run.stderr[-3000:]
+        outs[disabled] = run.stdout.splitlines()
+    assert outs == {"1": ["False", "False"], None: ["True", "True"]}
+
+
+def test_the_imports_are_frozen_out_of_collections_before_an_engine_freezes_its_own_objects():
+    survivor = [object()]
+    try:
+        vllm.freeze_imports()
+        assert not any(obj is survivor for obj in gc.get_objects())  # in no generation a collection walks
+    finally:
+        gc.unfreeze()
+    assert any(obj is survivor for obj in gc.get_objects())
 
 
 def test_the_environment_form_matches_the_filters():
