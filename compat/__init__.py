@@ -12,6 +12,8 @@ installs :data:`AFTER_IMPORT`'s finder, which adjusts named upstream modules as 
 from __future__ import annotations
 
 import builtins
+import contextlib
+import gc
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -117,6 +119,22 @@ def upstream_notices_env() -> str:
     if bad := [prefix for prefix, _ in UPSTREAM_NOTICES if "," in prefix or ":" in prefix]:
         raise ValueError(f"PYTHONWARNINGS cannot carry {bad}: its fields are split at ',' and ':'")
     return ",".join(f"ignore:{prefix}:{category}" for prefix, category in UPSTREAM_NOTICES)
+
+
+@contextlib.contextmanager
+def importing():
+    """Import upstreams without CPython's automatic full collections, and freeze what is left after (out of every
+    later collection). Importing torch, Megatron-Core and vLLM triggers five to eight full collections that walk
+    the growing heap of their modules and find nothing to free: a sixth of the imports' time (measured on 2 cores:
+    0.3 s of the RL driver's start, 0.9 s of a vLLM engine's)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+        gc.freeze()
 
 
 def start_cli(log_format: str | None) -> bool:

@@ -28,21 +28,20 @@ the logits of a batch by sequence, so a batch of prompt log-probs (one row per p
 ("subscript b has size 4 ... 31"); the CUDA build indexes by token. mcore-rl never adapts the LM head, so that
 LoRA adds zero there: skipped when its weights are all zero, refused otherwise.
 
-**Start-up** (:func:`freeze_imports`): an engine's core collects the whole heap and freezes it (``gc.freeze``) at
-the end of its start (vLLM 0.32's ``freeze_gc_heap``; its shutdown unfreezes), after its model loader has run two
-full collections: each walks every object of the imports (about 5,000 modules of torch, vLLM and transformers),
-0.8 s of a CPU engine's start on SmolLM2. Frozen before the engine starts, they are out of those walks.
+**Start-up** (:func:`import_llm`): the engine's core runs five full collections while it starts (its model loader
+two, then three before it freezes the heap with vLLM 0.32's ``freeze_gc_heap``, which its shutdown undoes), each
+walking every object of the imports (about 5,000 modules of torch, vLLM and transformers): 0.8 s of a CPU
+engine's start on SmolLM2. ``vllm.LLM`` is imported with :func:`compat.importing`, which freezes them first.
 """
 
 from __future__ import annotations
 
-import gc
 import inspect
 import logging
 
 import torch
 
-from compat import UpstreamChangedError, expect_parameters
+from compat import UpstreamChangedError, expect_parameters, importing
 
 CPU_MOE_EXPERTS = "CPUUnquantizedExperts"
 DERIVED_PARAMETERS = ("W_UK_T", "W_UV")
@@ -250,14 +249,14 @@ def allow_prompt_logprobs_with_lora() -> None:
     PunicaWrapperCPU.add_lora_logits = add_lora_logits
 
 
-def freeze_imports() -> None:
-    """Freeze the heap before an engine starts in this process (see the module docstring): its core freezes what
-    it creates when it is up and unfreezes all at shutdown."""
-    from vllm.v1.engine import core
-
+def import_llm():
+    """``vllm.LLM``, imported without collections and frozen out of the engine's (see the module docstring)."""
+    with importing():
+        from vllm import LLM
+        from vllm.v1.engine import core
     if not hasattr(core, "freeze_gc_heap"):
         raise UpstreamChangedError(
             "vllm.v1.engine.core.freeze_gc_heap is gone: re-read how vLLM's engine core freezes its heap and "
-            "update compat.vllm.freeze_imports"
+            "update compat.vllm.import_llm"
         )
-    gc.freeze()
+    return LLM

@@ -24,14 +24,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if not compat.start_cli(FORMAT):  # the console's lines as the role logs' and driver.log's
         return 2
-    from mcore_rl.checkpoint import CheckpointError
-    from mcore_rl.config.loader import ConfigError
-    from mcore_rl.config.schema import load_run_config
-    from mcore_rl.driver import run
-    from mcore_rl.planner.memory import check_fits
-    from mcore_rl.rollout.transport import SharedMemoryError
-    from mcore_rl.userfile import UserCodeError
-    from mcore_rl.watchdog import HangError
+    with compat.importing():  # torch, Megatron-Core and Ray
+        from mcore_rl.checkpoint import CheckpointError
+        from mcore_rl.config.loader import ConfigError
+        from mcore_rl.config.schema import load_run_config
+        from mcore_rl.driver import run
+        from mcore_rl.planner.memory import check_fits
+        from mcore_rl.rollout.transport import SharedMemoryError
+        from mcore_rl.userfile import UserCodeError
+        from mcore_rl.watchdog import HangError
 
     try:
         config = load_run_config(args.config, args.overrides)

@@ -219,7 +219,7 @@ class RolloutEngine:
 
     def __init__(self, model_dir: str | Path, config: RolloutConfig, colocated: bool = True):
         """``colocated``: the engine takes turns with the trainer on its devices, and sleeps while it trains."""
-        from compat.vllm import freeze_imports
+        from compat.vllm import import_llm
         from models.registry import get_bridge
         from parallel.device import Device
 
@@ -228,7 +228,7 @@ class RolloutEngine:
         self.config, self.colocated = config, colocated
         self.machine = Device.current()
         os.environ.update(self.machine.engine_env(config, cpu_thread_binding(config)))
-        from vllm import LLM
+        llm_class = import_llm()
 
         bridge = get_bridge(model_dir)
         if config.speculative_tokens and not bridge.num_mtp_layers:
@@ -246,8 +246,7 @@ class RolloutEngine:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             routing = dict(enable_return_routed_experts=True)
         model_args = bridge.rollout_engine_args(self.machine.cuda)
-        freeze_imports()  # out of the collections vLLM runs while it starts
-        self.llm = LLM(
+        self.llm = llm_class(
             model=str(model_dir),
             tensor_parallel_size=config.tensor_parallel_size,
             dtype=self.machine.engine_dtype(config.dtype),
