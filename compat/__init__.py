@@ -123,10 +123,9 @@ def upstream_notices_env() -> str:
 
 @contextlib.contextmanager
 def importing():
-    """Import upstreams without CPython's automatic full collections, and freeze what is left after (out of every
-    later collection). Importing torch, Megatron-Core and vLLM triggers five to eight full collections that walk
-    the growing heap of their modules and find nothing to free: a sixth of the imports' time (measured on 2 cores:
-    0.3 s of the RL driver's start, 0.9 s of a vLLM engine's)."""
+    """Import upstreams without CPython's automatic full collections. Importing torch, Megatron-Core and vLLM
+    triggers five to eight of them, each walking the growing heap of their modules and finding nothing to free: a
+    sixth of the imports' time (measured on 2 cores: 0.3 s of the RL driver's start, 0.9 s of a vLLM engine's)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -134,7 +133,6 @@ def importing():
     finally:
         if enabled:
             gc.enable()
-        gc.freeze()
 
 
 def start_cli(log_format: str | None) -> bool:

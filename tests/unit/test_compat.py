@@ -181,24 +181,22 @@ def test_vllm_imports_without_inductor_s_lowering_where_nothing_compiles():
     assert outs == {"1": ["False", "False"], None: ["True", "True"]}
 
 
-def test_upstreams_import_without_collections_and_stay_out_of_later_ones():
-    """In fresh processes: torch and Megatron-Core import with no full collection (five without), and their
-    objects are out of every later one."""
+def test_upstreams_import_without_automatic_collections():
+    """In fresh processes: torch and Megatron-Core import with no full collection (five without), and the
+    collector is on again after."""
     code = (
         "import gc, sys, compat, contextlib\n"
         "with compat.importing() if sys.argv[1] == 'paused' else contextlib.nullcontext():\n"
         "    import torch, megatron.core\n"
-        "print(gc.isenabled(), gc.get_stats()[2]['collections'], gc.get_freeze_count() > 0)\n"
-        "print(any(obj is torch.nn.Linear.forward for obj in gc.get_objects()))\n"
+        "print(gc.isenabled(), gc.get_stats()[2]['collections'])\n"
     )
     outs = {}
     for mode in ("paused", "plain"):
         run = subprocess.run([sys.executable, "-W", "ignore", "-c", code, mode], capture_output=True, text=True)
         assert run.returncode == 0, run.stderr[-3000:]
         outs[mode] = run.stdout.split()
-    assert outs["paused"] == ["True", "0", "True", "False"]
-    enabled, collections, frozen, walked = outs["plain"]
-    assert enabled == "True" and int(collections) > 0 and frozen == "False" and walked == "True"
+    assert outs["paused"] == ["True", "0"]
+    assert outs["plain"][0] == "True" and int(outs["plain"][1]) > 0
 
 
 def test_vllm_s_llm_imports_frozen_out_of_the_collections_its_engine_runs():
