@@ -191,7 +191,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_then_adjust(module):
             hidden = WITHOUT.get(name)
-            # already imported: nothing left to save
+            # already imported (nothing left to save), or its condition does not hold: not hidden
             hide = hidden is not None and hidden not in sys.modules and WITHOUT_WHERE.get(name, lambda: True)()
             if hide:
                 sys.modules[hidden] = None  # ``import hidden`` raises ImportError
