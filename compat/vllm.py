@@ -28,7 +28,7 @@ the logits of a batch by sequence, so a batch of prompt log-probs (one row per p
 ("subscript b has size 4 ... 31"); the CUDA build indexes by token. mcore-rl never adapts the LM head, so that
 LoRA adds zero there: skipped when its weights are all zero, refused otherwise.
 
-**Start-up** (:func:`import_llm`): the engine's core runs five full collections while it starts (its model loader
+**Start-up** (:func:`starting_engine`): the engine's core runs five full collections while it starts (its model loader
 two, then three before it freezes the heap with vLLM 0.32's ``freeze_gc_heap``, which its shutdown undoes), each
 walking every object of the imports (about 5,000 modules of torch, vLLM and transformers): 0.8 s of a CPU
 engine's start on SmolLM2. ``vllm.LLM`` is imported without collections (:func:`compat.importing`) and the heap
@@ -37,6 +37,7 @@ frozen at once: what vLLM would freeze anyway, before its collections instead of
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import logging
@@ -251,15 +252,22 @@ def allow_prompt_logprobs_with_lora() -> None:
     PunicaWrapperCPU.add_lora_logits = add_lora_logits
 
 
-def import_llm():
-    """``vllm.LLM``, imported without collections and frozen out of the engine's (see the module docstring)."""
+@contextlib.contextmanager
+def starting_engine():
+    """``vllm.LLM`` to start an engine with, imported without collections, the heap frozen out of the engine's
+    (see the module docstring); unfrozen again if the engine fails to start (vLLM's core unfreezes it at the
+    shutdown of one that started)."""
     with importing():
         from vllm import LLM
         from vllm.v1.engine import core
     if not hasattr(core, "freeze_gc_heap"):
         raise UpstreamChangedError(
             "vllm.v1.engine.core.freeze_gc_heap is gone: re-read how vLLM's engine core freezes its heap and "
-            "update compat.vllm.import_llm"
+            "update compat.vllm.starting_engine"
         )
     gc.freeze()
-    return LLM
+    try:
+        yield LLM
+    except BaseException:
+        gc.unfreeze()
+        raise

@@ -219,7 +219,7 @@ class RolloutEngine:
 
     def __init__(self, model_dir: str | Path, config: RolloutConfig, colocated: bool = True):
         """``colocated``: the engine takes turns with the trainer on its devices, and sleeps while it trains."""
-        from compat.vllm import import_llm
+        from compat.vllm import starting_engine
         from models.registry import get_bridge
         from parallel.device import Device
 
@@ -228,8 +228,6 @@ class RolloutEngine:
         self.config, self.colocated = config, colocated
         self.machine = Device.current()
         os.environ.update(self.machine.engine_env(config, cpu_thread_binding(config)))
-        llm_class = import_llm()
-
         bridge = get_bridge(model_dir)
         if config.speculative_tokens and not bridge.num_mtp_layers:
             raise ValueError(
@@ -246,21 +244,22 @@ class RolloutEngine:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             routing = dict(enable_return_routed_experts=True)
         model_args = bridge.rollout_engine_args(self.machine.cuda)
-        self.llm = llm_class(
-            model=str(model_dir),
-            tensor_parallel_size=config.tensor_parallel_size,
-            dtype=self.machine.engine_dtype(config.dtype),
-            max_model_len=config.max_model_len,
-            seed=config.seed,
-            enforce_eager=config.enforce_eager,
-            skip_tokenizer_init=not config.load_tokenizer,
-            worker_extension_cls=WORKER_EXTENSION,
-            **self.machine.engine_args(config, colocated),
-            **routing,
-            **lora_engine_args(config.lora_rank),
-            **speculative_engine_args(config.speculative_tokens, model_args.get("attention_backend")),
-            **model_args,
-        )
+        with starting_engine() as llm_class:  # vLLM imported once the config is known to be served
+            self.llm = llm_class(
+                model=str(model_dir),
+                tensor_parallel_size=config.tensor_parallel_size,
+                dtype=self.machine.engine_dtype(config.dtype),
+                max_model_len=config.max_model_len,
+                seed=config.seed,
+                enforce_eager=config.enforce_eager,
+                skip_tokenizer_init=not config.load_tokenizer,
+                worker_extension_cls=WORKER_EXTENSION,
+                **self.machine.engine_args(config, colocated),
+                **routing,
+                **lora_engine_args(config.lora_rank),
+                **speculative_engine_args(config.speculative_tokens, model_args.get("attention_backend")),
+                **model_args,
+            )
         self.llm.collective_rpc("mcore_rl_check_reloadable")
         self.asleep = False  # KV cache released (and, on CUDA, weights offloaded until wake_weights)
         self._weights_asleep = False

@@ -199,14 +199,18 @@ def test_upstreams_import_without_automatic_collections():
     assert outs["plain"][0] == "True" and int(outs["plain"][1]) > 0
 
 
-def test_vllm_s_llm_imports_frozen_out_of_the_collections_its_engine_runs():
+def test_an_engine_starts_with_the_imports_frozen_out_of_its_collections_and_unfrozen_if_it_fails():
     survivor = [object()]
     try:
-        assert vllm.import_llm().__name__ == "LLM" and gc.isenabled()
-        assert not any(obj is survivor for obj in gc.get_objects())
+        with vllm.starting_engine() as llm_class:
+            assert llm_class.__name__ == "LLM" and gc.isenabled()
+            assert not any(obj is survivor for obj in gc.get_objects())
     finally:
-        gc.unfreeze()
+        gc.unfreeze()  # what the engine's shutdown does
     assert any(obj is survivor for obj in gc.get_objects())
+    with pytest.raises(RuntimeError, match="no engine"), vllm.starting_engine():
+        raise RuntimeError("no engine")
+    assert gc.get_freeze_count() == 0 and any(obj is survivor for obj in gc.get_objects())
 
 
 def test_the_environment_form_matches_the_filters():
