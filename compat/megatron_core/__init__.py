@@ -3,8 +3,9 @@ TransformerEngine (:func:`router_without_te`), torch Adam's checkpoints (:func:`
 attention without TransformerEngine (:func:`mla_without_te`), models and process groups that outlive a layout
 (:func:`release_dispatcher_graphs`, :func:`destroy_groups`), an import that pulls in torch's compiler for
 nothing (:func:`compile_on_first_call`), a process server behind every checkpoint save
-(:func:`in_process_save_results`), and the per-rank optimizer checkpoint's load into fp32 models
-(:func:`dp_reshardable_load`).
+(:func:`in_process_save_results`), the per-rank optimizer checkpoint's load into fp32 models
+(:func:`dp_reshardable_load`), and weight gradients that autograd materialised before DDP added them
+(:func:`accumulate_in_main_grads`).
 
 **On CPU**: :mod:`compat.megatron_core.cpu`.
 
@@ -32,6 +33,16 @@ about the CPU cannot end up in the CPU support by accident):
   (distrib_optimizer.py:1804, through :940) copies into them outside ``no_grad`` and raises "a view of a leaf
   Variable that requires grad is being used in an in-place operation" (bf16 models have main parameters of their
   own). :func:`dp_reshardable_load` runs that load under ``torch.no_grad()``, as the ``fully_reshardable`` load is.
+* Weight gradients written into the gradient buffer. Megatron's DDP keeps each parameter's gradient in a flat buffer
+  (``main_grad``); by default autograd first hands it a fresh full-size gradient, which DDP's hook adds in. Megatron's
+  ``gradient_accumulation_fusion`` lets its linears accumulate into ``main_grad`` inside the GEMM, but only through
+  Apex's CUDA extension (layers.py:44); and its vocabulary embedding's gradient is always a dense
+  [vocabulary, hidden] tensor (``F.embedding``'s backward, layers.py:287: 113 MB per micro-batch for SmolLM2, and
+  a tied LM head's gradient added to it). :func:`accumulate_in_main_grads` gives the linears Apex's contract in
+  torch ops (one ``addmm_`` into the buffer) where Apex is absent, and lets an embedding add its rows there
+  (``index_add_``) and hand autograd nothing; :func:`accumulate_weight_grads` switches a DDP-wrapped model's
+  embeddings to it and drops the zeroed dummy that a tied weight's fused linears would otherwise add. One SmolLM2
+  training phase of the main job (2 steps at DP 2, one core each): 3.72 -> 3.44 s.
 * Gradient clipping's fallbacks. Without TransformerEngine or Apex (always on CPU), clip_grads.py:36-43 takes
   ``local_multi_tensor_l2_norm`` (a norm per tensor, collected through a host list) and
   ``local_multi_tensor_scale`` (a scaled copy per tensor, then a copy back): 140 ms of a 2.3 s SmolLM2 step at DP 2
@@ -263,6 +274,110 @@ def in_process_save_results() -> bool:
     return True
 
 
+# ---- weight gradients into the gradient buffer -----------------------------------------------------------------------
+def _accumulate_wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """``main_grad += grad_output^T total_input`` (Apex's ``wgrad_gemm_accum_fp32/fp16``, called at layers.py:569 with
+    both inputs flattened to 2-D): one GEMM into the buffer where the dtypes agree; bf16 activations into an fp32
+    buffer are multiplied in their dtype and added, as Megatron's unfused path does (Apex accumulates in fp32)."""
+    if total_input.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output.t(), total_input)
+    else:
+        main_grad.add_(grad_output.t().mm(total_input))
+
+
+class _EmbeddingIntoMainGrad(torch.autograd.Function):
+    """``F.embedding`` whose backward adds each position's gradient to its row of ``weight.main_grad`` and gives
+    autograd no weight gradient: DDP's hook then has nothing to add for this use (it is not called for an untied
+    embedding: the DDP of :class:`~mcore_rl.trainer.training.MegatronTrainStep` reduces at the step's end, not per
+    parameter as ``overlap_grad_reduce`` would)."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return torch.nn.functional.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        main_grad = ctx.weight.main_grad
+        main_grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype))
+        return None, None
+
+
+_ACCUMULATES = "_mcore_rl_accumulates"  # marks an embedding weight whose gradient goes into its main_grad
+
+
+class _FunctionalWithAccumulatedEmbedding(types.ModuleType):
+    """``torch.nn.functional`` as layers.py sees it (its only use is ``F.embedding``): the embedding of a weight that
+    :func:`accumulate_weight_grads` marked goes through :class:`_EmbeddingIntoMainGrad` while gradients are
+    recorded, everything else is torch's."""
+
+    def __init__(self):
+        super().__init__("torch.nn.functional")
+
+    def __getattr__(self, name: str):
+        return getattr(torch.nn.functional, name)
+
+    @staticmethod
+    def embedding(ids, weight, *args, **kwargs):
+        if args or kwargs or not (getattr(weight, _ACCUMULATES, False) and torch.is_grad_enabled()):
+            return torch.nn.functional.embedding(ids, weight, *args, **kwargs)
+        return _EmbeddingIntoMainGrad.apply(ids, weight)
+
+
+_LAYERS = "megatron.core.tensor_parallel.layers"
+
+
+def accumulate_in_main_grads() -> bool:
+    """What lets a model's weight gradients go into ``main_grad`` (module docstring): linears get Apex's kernels'
+    contract in torch ops where Apex does not import, embeddings a functional that :func:`accumulate_weight_grads`
+    switches per weight. True once installed. Idempotent; checks its targets first."""
+    layers = importlib.import_module(_LAYERS)
+    if isinstance(layers.F, _FunctionalWithAccumulatedEmbedding):
+        return True
+    target(_LAYERS, "_grad_accum_fusion_available")
+    if layers.F is not torch.nn.functional:
+        raise UpstreamChangedError(f"{_LAYERS}.F: not torch.nn.functional (the embedding fix targets 0.16.1)")
+    expect_parameters(layers.VocabParallelEmbedding.forward, ("self", "input_"), f"{_LAYERS}.VocabParallelEmbedding")
+    check_version("weight gradients into main_grad")
+    if not layers._grad_accum_fusion_available:  # no Apex: its kernels' contract in torch ops
+        layers.fused_weight_gradient_mlp_cuda = types.SimpleNamespace(
+            wgrad_gemm_accum_fp32=_accumulate_wgrad, wgrad_gemm_accum_fp16=_accumulate_wgrad
+        )
+        layers._grad_accum_fusion_available = True
+    layers.F = _FunctionalWithAccumulatedEmbedding()
+    return True
+
+
+def accumulate_weight_grads(chunks: list[torch.nn.Module]) -> int:
+    """Every weight gradient of the DDP-wrapped ``chunks`` (built with ``gradient_accumulation_fusion``) goes into
+    its ``main_grad``: their vocabulary embeddings' too, and the zeroed dummies of tied weights are dropped.
+    Returns the number of embeddings switched.
+
+    Megatron marks a weight that two layers of one stage use (the tied embedding and LM head at PP 1, MTP's)
+    ``zero_out_wgrad``, so that its fused linears hand autograd a *zeroed* full-size dummy (layers.py:583) which
+    DDP's hook adds to ``main_grad`` (distributed_data_parallel.py:437): the embedding's real dense gradient must
+    not meet an uninitialised one. With the embedding accumulating itself no real gradient of the weight reaches
+    autograd, and the mark would cost a full-vocabulary fill and add per micro-batch: it is cleared."""
+    layers = importlib.import_module(_LAYERS)
+    if not isinstance(layers.F, _FunctionalWithAccumulatedEmbedding):
+        raise RuntimeError("accumulate_weight_grads needs compat.megatron_core.accumulate_in_main_grads installed")
+    switched = 0
+    for chunk in chunks:
+        if not chunk.config.gradient_accumulation_fusion:
+            raise ValueError("accumulate_weight_grads: the model was built without gradient_accumulation_fusion")
+        for module in chunk.modules():
+            weight = getattr(module, "weight", None) if isinstance(module, layers.VocabParallelEmbedding) else None
+            if weight is not None and weight.requires_grad and hasattr(weight, "main_grad"):
+                setattr(weight, _ACCUMULATES, True)
+                switched += 1
+        for param in chunk.parameters():
+            if getattr(param, "zero_out_wgrad", False):
+                param.zero_out_wgrad = False
+    return switched
+
+
 def _cpu_support() -> bool:
     from compat.megatron_core.cpu import install_cpu_compat  # it builds on this module's helpers
 
@@ -278,6 +393,7 @@ def install_fixes(cpu: bool) -> list[str]:
         "in_process_save_results": in_process_save_results,
         "foreach_clipping": foreach_clipping,
         "dp_reshardable_load": dp_reshardable_load,
+        "accumulate_in_main_grads": accumulate_in_main_grads,
         "cpu_support": _cpu_support if cpu else lambda: False,
     }
     return [name for name, install in fixes.items() if install()]

@@ -239,7 +239,9 @@ class TrainableRank(MegatronRank):
         )
 
     def _model_overrides(self) -> dict:
-        return recompute_overrides(self.section.recompute)
+        """The section's recomputation; linears that add their weight gradients into DDP's buffer in the GEMM
+        (``gradient_accumulation_fusion``, through compat.megatron_core.accumulate_in_main_grads without Apex)."""
+        return recompute_overrides(self.section.recompute) | {"gradient_accumulation_fusion": True}
 
     def _optimize(self, steps: list[dict], names: list[str], micro_batch_size: int, loss_fn) -> list[dict]:
         """One optimizer step per global batch in ``steps`` (whole on every rank; each DP rank takes its share),

@@ -92,12 +92,10 @@ def logits(hf_dir: str, layout: dict, input_ids: torch.Tensor) -> torch.Tensor:
     return _full_vocab(local, groups, bridge.vocab_size)
 
 
-def train_step(
-    hf_dir: str, layout: dict, tokens: torch.Tensor, micro_batch_size: int, device: str | None = None
-) -> tuple[float, float]:
-    """One Adam step on ``tokens`` ([global_batch, seq+1]) split over DP ranks; returns (loss, grad norm).
-    ``device``: the optimizer takes the arguments that device's branch gives (default: this machine's)."""
-    bridge, config, chunks, groups = _load(hf_dir, layout)
+def _adam_step(hf_dir: str, layout: dict, tokens: torch.Tensor, micro_batch_size: int, device=None, **overrides):
+    """One Adam step on ``tokens`` ([global_batch, seq+1]) split over DP ranks, the model built with ``overrides``:
+    the model's chunks and the step's result."""
+    bridge, config, chunks, groups = _load(hf_dir, layout, **overrides)
     optimizer = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0, use_distributed_optimizer=True)
     step = MegatronTrainStep(chunks, config, optimizer, groups, Device(device, None) if device else None)
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
@@ -113,7 +111,34 @@ def train_step(
 
     result = step.step(microbatches, loss_fn)
     assert result.update_successful
+    return step.model, result
+
+
+def train_step(
+    hf_dir: str, layout: dict, tokens: torch.Tensor, micro_batch_size: int, device: str | None = None
+) -> tuple[float, float]:
+    """One Adam step (:func:`_adam_step`); returns (loss, grad norm). ``device``: the optimizer takes the arguments
+    that device's branch gives (default: this machine's)."""
+    _, result = _adam_step(hf_dir, layout, tokens, micro_batch_size, device)
     return result.loss, result.grad_norm
+
+
+def accumulated_weight_grads_step(hf_dir: str, layout: dict, tokens: torch.Tensor, accumulate: bool) -> dict:
+    """One Adam step (:func:`_adam_step`, micro-batches of one row) with the weight gradients written into DDP's
+    buffers by the layers themselves (``accumulate``: the trained roles' models) or handed to autograd (Megatron's
+    default): loss, grad norm, this rank's gradient buffers and parameters after it, and which embeddings
+    accumulated."""
+    from compat.megatron_core import _ACCUMULATES
+
+    chunks, result = _adam_step(hf_dir, layout, tokens, 1, gradient_accumulation_fusion=accumulate)
+    named = [(name, p) for chunk in chunks for name, p in chunk.named_parameters()]
+    return {
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "grads": {name: p.main_grad.clone() for name, p in named},
+        "params": {name: p.detach().clone() for name, p in named},
+        "accumulating": sorted(name for name, p in named if getattr(p, _ACCUMULATES, False)),
+    }
 
 
 def _grads_by_name(chunks) -> dict[str, torch.Tensor]:

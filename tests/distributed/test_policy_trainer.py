@@ -2,6 +2,7 @@
 changes nothing (parameters, gradients' buffers and Adam state come back bit-identical)."""
 
 import pytest
+import torch
 
 from mcore_rl.planner.memory import Workload, trainer_memory
 from mcore_rl.planner.params import Architecture
@@ -101,3 +102,29 @@ def test_full_recompute_trains_exactly_as_kept_activations(ranks, tiny_models, a
     for step, expected in zip(runs["full"]["steps"], runs["none"]["steps"], strict=True):
         for key in ("loss", "grad_norm", "ratio_mean", "entropy"):
             assert step[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-8), key
+
+
+@pytest.mark.parametrize(
+    "arch, layout",
+    [("LlamaForCausalLM", dict()), ("Qwen2ForCausalLM", dict(tp=2)), ("LlamaForCausalLM", dict(pp=2))],
+    ids=["tied-dp4", "untied-tp2", "tied-pp2"],
+)
+def test_weight_gradients_written_into_the_buffers_match_autograds(ranks, tiny_models, arch, layout):
+    """The trained roles' linears add their weight gradients into DDP's buffers in the GEMM and their embeddings
+    add their rows there (compat.megatron_core.accumulate_in_main_grads): the buffers, loss, grad norm and updated
+    parameters of a step over two micro-batches per rank are autograd's to fp32 rounding, with a tied embedding
+    and LM head on one stage (whose zeroed dummy gradient is skipped), on two, and vocab-parallel."""
+    tokens = torch.randint(0, 100, (8, 9), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(hf_dir=tiny_models[arch], layout=layout, tokens=tokens)
+    plain = ranks.run(cases.accumulated_weight_grads_step, accumulate=False, **kwargs)
+    accumulated = ranks.run(cases.accumulated_weight_grads_step, accumulate=True, **kwargs)
+    assert any(got["accumulating"] for got in accumulated)
+    for expected, got in zip(plain, accumulated, strict=True):
+        assert expected["accumulating"] == []  # the embeddings switch with the linears
+        assert got["accumulating"] == [name for name in got["params"] if "word_embeddings" in name]
+        assert got["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+        assert got["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-6)
+        for part in ("grads", "params"):
+            assert got[part].keys() == expected[part].keys()
+            for name, value in got[part].items():
+                torch.testing.assert_close(value, expected[part][name], rtol=1e-6, atol=1e-7, msg=f"{part} {name}")

@@ -292,3 +292,43 @@ def test_clipping_s_foreach_kernels_give_megatron_s_fallbacks_results():
     into = [torch.empty_like(g) for g in grads]
     _foreach_scale(0, None, [grads, into], 0.3)
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(scaled, in_place, into, strict=True))
+
+
+def test_weight_gradients_go_into_the_buffers_as_autograd_would_add_them():
+    """Without Apex, the linears' fused weight gradient is Apex's contract in torch ops (``main_grad`` +=
+    grad_outputᵀ input: fp32 in one GEMM, bf16 activations multiplied in bf16 as Megatron's unfused path does),
+    and an embedding weight switched to it adds its rows to ``main_grad`` (repeated ids summed) while autograd gets
+    nothing; unswitched weights, and any lookup without gradients, take torch's embedding."""
+    from megatron.core.tensor_parallel import layers
+
+    from compat.megatron_core import _ACCUMULATES, _accumulate_wgrad
+
+    assert megatron_core.accumulate_in_main_grads() and megatron_core.accumulate_in_main_grads()  # idempotent
+    assert layers._grad_accum_fusion_available  # no Apex here: the torch contract
+    assert layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 is _accumulate_wgrad
+    generator = torch.Generator().manual_seed(0)
+    x, g, start = (torch.randn(shape, generator=generator) for shape in ((7, 5), (7, 3), (3, 5)))
+    main_grad = start.clone()
+    _accumulate_wgrad(x, g, main_grad)
+    torch.testing.assert_close(main_grad, start + g.t() @ x, rtol=1e-6, atol=1e-6)
+    main_grad = start.clone()
+    _accumulate_wgrad(x.bfloat16(), g.bfloat16(), main_grad)
+    assert torch.equal(main_grad, start + (g.bfloat16().t() @ x.bfloat16()).float())
+
+    weight = torch.nn.Parameter(torch.randn(10, 4, generator=generator))
+    ids = torch.tensor([[1, 3, 1], [9, 1, 0]])
+    upstream = torch.randn(2, 3, 4, generator=generator)
+    layers.F.embedding(ids, weight).backward(upstream)  # not switched: torch's dense gradient
+    dense = weight.grad.clone()
+    weight.grad = None
+    weight.main_grad = start_rows = torch.randn(10, 4, generator=generator)
+    expected = start_rows + dense
+    setattr(weight, _ACCUMULATES, True)
+    with torch.no_grad():
+        assert torch.equal(layers.F.embedding(ids, weight), weight[ids])
+    out = layers.F.embedding(ids, weight)
+    assert torch.equal(out, weight.detach()[ids])
+    out.backward(upstream)
+    assert weight.grad is None
+    torch.testing.assert_close(weight.main_grad, expected, rtol=1e-6, atol=1e-6)
+    assert layers.F.softmax is torch.nn.functional.softmax  # the rest of torch.nn.functional as it is

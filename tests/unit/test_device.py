@@ -227,7 +227,7 @@ def test_each_device_gets_every_fix_that_is_not_about_the_cpu():
     run = _fresh_process(code)
     every_device = [
         "router_without_te", "torch_adam_checkpoints", "in_process_save_results", "foreach_clipping",
-        "dp_reshardable_load",
+        "dp_reshardable_load", "accumulate_in_main_grads",
     ]  # fmt: skip
     assert run.stdout.split("\n")[:3] == [
         f"{every_device} {every_device}",  # the CUDA decision: no CPU support
