@@ -368,9 +368,8 @@ def accumulate_weight_grads(chunks: list[torch.nn.Module]) -> int:
         if not chunk.config.gradient_accumulation_fusion:
             raise ValueError("accumulate_weight_grads: the model was built without gradient_accumulation_fusion")
         for module in chunk.modules():
-            weight = getattr(module, "weight", None) if isinstance(module, layers.VocabParallelEmbedding) else None
-            if weight is not None and weight.requires_grad and hasattr(weight, "main_grad"):
-                setattr(weight, _ACCUMULATES, True)
+            if isinstance(module, layers.VocabParallelEmbedding) and hasattr(module.weight, "main_grad"):
+                setattr(module.weight, _ACCUMULATES, True)
                 switched += 1
         for param in chunk.parameters():
             if getattr(param, "zero_out_wgrad", False):
