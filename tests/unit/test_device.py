@@ -104,7 +104,7 @@ def test_engine_arguments_are_ones_vllm_accepts():
     own = CUDA.engine_args(RolloutConfig(), colocated=False)  # on devices of its own it never sleeps
     assert own == dict(enable_sleep_mode=False, gpu_memory_utilization=0.5)
     assert CPU.engine_args(config, colocated=True) == CPU.engine_args(config, colocated=False)
-    assert CPU.engine_args(config, colocated=True) == dict(kv_cache_memory_bytes=1 << 30)
+    assert CPU.engine_args(config, colocated=True) == dict(kv_cache_memory_bytes=1 << 30, block_size=32)
     for args in (cuda, own, CPU.engine_args(config, colocated=True)):
         EngineArgs(model="unused", **args)  # a misspelt or removed argument is a TypeError here
     # GPUs shared with the trainer: vLLM sizes its KV cache by what the loaded (and offloaded) roles leave free
