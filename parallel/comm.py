@@ -54,6 +54,23 @@ def all_gather_bucket(tensors: Sequence[torch.Tensor], group: ProcessGroup) -> l
     return [_unflatten(buf, shapes) for buf in gathered]
 
 
+def in_row_shares(
+    fn: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    rows: dict[str, torch.Tensor],
+    group: ProcessGroup,
+    min_rows: int = 1,
+) -> torch.Tensor:
+    """``fn`` of each rank's equal share of ``rows`` (tensors of as many rows each, at least ``min_rows`` a share),
+    gathered in row order on every rank of ``group``: a row count that does not fill the shares is filled up with
+    copies of the last row, computed and dropped. ``fn`` returns one tensor with a row per row of its share."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    count = next(iter(rows.values())).shape[0]
+    fill = max(-(-count // size), min_rows) * size - count
+    even = {k: torch.cat([v, v[-1:].expand(fill, *v.shape[1:])]) if fill else v for k, v in rows.items()}
+    local = fn({k: v.chunk(size)[rank] for k, v in even.items()})
+    return torch.cat([shares[0] for shares in all_gather_bucket([local], group)])[:count]
+
+
 def broadcast_bucket(
     tensors: Sequence[torch.Tensor] | None,
     shapes: Sequence[torch.Size],

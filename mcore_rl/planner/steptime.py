@@ -8,8 +8,9 @@ Megatron layouts keep the overlap options off), plus a fixed cost per unit of wo
 (a scoring call, a layer's share of an optimizer step, a decoding step, a weight sync: the calls, launches and
 Python around the kernels, which decide the phases of small models):
 
-* rollout: prefill of each prompt once (prefix caching shares it among the prompt's samples), then decoding the
-  responses in waves of what the KV cache holds, over the engines;
+* rollout: prefill of each prompt's whole KV blocks once (prefix caching shares them among the prompt's samples)
+  and of its last, partial block per sample, then decoding the responses in waves of what the KV cache holds, over
+  the engines;
 * scoring (reference, old log-probs): one forward over the positions the trainer computes (a prompt once per group
   where samples share it); train: forward and backward (plus a forward where layers are recomputed) with the
   pipeline's bubble, the tensor-, sequence-, context- and expert-parallel exchanges of every layer, and the
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from mcore_rl.planner.memory import Workload, engine_memory
 from mcore_rl.planner.params import Architecture, layer_params, optimizer_shards, stage_params, stage_tensors
 from parallel.config import ParallelConfig
+from parallel.device import CPU_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class DeviceSpec:
     # bytes/s of the data-parallel gradient and parameter buckets between devices of a node (0: ``link_bw``; the
     # CPU: through shared memory, :mod:`parallel.shm`, at its memcpy rate)
     bucket_bw: float = 0.0
+    kv_block: int = 16  # tokens of the engines' KV-cache blocks (vLLM's on GPUs; the CPU engine's CPU_BLOCK_SIZE)
 
     @classmethod
     def cpu(cls, matmul_flops: float, memcpy_bw: float, link_bw: float, cores: int, **fitted: float) -> DeviceSpec:
@@ -71,7 +74,7 @@ class DeviceSpec:
         gloo (``link_bw``), their data-parallel buckets through shared memory (``memcpy_bw``); ``fitted``: the
         efficiencies and fixed costs the rl suite fits (default: none, every efficiency 1)."""
         measured = cls("cpu", matmul_flops, memcpy_bw, link_bw, link_bw, memcpy_bw, cores, 0, 1.0, 1.0, 1.0, 4,
-                       "measured by python -m benchmarks", bucket_bw=memcpy_bw)  # fmt: skip
+                       "measured by python -m benchmarks", bucket_bw=memcpy_bw, kv_block=CPU_BLOCK_SIZE)  # fmt: skip
         return dataclasses.replace(measured, **fitted)
 
 
@@ -221,14 +224,16 @@ def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, p
 
 
 def rollout_seconds(a: Architecture, config, device: DeviceSpec, lengths: Lengths) -> float:
-    """Prefill (each prompt once) and decoding over the engines, in waves of the sequences the KV cache holds."""
+    """Prefill (a prompt's whole KV blocks once, see :func:`prefill_positions`) and decoding over the engines, in
+    waves of the sequences the KV cache holds."""
     rt, m = config.runtime_args, config.models
     rollout = m.policy.rollout
     tp = rollout.tensor_parallel_size
     engines = max(1, len(rt.devices("rollout")) // tp)
     samples = rt.sample_per_episode
     prompts = samples / m.policy.num_inference_per_prompt
-    prefill = forward_flops(a, prompts * lengths.prompt, lengths.prompt / 2, prompts)
+    positions = prefill_positions(prompts, samples, lengths.prompt, device.kv_block)
+    prefill = forward_flops(a, positions, lengths.prompt / 2, samples)
     prefill /= engines * tp * device.flops * device.forward_efficiency
     per_engine = samples / engines
     memory = engine_memory(a, rollout, device.memory_bytes)
@@ -251,9 +256,17 @@ def rollout_seconds(a: Architecture, config, device: DeviceSpec, lengths: Length
     return prefill + waves * lengths.longest * (step + device.step_latency)
 
 
+def prefill_positions(prompts: float, samples: float, prompt: float, block: int) -> float:
+    """Positions the engines prefill for ``samples`` of ``prompts`` prompts of ``prompt`` tokens: vLLM's prefix
+    cache shares a prompt's whole KV blocks among its samples (prefilled in one step too), and each sample computes
+    the prompt's last, partial block itself."""
+    tail = prompt % block
+    return prompts * (prompt - tail) + samples * tail
+
+
 def sync_seconds(a: Architecture, config, device: DeviceSpec) -> float:
-    """The weights into the engines: the trainer scores the probe batch (every data-parallel replica the whole of
-    it); colocated, its ranks gather each engine's share over their links and hand it over as a device copy the
+    """The weights into the engines: the trainer scores the probe batch (each data-parallel replica its share of
+    the rows, at least as many as its pipeline schedule's micro-batches); colocated, its ranks gather each engine's share over their links and hand it over as a device copy the
     engine loads (two copies); on devices of their own, one broadcast over the network; then the engines score the
     probe."""
     rt, m = config.runtime_args, config.models
@@ -266,9 +279,10 @@ def sync_seconds(a: Architecture, config, device: DeviceSpec) -> float:
         transfer = gather + nbytes / device.network_bw
     probe = 0.0
     if m.policy.sync.probe:
-        tokens = m.policy.sync.probe_sequences * m.policy.sync.probe_length
-        flops = forward_flops(a, tokens, m.policy.sync.probe_length / 2, tokens)
-        trainer_probe = score_seconds(flops, p.tp * p.cp * p.pp, device)
+        rows, length = m.policy.sync.probe_sequences, m.policy.sync.probe_length
+        flops = forward_flops(a, rows * length, length / 2, rows * length)
+        share = max(math.ceil(rows / p.dp(rt.trainer_devices)), p.pp if p.vpp > 1 else 1) / rows
+        trainer_probe = score_seconds(flops * share, p.tp * p.cp * p.pp, device)
         probe = trainer_probe + flops / (tp * device.flops * device.forward_efficiency)  # and the engines'
     return transfer + probe + device.sync_latency
 

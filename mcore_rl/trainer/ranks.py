@@ -35,7 +35,7 @@ from mcore_rl.trainer.packing import pack_rows, plan_packing, plan_shared_prompt
 from mcore_rl.trainer.training import MegatronModel, MegatronTrainStep, microbatches, recompute_overrides
 from models.bridge import INIT_SKIPPED
 from models.registry import get_bridge
-from parallel.comm import all_gather_bucket, all_reduce_, all_reduce_scalar
+from parallel.comm import all_reduce_, all_reduce_scalar, in_row_shares
 from parallel.device import Device
 from parallel.groups import init_parallel
 
@@ -134,29 +134,24 @@ class MegatronRank:
 
     def _score(self, batch: dict, micro_batch_size: int, measure) -> torch.Tensor:
         """``measure`` (see :meth:`MegatronModel.score`) of every row of ``batch``, each DP rank scoring its share."""
-        size, rank = self.dp
         packing = self.max_token_in_packing
         if self.share_prompts:  # whole prompt groups, token-balanced: the ranks' shares differ in rows
             tokens = batch["tokens"].to(self.device)
             lengths, prompts = batch["lengths"].tolist(), batch["prompt_lengths"].tolist()
-            plan = self._shared_plan(tokens, lengths, prompts, micro_batch_size)[rank]
+            plan = self._shared_plan(tokens, lengths, prompts, micro_batch_size)[self.dp[1]]
             local = self.model.score(
                 tokens, measure, micro_batch_size, lengths, prompt_lengths=prompts, shared_plan=plan
             )
             return all_reduce_(local, self.groups.dp).cpu()  # each row is scored on one rank, 0 on the others
-        # Equal shares for the gather: a row count that is no multiple of the ranks (a multi-turn trajectory's
-        # rewritten history adds rows) is filled up with copies of the last row, scored and dropped.
-        rows = batch["tokens"].shape[0]
-        fill = -rows % size
+
+        def score(mine: dict) -> torch.Tensor:  # equal shares (a multi-turn trajectory's rewritten history adds rows)
+            lengths = mine.pop("lengths").tolist() if packing else None
+            mine = {k: v.to(self.device) for k, v in mine.items()}
+            tokens = mine.pop("tokens")
+            return self.model.score(tokens, measure, micro_batch_size, lengths, packing, **mine)
+
         keys = ("tokens", *self._routing(batch)) + (("lengths",) if packing else ())
-        even = {k: torch.cat([batch[k], batch[k][-1:].expand(fill, *batch[k].shape[1:])]) if fill else batch[k]
-                for k in keys}  # fmt: skip
-        mine = {k: v.chunk(size)[rank] for k, v in even.items()}
-        lengths = mine.pop("lengths").tolist() if packing else None
-        mine = {k: v.to(self.device) for k, v in mine.items()}
-        tokens = mine.pop("tokens")
-        local = self.model.score(tokens, measure, micro_batch_size, lengths, packing, **mine)
-        return torch.cat([shards[0] for shards in all_gather_bucket([local], self.groups.dp)])[:rows].cpu()
+        return in_row_shares(score, {k: batch[k] for k in keys}, self.groups.dp).cpu()
 
     def _shared_plan(self, tokens, lengths: list[int], prompts: list[int], micro_batch_size: int):
         """Micro-batches of whole prompt groups for every data-parallel rank, as many on each (expert-parallel

@@ -26,7 +26,7 @@ from converters.stream import export_hf
 from mcore_rl.rollout.transport import BucketSender
 from mcore_rl.trainer.training import MegatronModel
 from models.lora import LoRAConfig, export_peft, merged
-from parallel.comm import all_gather_objects, all_reduce_scalar, byte_buckets
+from parallel.comm import all_gather_objects, all_reduce_scalar, byte_buckets, in_row_shares
 from parallel.groups import block_group
 from parallel.transfer import TransferGroup, free_addresses
 
@@ -221,9 +221,10 @@ class WeightSync:
 
     ``route`` takes the buckets to the engines: :class:`ColocatedRoute` or :class:`BroadcastRoute`. ``scorer``
     is the trainer's model (or the train step wrapping it); its ``logprobs`` scores the probe batch on the
-    trainer side (a collective on all ranks). ``lora``: the policy's adapters, which ``config.lora: adapter``
-    sends alone (the engines serve them over their base weights). ``drafts``: the engines draft with the model's
-    MTP layers (speculative decoding), which are then sent too. Collective: all ranks construct it.
+    trainer side, each data-parallel replica its share of the rows (a collective on all ranks). ``lora``: the
+    policy's adapters, which ``config.lora: adapter`` sends alone (the engines serve them over their base
+    weights). ``drafts``: the engines draft with the model's MTP layers (speculative decoding), which are then
+    sent too. Collective: all ranks construct it.
     """
 
     def __init__(
@@ -326,10 +327,14 @@ class WeightSync:
         return self._compare(self._score(), "now")
 
     def _score(self) -> torch.Tensor:
-        """The trainer's log-probs of the probe batch (a collective on all ranks)."""
-        return self.scorer.logprobs(
-            self.probe_batch, self.bridge.vocab_size, micro_batch_size=len(self.probe_batch)
-        ).cpu()
+        """The trainer's log-probs of the probe batch on every rank, each data-parallel replica scoring its share of
+        the rows (at least a row per micro-batch its pipeline schedule needs); a collective on all ranks."""
+
+        def score(share: dict) -> torch.Tensor:
+            return self.scorer.logprobs(share["tokens"], self.bridge.vocab_size, micro_batch_size=len(share["tokens"]))
+
+        rows = {"tokens": self.probe_batch}
+        return in_row_shares(score, rows, self.groups.dp, self.scorer.micro_batch_multiple).cpu()
 
     def _compare(self, trainer: torch.Tensor, when: str) -> tuple[float, float]:
         max_diff = mean_diff = 0.0

@@ -1179,3 +1179,17 @@ def shm_collectives_match_gloo(directory: str, private: bool) -> dict:
     for group in pairs:
         dist.destroy_process_group(group)
     return results
+
+
+def rows_in_shares(count: int, min_rows: int) -> dict:
+    """:func:`parallel.comm.in_row_shares` over the pool: every rank's result and the rows it computed."""
+    from parallel.comm import in_row_shares
+
+    computed = []
+
+    def fn(share: dict) -> torch.Tensor:
+        computed.extend(share["x"][:, 0].tolist())
+        return share["x"] * 2 + share["y"][:, None]
+
+    rows = {"x": torch.arange(count * 3, dtype=torch.float32).view(count, 3), "y": torch.arange(count) + 0.5}
+    return {"result": in_row_shares(fn, rows, torch.distributed.group.WORLD, min_rows).tolist(), "computed": computed}

@@ -42,3 +42,15 @@ def test_chunked_scores_equal_full_vocab_and_unchunked(ranks):
                 ref_logp, ref_entropy, ref_grad = _reference(logits, targets, result["weights"])
                 assert torch.allclose(logp, ref_logp, atol=1e-5) and torch.allclose(entropy, ref_entropy, atol=1e-5)
                 assert torch.allclose(grad, ref_grad, atol=1e-6), what
+
+
+def test_rows_computed_in_shares_come_back_whole_and_in_order(ranks):
+    """The ranks' shares of a batch (what each data-parallel replica scores: the probe's rows, old log-probs):
+    equal, filled up with copies of the last row where the rows do not divide, at least ``min_rows`` each."""
+    for count, min_rows, share in [(8, 1, 2), (5, 1, 2), (2, 1, 1), (4, 2, 2)]:
+        expected = [[6.0 * i + 2 * j + i + 0.5 for j in range(3)] for i in range(count)]
+        results = ranks.run(cases.rows_in_shares, count=count, min_rows=min_rows)
+        assert all(r["result"] == expected for r in results), (count, min_rows)
+        computed = [r["computed"] for r in results]
+        assert all(len(rows) == share for rows in computed), (count, min_rows, computed)
+        assert sorted({x for rows in computed for x in rows}) == [3.0 * i for i in range(count)]

@@ -12,8 +12,9 @@ import transformers
 
 from mcore_rl.config.schema import load_run_config
 from mcore_rl.planner.params import Architecture
-from mcore_rl.planner.steptime import DEVICES, DeviceSpec, Lengths, forward_flops, step_time
+from mcore_rl.planner.steptime import DEVICES, DeviceSpec, Lengths, forward_flops, prefill_positions, step_time
 from models.registry import get_bridge
+from parallel.device import CPU_BLOCK_SIZE
 
 REPO = Path(__file__).resolve().parents[2]
 PUBLIC = REPO / "models" / "configs"
@@ -114,6 +115,15 @@ def test_decoding_a_few_samples_is_bound_by_memory_and_many_by_compute():
     faster_math = dataclasses.replace(h100, flops=2 * h100.flops)
     few = [step_time(config, d, LENGTHS).phases["rollout"] for d in (h100, faster_memory, faster_math)]
     assert few[1] < 0.6 * few[0] and few[2] > 0.9 * few[0]
+
+
+def test_a_group_s_samples_prefill_only_their_prompt_s_last_partial_kv_block():
+    """As measured on the CPU engine (SmolLM2, 4 prompts of 45 tokens x 4 samples): 720 positions prefilled in
+    blocks of 128 tokens (none whole, nothing shared), 336 in blocks of 32."""
+    assert prefill_positions(prompts=4, samples=16, prompt=45, block=128) == 720
+    assert prefill_positions(prompts=4, samples=16, prompt=45, block=32) == 4 * 45 + 12 * 13 == 336
+    assert prefill_positions(prompts=4, samples=64, prompt=256, block=16) == 4 * 256  # whole blocks: once a prompt
+    assert DeviceSpec.cpu(1e12, 1e10, 1e9, 2).kv_block == CPU_BLOCK_SIZE and DEVICES["h100"].kv_block == 16
 
 
 def test_a_dry_run_prints_and_writes_the_step_time(tmp_path):
