@@ -266,9 +266,9 @@ def prefill_positions(prompts: float, samples: float, prompt: float, block: int)
 
 def sync_seconds(a: Architecture, config, device: DeviceSpec) -> float:
     """The weights into the engines: the trainer scores the probe batch (each data-parallel replica its share of
-    the rows, at least as many as its pipeline schedule's micro-batches); colocated, its ranks gather each engine's share over their links and hand it over as a device copy the
-    engine loads (two copies); on devices of their own, one broadcast over the network; then the engines score the
-    probe."""
+    the rows, at least as many as its pipeline schedule's micro-batches); colocated, its ranks gather each engine's
+    share over their links and hand it over as a device copy the engine loads (two copies); on devices of their
+    own, one broadcast over the network; then the engines score the probe."""
     rt, m = config.runtime_args, config.models
     nbytes = a.engine_params() * device.param_bytes
     p, tp = m.policy_trainer.parallel, m.policy.rollout.tensor_parallel_size

@@ -3,9 +3,10 @@
 Every trainer rank runs :func:`converters.stream.export_hf` (its collectives need all ranks) and gets the whole
 model, regrouped into byte buckets. A route takes the buckets to the engines: colocated engines map each bucket
 where their trainer ranks packed it (:class:`ColocatedRoute`); engines on other devices receive it by broadcast
-from trainer rank 0 (:class:`BroadcastRoute`). Afterwards each engine scores a fixed probe batch and its log-probs are compared with the trainer's, scored before the push (so the trainer's weights may
-leave the device before the engine's KV cache returns): stale or corrupted weights fail loudly here instead of
-silently skewing the policy gradient.
+from trainer rank 0 (:class:`BroadcastRoute`). Afterwards each engine scores a fixed probe batch and its log-probs
+are compared with the trainer's, scored before the push (so the trainer's weights may leave the device before the
+engine's KV cache returns): stale or corrupted weights fail loudly here instead of silently skewing the policy
+gradient.
 
 Ray is imported only where an engine is called (:func:`_get`): a trainer without engines, as the GPU self-check
 builds one, runs where Ray is not installed.
