@@ -60,6 +60,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rl: runs of mcore-rl and of the peer, alternating")
     names = ",".join(v.name for v in rl.VARIANTS)
     parser.add_argument("--variants", default=names, help=f"rl: comma-separated variants (default {names}; '' none)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=rl.NEW_TOKENS, help="rl: tokens per completion, every run's and TRL's"
+    )
     parser.add_argument("--convert-gb", type=float, default=3.0, help="convert: size of the generated checkpoint")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -80,7 +83,7 @@ def main(argv: list[str]) -> int:
         logging.info("suite %s", name)
         if name == "rl":
             variants = [v for v in args.variants.split(",") if v]
-            rl.suite(args.out, hardware, report, args.episodes, args.repeats, variants)
+            rl.suite(args.out, hardware, report, args.episodes, args.repeats, variants, args.new_tokens)
         elif name in ("agent", "algorithms", "rewards", "lora"):
             SUITES[name].suite(args.out, hardware, report, args.episodes)
         elif name == "convert":

@@ -4,7 +4,8 @@ same settings, in the same run.
 Each mcore-rl run is the user's command (``bash scripts/train_*.sh`` with dotted overrides), so start-up is
 measured from the command to the first episode (the ``initial_sync`` event) with the venv already built. The
 headline pair (mcore-rl at the main job's settings, and the peer) runs alternately, ``repeats`` times each; the
-variants once each unless asked. Steady-state numbers leave out each run's first episode.
+variants once each unless asked. Steady-state numbers leave out each run's first episode. Every run, the peer's
+too, generates completions of the same length: the main job's 16 tokens unless ``--new-tokens`` asks for longer.
 
 Model FLOPs are the work an episode needs, whatever the layout: 2 x parameters per token forward (x3 with the
 backward), every prompt once per group, the LM head only where response tokens are predicted. Attention's score
@@ -30,6 +31,7 @@ from benchmarks.report import Report, min_median, pyplot, table
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("rollout_and_reward", "wait_for_rollout", "ref_logprobs", "old_logprobs", "train", "sync")
+NEW_TOKENS = 16  # the main job's completions (scripts/configs/smollm2_135m_grpo.yaml)
 
 
 @dataclass(frozen=True)
@@ -116,13 +118,14 @@ def flops_per_token(model_dir: str) -> dict:
     return {"body": 2.0 * body, "head": 2.0 * head}
 
 
-def run_mcore(variant: Variant, out: Path, episodes: int, repeat: int) -> Run:
+def run_mcore(variant: Variant, out: Path, episodes: int, repeat: int, new_tokens: int) -> Run:
     directory = out / "runs" / f"{variant.name}-{repeat}"
     args = [
         f"runtime_args.output_dir={directory}",
         f"runtime_args.num_episode={episodes}",
         "runtime_args.save_episode_interval=0",
         "runtime_args.eval_episode_interval=0",
+        f"models.policy.rollout.train.max_new_tokens={new_tokens}",
         *variant.overrides,
     ]
     launch = time.time()
@@ -159,7 +162,7 @@ def run_mcore(variant: Variant, out: Path, episodes: int, repeat: int) -> Run:
     return Run(variant.name, synced - launch, rows, flops, directory / "config.yaml")
 
 
-def run_peer(out: Path, episodes: int, repeat: int, prompts: Path) -> Run:
+def run_peer(out: Path, episodes: int, repeat: int, prompts: Path, new_tokens: int) -> Run:
     directory = out / "runs" / f"trl-{repeat}"
     directory.mkdir(parents=True, exist_ok=True)
     settings = {
@@ -168,7 +171,7 @@ def run_peer(out: Path, episodes: int, repeat: int, prompts: Path) -> Run:
         "prompts": str(prompts),
         "prompts_per_episode": 8,
         "group_size": 4,
-        "max_new_tokens": 16,
+        "max_new_tokens": new_tokens,
         "temperature": 1.0,
         "lr": 1e-5,
         "steps_per_episode": 2,
@@ -237,15 +240,24 @@ def summary(run: Run, peak_flops: float) -> dict:
     return out
 
 
-def suite(out: Path, hardware: Hardware, report: Report, episodes: int, repeats: int, variants: list[str]) -> None:
+def suite(
+    out: Path,
+    hardware: Hardware,
+    report: Report,
+    episodes: int,
+    repeats: int,
+    variants: list[str],
+    new_tokens: int = NEW_TOKENS,
+) -> None:
+    """``new_tokens``: the completions' length in every run (TRL's too)."""
     peak = hardware.matmul_tflops * 1e12
     prompts = write_prompts(out / "prompts.jsonl", 8 * episodes)
     ours, peers = [], []
     for repeat in range(repeats):  # A and B alternately
-        ours.append(run_mcore(MAIN, out, episodes, repeat))
-        peers.append(run_peer(out, episodes, repeat, prompts))
-    others = [run_mcore(v, out, episodes, 0) for v in VARIANTS if v.name in variants]
-    _headline(report, ours, peers, peak, repeats, episodes)
+        ours.append(run_mcore(MAIN, out, episodes, repeat, new_tokens))
+        peers.append(run_peer(out, episodes, repeat, prompts, new_tokens))
+    others = [run_mcore(v, out, episodes, 0, new_tokens) for v in VARIANTS if v.name in variants]
+    _headline(report, ours, peers, peak, repeats, episodes, new_tokens)
     _phases(report, [ours[0], *others], peak)
     _predicted(report, [ours[0], *(r for r in others if not r.name.startswith("split-"))], hardware)
     modes = [r for r in others if r.name.startswith("split-")]
@@ -253,7 +265,9 @@ def suite(out: Path, hardware: Hardware, report: Report, episodes: int, repeats:
         _modes(report, modes)
 
 
-def _headline(report: Report, ours: list[Run], peers: list[Run], peak: float, repeats: int, episodes: int) -> None:
+def _headline(
+    report: Report, ours: list[Run], peers: list[Run], peak: float, repeats: int, episodes: int, new_tokens: int
+) -> None:
     rows, plt = [], pyplot()
     for label, runs in (("mcore-rl", ours), ("TRL GRPOTrainer", peers)):
         per_run = [summary(r, peak) for r in runs]
@@ -273,9 +287,9 @@ def _headline(report: Report, ours: list[Run], peers: list[Run], peak: float, re
     ax.grid(alpha=0.3)
     report.add(
         "rl: mcore-rl vs TRL GRPOTrainer",
-        f"SmolLM2-135M-Instruct fp32, 8 prompts x 4 samples per episode, 16 new tokens at temperature 1.0, 2 optimizer "
-        f"steps of 16 samples, lr 1e-5, no KL; {episodes} episodes per run (the first left out), {repeats} runs each, "
-        "alternating. Cells: min / median over runs (of each run's median episode).",
+        f"SmolLM2-135M-Instruct fp32, 8 prompts x 4 samples per episode, {new_tokens} new tokens at temperature 1.0, "
+        f"2 optimizer steps of 16 samples, lr 1e-5, no KL; {episodes} episodes per run (the first left out), "
+        f"{repeats} runs each, alternating. Cells: min / median over runs (of each run's median episode).",
         table(["", "s/episode", "samples/s", "response tok/s", "start-up s"], rows),
         f"**mcore-rl / peer samples/s (medians): {ours_rate / peer_rate:.2f}x**",
         report.figure(fig, "rl_samples_per_s", "samples/s per steady episode"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -162,3 +163,25 @@ def test_the_rl_suite_fit_recovers_the_device_its_phases_were_made_with(monkeypa
     for case in cases:
         predicted = case.predict(**fitted)
         assert all(predicted[p] == pytest.approx(case.measured[p], rel=0.005) for p in rl.PREDICTED)
+
+
+def test_the_completion_length_reaches_every_run_and_the_peer(monkeypatch, tmp_path):
+    """``--new-tokens``: mcore-rl's runs and TRL's generate completions of the same length."""
+
+    class LaunchedError(Exception):
+        pass
+
+    commands = []
+
+    def launch(command, **kwargs):
+        commands.append(command)
+        raise LaunchedError
+
+    monkeypatch.setattr(rl.subprocess, "run", launch)
+    monkeypatch.setattr(rl, "peer_python", lambda: Path("python"))
+    with pytest.raises(LaunchedError):
+        rl.run_mcore(rl.MAIN, tmp_path, episodes=4, repeat=0, new_tokens=64)
+    with pytest.raises(LaunchedError):
+        rl.run_peer(tmp_path, episodes=4, repeat=0, prompts=tmp_path / "prompts.jsonl", new_tokens=64)
+    assert "models.policy.rollout.train.max_new_tokens=64" in commands[0]
+    assert json.loads((tmp_path / "runs" / "trl-0" / "settings.json").read_text())["max_new_tokens"] == 64
