@@ -1091,8 +1091,8 @@ def sockets_opened_by_a_layout(layout: dict) -> dict:
     """The sockets this rank opens building ``layout``'s groups as roles build them
     (:func:`parallel.groups.gloo_connects_on_first_use`), then at a collective over the tensor-parallel group (its
     result: the sum of the ranks' ones), and building them eagerly (:func:`parallel.transfer.connecting_now`).
-    Sockets are told apart by their inodes, each count taken once the set holds still: what counts is the sockets
-    a step opens, not the net change, as a freed group's connections close meanwhile."""
+    Sockets are told apart by their inodes, each count taken once the set holds still for a second: what counts is
+    the sockets a step opens, not the net change, as a freed group's connections close meanwhile."""
     import time
 
     from parallel.groups import destroy_parallel
@@ -1109,11 +1109,13 @@ def sockets_opened_by_a_layout(layout: dict) -> dict:
                 found.add(link)
         return found
 
-    def settled() -> set[str]:
-        last = sockets()
-        for _ in range(100):
+    def settled() -> set[str]:  # unchanged for a second: a loaded host may still be making connections after 0.1 s
+        last, still = sockets(), 0
+        for _ in range(300):
             time.sleep(0.1)
-            if (now := sockets()) == last:
+            now = sockets()
+            still = still + 1 if now == last else 0
+            if still == 10:
                 return now
             last = now
         return last
