@@ -32,9 +32,9 @@ ALIGN = 64  # window sizes are multiples of this many bytes
 
 class SharedMemoryCollectives:
     """Drop-in ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (torch's signatures) for flat (1-D)
-    contiguous CPU tensors; anything else (CUDA tensors, other ops than SUM, a single rank, empty tensors, groups
-    without shared windows) goes to ``reduce_scatter`` and ``all_gather`` (torch's by default). One instance holds
-    each group's windows for as long as the group lives."""
+    contiguous CPU tensors; anything else (CUDA tensors, other ops than SUM and AVG, a single rank, empty tensors,
+    groups without shared windows) goes to ``reduce_scatter`` and ``all_gather`` (torch's by default). One instance
+    holds each group's windows for as long as the group lives."""
 
     def __init__(self, reduce_scatter=dist.reduce_scatter_tensor, all_gather=dist.all_gather_into_tensor,
                  directory: Path = SHM_DIR):  # fmt: skip
@@ -44,24 +44,33 @@ class SharedMemoryCollectives:
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         """``output`` (may be a view of ``input``: Megatron's shard of its bucket) gets this rank's shard of the
-        sum of every rank's ``input``. Synchronous; returns None."""
+        sum (``op`` SUM) or the mean (AVG) of every rank's ``input``. Synchronous; returns None.
+
+        The mean costs no pass of its own: each rank scales what it writes for its peers and its own shard as it
+        adds the first of theirs (Megatron's ``average_in_collective``, instead of scaling its whole bucket by
+        1/size before a sum)."""
         group = group or dist.group.WORLD
         peers_bytes = input.nbytes - output.nbytes
-        windows = self._usable(group, (output, input), peers_bytes) if op == dist.ReduceOp.SUM else None
+        reducible = op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
+        windows = self._usable(group, (output, input), peers_bytes) if reducible else None
         if windows is None:
             return self._reduce_scatter(output, input, op=op, group=group, async_op=async_op)
         rank, size, count = group.rank(), group.size(), output.numel()
+        scale = 1.0 / size if op == dist.ReduceOp.AVG else 1.0
         own = slice(rank * count, (rank + 1) * count)
         mine = windows[rank].view(input.dtype)  # the peers' shards in rank order: each reads its own from here
-        mine[: own.start].copy_(input[: own.start])
-        mine[own.start : input.numel() - count].copy_(input[own.stop :])
+        torch.mul(input[: own.start], scale, out=mine[: own.start])
+        torch.mul(input[own.stop :], scale, out=mine[own.start : input.numel() - count])
         _barrier(group)
         if output.data_ptr() != input[own].data_ptr():
             output.copy_(input[own])
+        alpha = scale  # this rank's part, scaled as the first peer's is added to it
         for peer in range(size):
             if peer != rank:
                 slot = rank if rank < peer else rank - 1  # where the peer's window keeps this rank's shard
-                output.add_(windows[peer].view(input.dtype)[slot * count : (slot + 1) * count])
+                torch.add(windows[peer].view(input.dtype)[slot * count : (slot + 1) * count], output, alpha=alpha,
+                          out=output)  # fmt: skip
+                alpha = 1.0
         _barrier(group)  # every peer has read this rank's window before the next collective writes it
         return None
 

@@ -248,8 +248,12 @@ class MegatronTrainStep(MegatronModel):
     ):
         """``device``: whose choices the optimizer follows (this machine's unless given)."""
         device = device or Device.current()
+        # The data-parallel mean in the collective (AVG): no pass of its own over the whole gradient buffer before
+        # the reduction, as Megatron's default 1/DP pre-scaling costs (parallel.shm folds it into its copies)
         ddp = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, use_distributed_optimizer=optimizer.use_distributed_optimizer
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=optimizer.use_distributed_optimizer,
+            average_in_collective=True,
         )
         wrapped = [
             DistributedDataParallel(config, ddp, chunk, disable_bucketing=i > 0) for i, chunk in enumerate(chunks)

@@ -1138,8 +1138,9 @@ def sockets_opened_by_a_layout(layout: dict) -> dict:
 
 def shm_collectives_match_gloo(directory: str, private: bool) -> dict:
     """Megatron's bucket collectives through shared windows against gloo's, on the whole world and on pairs: a
-    bucket reduce-scattered into its own shard (a view of it, as Megatron's grads) and all-gathered from it (as its
-    params), fp32 and bf16, the windows growing with a larger bucket. ``directory``: where the windows are made
+    bucket reduce-scattered into its own shard (a view of it, as Megatron's grads; summed, or averaged as with
+    ``average_in_collective``) and all-gathered from it (as its params), fp32 and bf16, the windows growing with a
+    larger bucket. ``directory``: where the windows are made
     (its own, so no other process's windows are counted as left); ``private``: a subdirectory per rank, where no
     rank can map its peers' windows, and torch's collectives serve."""
     from pathlib import Path
@@ -1156,18 +1157,21 @@ def shm_collectives_match_gloo(directory: str, private: bool) -> dict:
     results = {}
     for name, group in (("world", dist.group.WORLD), ("pair", pairs[rank // 2])):
         size, grank = group.size(), group.rank()
-        for dtype, count in ((torch.float32, 1000), (torch.bfloat16, 24), (torch.float32, 4096)):
+        cases = [(op, dtype, count) for op in ("SUM", "AVG")
+                 for dtype, count in ((torch.float32, 1000), (torch.bfloat16, 24), (torch.float32, 4096))]  # fmt: skip
+        for op, dtype, count in cases:
             generator = torch.Generator().manual_seed(rank * 7 + count)
             bucket = torch.randn(count * size, generator=generator).to(dtype)
             expected = torch.empty(count, dtype=dtype)
-            dist.reduce_scatter_tensor(expected, bucket.clone(), group=group)
+            reduce_op = getattr(dist.ReduceOp, op)
+            dist.reduce_scatter_tensor(expected, bucket.clone(), op=reduce_op, group=group)
             shard = bucket[grank * count : (grank + 1) * count]
-            shm.reduce_scatter_tensor(shard, bucket, group=group)
+            shm.reduce_scatter_tensor(shard, bucket, op=reduce_op, group=group)
             reduced = shard.clone()
             gathered = torch.empty(count * size, dtype=dtype)
             dist.all_gather_into_tensor(gathered, reduced, group=group)
             shm.all_gather_into_tensor(bucket, shard, group=group)
-            results[f"{name}/{dtype}/{count}"] = {
+            results[f"{name}/{op}/{dtype}/{count}"] = {
                 "reduce_scatter": ((reduced - expected).abs().max() / expected.abs().max()).item(),  # relative
                 "exact": torch.equal(reduced, expected),
                 "all_gather": torch.equal(bucket, gathered),
