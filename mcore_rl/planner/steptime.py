@@ -14,7 +14,8 @@ Python around the kernels, which decide the phases of small models):
 * scoring (reference, old log-probs): one forward over the positions the trainer computes (a prompt once per group
   where samples share it); train: forward and backward (plus a forward where layers are recomputed) with the
   pipeline's bubble, the tensor-, sequence-, context- and expert-parallel exchanges of every layer, and the
-  data-parallel gradient reduce-scatter and parameter all-gather of the distributed optimizer, then Adam;
+  data-parallel gradient reduce-scatter and parameter all-gather of the distributed optimizer, then Adam and the
+  gradient buffer's zeroing;
 * sync: the trainer scores the probe batch, its ranks gather the weights and the engines load them (colocated:
   device copies; else a broadcast over the network), then the engines score the probe; offload: the trainer's
   state out to the host and back, where colocated roles take turns on GPUs.
@@ -42,7 +43,7 @@ from parallel.device import CPU_BLOCK_SIZE
 class DeviceSpec:
     name: str
     flops: float  # dense matmul FLOP/s in the training dtype (bf16 on GPUs; fp32 on the CPU)
-    memory_bw: float  # device memory bytes/s
+    memory_bw: float  # device memory traffic, bytes read and written per second (a copy of n bytes moves 2n)
     link_bw: float  # bytes/s from one device to a peer of its node, one way (NVLink; CPU: shared memory)
     network_bw: float  # bytes/s per device to other nodes (InfiniBand)
     host_bw: float  # device <-> host bytes/s (offload)
@@ -64,17 +65,18 @@ class DeviceSpec:
     sync_latency: float = 0.0
     copy_efficiency: float = 1.0  # fraction of ``memory_bw`` the sync's copies (pack, the engines' loads) reach
     # bytes/s of the data-parallel gradient and parameter buckets between devices of a node (0: ``link_bw``; the
-    # CPU: through shared memory, :mod:`parallel.shm`, at its memcpy rate)
+    # CPU: through shared memory, :mod:`parallel.shm`, at half its memcpy rate)
     bucket_bw: float = 0.0
     kv_block: int = 16  # tokens of the engines' KV-cache blocks (vLLM's on GPUs; the CPU engine's CPU_BLOCK_SIZE)
 
     @classmethod
     def cpu(cls, matmul_flops: float, memcpy_bw: float, link_bw: float, cores: int, **fitted: float) -> DeviceSpec:
         """This machine as the suite measures it: one node whose logical devices share the cores and exchange over
-        gloo (``link_bw``), their data-parallel buckets through shared memory (``memcpy_bw``); ``fitted``: the
-        efficiencies and fixed costs the rl suite fits (default: none, every efficiency 1)."""
-        measured = cls("cpu", matmul_flops, memcpy_bw, link_bw, link_bw, memcpy_bw, cores, 0, 1.0, 1.0, 1.0, 4,
-                       "measured by python -m benchmarks", bucket_bw=memcpy_bw, kv_block=CPU_BLOCK_SIZE)  # fmt: skip
+        gloo (``link_bw``), their data-parallel buckets through shared memory (each byte a ring would send copied
+        into a window and out of it, at ``memcpy_bw``: bytes copied per second, twice that in memory traffic);
+        ``fitted``: the efficiencies and fixed costs the rl suite fits (default: none, every efficiency 1)."""
+        measured = cls("cpu", matmul_flops, 2 * memcpy_bw, link_bw, link_bw, memcpy_bw, cores, 0, 1.0, 1.0, 1.0, 4,
+                       "measured by python -m benchmarks", bucket_bw=memcpy_bw / 2, kv_block=CPU_BLOCK_SIZE)  # fmt: skip
         return dataclasses.replace(measured, **fitted)
 
 
@@ -214,9 +216,12 @@ def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, p
     wide = _bandwidth(device, world, device.bucket_bw)
     grads = _ring(dense_dp, (params - experts) * (4 + act), wide) + _ring(expert_dp, experts * (4 + act), wide)
     data = steps * grads
-    # Adam over this device's shard: fp32 main weights, gradients and moments read, weights and moments written
-    optimizer = steps * 36 * (params - experts) / dense_dp / device.memory_bw
-    optimizer += steps * 36 * experts / expert_dp / device.memory_bw
+    # Adam over this device's shard: fp32 weights, gradients and moments read, weights and moments written (28
+    # bytes; below fp32 also the main weights' copy into the model's: 36), and the step's zeroing of the whole fp32
+    # gradient buffer (4 bytes a parameter), in memory traffic
+    adam = 28 if act == 4 else 36
+    shard = (params - experts) / dense_dp + experts / expert_dp
+    optimizer = steps * (adam * shard + 4 * params) / device.memory_bw
     latency = steps * max(stage_tensors(a, p)) * device.tensor_update_latency
     parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, ep=ep, pp=pipeline, dp=data, optimizer=optimizer,
                  latency=latency)  # fmt: skip
@@ -274,7 +279,7 @@ def sync_seconds(a: Architecture, config, device: DeviceSpec) -> float:
     p, tp = m.policy_trainer.parallel, m.policy.rollout.tensor_parallel_size
     gather = _ring(p.tp * p.pp * p.ep, nbytes, _bandwidth(device, p.tp * p.pp * p.ep))
     if rt.colocated:
-        transfer = gather + 2 * nbytes / tp / (device.memory_bw * device.copy_efficiency)
+        transfer = gather + 2 * 2 * nbytes / tp / (device.memory_bw * device.copy_efficiency)  # each reads, writes
     else:
         transfer = gather + nbytes / device.network_bw
     probe = 0.0

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from mcore_rl.config.schema import load_run_config
-from mcore_rl.planner.params import Architecture
+from mcore_rl.planner.params import Architecture, stage_params
 from mcore_rl.planner.steptime import DEVICES, DeviceSpec, Lengths, forward_flops, prefill_positions, step_time
 from models.registry import get_bridge
 from parallel.device import CPU_BLOCK_SIZE
@@ -77,14 +77,15 @@ def test_each_parallel_exchange_appears_where_its_dimension_is_used():
 
 
 def test_a_cpu_node_s_data_parallel_buckets_go_through_shared_memory():
-    """On the CPU the buckets' reduce-scatter and all-gather run through shared memory (parallel.shm) at the
-    memcpy rate, the other exchanges over gloo; GPUs' buckets take the link."""
+    """On the CPU the buckets' reduce-scatter and all-gather run through shared memory (parallel.shm: each byte
+    copied into a window and out of it, at the memcpy rate), the other exchanges over gloo; GPUs' buckets take the
+    link."""
     config = _config(dict(tp=2, ep=1))
     gloo, memcpy = 1e9, 8e9
     cpu = DeviceSpec.cpu(1e12, memcpy, gloo, cores=16)
     detail = step_time(config, cpu, LENGTHS).detail
     slow = step_time(config, dataclasses.replace(cpu, bucket_bw=gloo), LENGTHS).detail
-    assert detail["dp"] == pytest.approx(slow["dp"] * gloo / memcpy) and detail["tp"] == slow["tp"] > 0
+    assert detail["dp"] == pytest.approx(slow["dp"] * gloo / (memcpy / 2)) and detail["tp"] == slow["tp"] > 0
     h100 = DEVICES["h100"]
     linked = step_time(config, dataclasses.replace(h100, bucket_bw=h100.link_bw), LENGTHS).detail
     assert step_time(config, h100, LENGTHS).detail["dp"] == linked["dp"] > 0
@@ -106,6 +107,26 @@ def test_an_optimizer_step_s_fixed_cost_is_per_parameter_tensor_of_the_busiest_s
     ):
         detail = step_time(_config(dict(layout, sequence_parallel="false")), device, LENGTHS).detail
         assert detail["latency"] == pytest.approx(steps * tensors * 0.001), layout
+
+
+def test_adam_s_traffic_is_per_shard_and_the_gradient_buffer_s_zeroing_per_replica():
+    """Each optimizer step Adam reads and writes its data-parallel shard of the fp32 state (28 bytes a parameter
+    when the parameters are fp32, 36 with a bf16 model's weights to refresh), and every rank zeroes its whole fp32
+    gradient buffer: twice the devices halve the first, not the second. A CPU's memory traffic is twice its memcpy
+    rate (a copy reads and writes each byte)."""
+    memcpy = 5e9
+    cpu = DeviceSpec.cpu(1e12, memcpy, 1e9, cores=16)
+    assert cpu.memory_bw == 2 * memcpy
+    layout = dict(tp=1, ep=1, sequence_parallel="false")
+    for device, adam in ((cpu, 28), (DEVICES["h100"], 36)):
+        config = _config(layout)
+        steps = config.runtime_args.sample_per_episode // config.runtime_args.train_global_batch_size
+        arch = Architecture.from_bridge(get_bridge(config.models.policy_trainer.load))
+        params = max(stage_params(arch, config.models.policy_trainer.parallel))[0]  # ep 1: experts shard over DP too
+        narrow = step_time(config, device, LENGTHS).detail["optimizer"]
+        wide = step_time(_config(layout, num_devices=32), device, LENGTHS).detail["optimizer"]
+        assert narrow - wide == pytest.approx(steps * adam * params / 32 / device.memory_bw)  # 16 -> 32 shards
+        assert wide == pytest.approx(steps * (adam * params / 32 + 4 * params) / device.memory_bw)
 
 
 def test_decoding_a_few_samples_is_bound_by_memory_and_many_by_compute():
