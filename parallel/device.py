@@ -45,6 +45,15 @@ def transformer_engine_problem() -> str | None:
     return None
 
 
+def core_ids(binding: str) -> list[int]:
+    """The cores of one worker's entry in vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` syntax ("0,2-3": 0, 2 and 3)."""
+    cores = []
+    for part in binding.split(","):
+        first, _, last = part.strip().partition("-")
+        cores += range(int(first), int(last or first) + 1)
+    return cores
+
+
 @dataclass(frozen=True)
 class Device:
     """The accelerator of this process (``cuda``) or none (``cpu``), and what follows from it.
@@ -221,6 +230,16 @@ class Device:
         if config.tensor_parallel_size > 1:
             args["distributed_executor_backend"] = "ray"
         return args
+
+    def in_process_engine_cores(self, config) -> list[int] | None:
+        """The cores a CPU engine whose worker runs in this process (``in_process``, one worker) computes on: its
+        explicit ``cpu_threads_bind`` (vLLM 0.32 binds OpenMP threads only in worker processes it starts itself, so
+        the worker would keep its process's threads: one in a Ray actor that reserves no CPU, Ray's
+        ``OMP_NUM_THREADS=1``). None: nothing to apply (CUDA, vLLM's own workers, or ``auto``, which leaves the
+        process as it is)."""
+        if self.cuda or not config.in_process or config.tensor_parallel_size != 1 or config.cpu_threads_bind == "auto":
+            return None
+        return core_ids(config.cpu_threads_bind)
 
     def engine_env(self, config, cpu_threads_bind: str) -> dict[str, str]:
         """Environment vLLM reads when the engine is built (the engine owns its process: a Ray actor)."""

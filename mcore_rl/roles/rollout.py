@@ -73,7 +73,8 @@ class RolloutGroup:
         synced: bool = True,
     ) -> RolloutGroup:
         """``colocated``: the engines take turns with the trainer on ``devices`` (and sleep while it trains).
-        ``cores``: each device's CPU cores, where the engines must keep to their own (CPU, disaggregated).
+        ``cores``: each device's CPU cores, where the engines keep to their own (CPU: engines on different devices
+        roll out at the same time).
         ``wait``: until the engines are up (else :meth:`wait_ready` does). ``max_replacements``, ``synced``: see
         the class."""
         tp = config.tensor_parallel_size

@@ -86,11 +86,13 @@ class System:
             )
         # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
         machine = Device("cuda" if gpu else "cpu")
-        # Logical CPU devices whose roles run at the same time (disaggregated) each keep to their own cores.
-        cores = None if gpu or rt.colocated else machine.split_cores(rt.num_devices)
+        # Logical CPU devices whose roles run at the same time (disaggregated) each keep to their own cores; so do
+        # the engines of colocated ones, which roll out side by side (each trainer rank uses its share in turn).
+        devices_cores = None if gpu else machine.split_cores(rt.num_devices)
+        cores = None if rt.colocated else devices_cores
         megatron_roles = self._start_megatron_roles(config, roles, cores)
         if machine.engines_start_beside_roles(rt.colocated):
-            engines = self._start_engines(config, cores)
+            engines = self._start_engines(config, devices_cores)
             self._start_rewards(config)  # CPU actors, ready while the roles load
             wait_ready(*megatron_roles)
             self._offload_for_engines(config, megatron_roles)
@@ -98,7 +100,7 @@ class System:
             self._start_rewards(config)
             wait_ready(*megatron_roles)
             self._offload_for_engines(config, megatron_roles)
-            engines = self._start_engines(config, cores)
+            engines = self._start_engines(config, devices_cores)
         for group in engines:
             group.wait_ready()
         self._engine_dtype = machine.engine_dtype(m.policy.rollout.dtype)

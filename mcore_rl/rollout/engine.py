@@ -117,8 +117,10 @@ class RolloutConfig:
     # refuses an update that leaves a parameter stale); 1 copies them to host memory and back, for engines that
     # must wake with the weights they slept with.
     sleep_level: int = 2
-    # CPU: "auto" splits this process's cores evenly over the TP workers (vLLM's own default pins one core per
-    # NUMA node and refuses TP > NUMA nodes); otherwise vLLM's VLLM_CPU_OMP_THREADS_BIND syntax, e.g. "0-3|4-7".
+    # CPU: "auto" splits this process's cores evenly over the TP workers that vLLM starts (vLLM's own default pins
+    # one core per NUMA node and refuses TP > NUMA nodes), and leaves an in-process worker with its process's
+    # threads; otherwise vLLM's VLLM_CPU_OMP_THREADS_BIND syntax, e.g. "0-3|4-7", each worker pinned to its cores
+    # (an in-process one too, with a thread per core). The RL run gives each engine its devices' cores.
     cpu_threads_bind: str = "auto"
     # Run vLLM's engine core in the caller's process: 2.4 s instead of 16 s to start on CPU, no extra process per
     # actor, and control calls reach the worker without serialisation when tensor_parallel_size == 1.
@@ -228,6 +230,9 @@ class RolloutEngine:
         self.config, self.colocated = config, colocated
         self.machine = Device.current()
         os.environ.update(self.machine.engine_env(config, cpu_thread_binding(config)))
+        cores = self.machine.in_process_engine_cores(config)
+        if cores:  # before vLLM's CPU worker refuses torch.set_num_threads
+            self.machine.share_cores(1, cores)
         bridge = get_bridge(model_dir)
         if config.speculative_tokens and not bridge.num_mtp_layers:
             raise ValueError(

@@ -13,10 +13,10 @@ import transformers
 from safetensors.torch import load_file
 
 from mcore_rl.roles.rollout import EngineLostError, RolloutGroup
-from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
+from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig, thread_binding
 from mcore_rl.rollout.remote import launch_engine, launch_engines, stop_engine
 from mcore_rl.rollout.transport import BucketSender
-from parallel.device import CPU_BLOCK_SIZE
+from parallel.device import CPU_BLOCK_SIZE, Device
 from tests.tiny import MOONLIGHT, make_tiny
 
 KV_BYTES = 32 << 20
@@ -26,7 +26,9 @@ GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=8)
 
 @pytest.fixture(scope="module")
 def engine(tiny_models, ray_address):
-    config = RolloutConfig(load_tokenizer=False, max_model_len=128, cpu_kv_cache_bytes=KV_BYTES)
+    """On this machine's cores, as the RL run binds an engine to its device's."""
+    config = RolloutConfig(load_tokenizer=False, max_model_len=128, cpu_kv_cache_bytes=KV_BYTES,
+                           cpu_threads_bind=thread_binding(Device.split_cores(1)))  # fmt: skip
     actor = launch_engine(tiny_models["LlamaForCausalLM"], config, name="rollout-engine-test")
     yield actor
     stop_engine(actor)
@@ -54,6 +56,16 @@ def test_n_samples_per_prompt_with_logprobs_that_match_scoring(engine):
 
 def _block_size(engine) -> int:
     return ray.get(engine.__ray_call__.remote(lambda e: e.llm.llm_engine.vllm_config.cache_config.block_size))
+
+
+def test_the_cpu_engine_computes_with_a_thread_on_each_core_it_is_bound_to(engine):
+    """In the actor's calls, not only at its start: before this, Ray's one thread (OMP_NUM_THREADS=1 for an actor
+    that reserves no CPU) decoded for an engine given both cores of a device."""
+    cores = Device.split_cores(1)[0]
+    threads, affinity = ray.get(
+        engine.__ray_call__.remote(lambda e: (torch.get_num_threads(), os.sched_getaffinity(0)))
+    )
+    assert (threads, sorted(affinity)) == (len(cores), cores)
 
 
 def test_the_cpu_engine_caches_prompts_in_blocks_its_groups_share(engine):

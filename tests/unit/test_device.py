@@ -124,6 +124,19 @@ def test_engine_arguments_are_ones_vllm_accepts():
     }
 
 
+def test_an_in_process_cpu_engine_computes_on_the_cores_it_is_bound_to():
+    """vLLM 0.32 binds OpenMP threads only in the worker processes it starts; an in-process CPU worker takes its
+    binding's cores here (a Ray actor that reserves no CPU would otherwise compute on one thread). ``auto``, GPUs,
+    vLLM's own workers: nothing to apply."""
+    assert device_module.core_ids("0,2-3") == [0, 2, 3] and device_module.core_ids("5") == [5]
+    bound = RolloutConfig(cpu_threads_bind="0-1")
+    assert CPU.in_process_engine_cores(bound) == [0, 1]
+    assert CUDA.in_process_engine_cores(bound) is None
+    assert CPU.in_process_engine_cores(RolloutConfig()) is None  # auto
+    assert CPU.in_process_engine_cores(dataclasses.replace(bound, in_process=False)) is None
+    assert CPU.in_process_engine_cores(dataclasses.replace(bound, tensor_parallel_size=2)) is None
+
+
 def test_engines_discard_weights_the_sync_replaces():
     """Defect 5: sleep level 1 copied every weight to host and back each episode, for the sync to overwrite them."""
     assert RolloutConfig().sleep_level == 2
