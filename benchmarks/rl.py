@@ -426,7 +426,7 @@ def _predicted(report: Report, runs: list[Run], hardware: Hardware) -> None:
         "`python -m mcore_rl.planner`'s step-time model for each run's config at its measured mean lengths (the "
         "longest response: max_new_tokens), on this machine as measured above: each logical device with its share of "
         "the matmul rate and memcpy bandwidth, exchanging over gloo at the measured rate (the data-parallel buckets "
-        "through shared memory, at the memcpy rate). Its efficiencies and fixed "
+        "through shared memory, each byte copied into a window and out). Its efficiencies and fixed "
         f"costs are fitted to the runs {', '.join(CALIBRATION)} (one per model; each phase its efficiency and fixed "
         f"cost, so those rows match by construction): {constants}. The other runs check the model. The rollout's "
         "measured time includes the rewards.",
