@@ -194,10 +194,13 @@ class System:
         self._stops.append(self.rollout.stop)
         self.judge_engines = None
         if m.judge.own_engines:  # its weights never change: a replacement serves once it is up
+            # beside the policy's engines (no devices of its own) it scores while they generate: not bound to their
+            # cores, it keeps its process's threads rather than doubling theirs
             self.judge_engines = RolloutGroup.launch(
                 m.judge.load, m.judge.engine_config(m.policy.rollout), self.placement,
-                rt.devices("judge") or rt.devices("rollout"), f"{rt.exp_name}/judge", self.judge_sleeps, cores,
-                wait=False, max_replacements=rt.max_engine_replacements, synced=False,
+                rt.devices("judge") or rt.devices("rollout"), f"{rt.exp_name}/judge", self.judge_sleeps,
+                cores if rt.judge_devices else None, wait=False, max_replacements=rt.max_engine_replacements,
+                synced=False,
             )  # fmt: skip
             self._stops.append(self.judge_engines.stop)
         return [self.rollout] + ([self.judge_engines] if self.judge_engines else [])
