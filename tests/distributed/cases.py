@@ -1140,9 +1140,9 @@ def shm_collectives_match_gloo(directory: str, private: bool) -> dict:
     """Megatron's bucket collectives through shared windows against gloo's, on the whole world and on pairs: a
     bucket reduce-scattered into its own shard (a view of it, as Megatron's grads; summed, or averaged as with
     ``average_in_collective``) and all-gathered from it (as its params), fp32 and bf16, the windows growing with a
-    larger bucket. ``directory``: where the windows are made
-    (its own, so no other process's windows are counted as left); ``private``: a subdirectory per rank, where no
-    rank can map its peers' windows, and torch's collectives serve."""
+    larger bucket. ``directory``: where the windows are made (its own, so no other process's windows are counted
+    as left); ``private``: a subdirectory per rank, where no rank can map its peers' windows, and torch's
+    collectives serve."""
     from pathlib import Path
 
     import torch.distributed as dist

@@ -118,13 +118,13 @@ def test_adam_s_traffic_is_per_shard_and_the_gradient_buffer_s_zeroing_per_repli
     cpu = DeviceSpec.cpu(1e12, memcpy, 1e9, cores=16)
     assert cpu.memory_bw == 2 * memcpy
     layout = dict(tp=1, ep=1, sequence_parallel="false")
+    config, wider = _config(layout), _config(layout, num_devices=32)
+    steps = config.runtime_args.sample_per_episode // config.runtime_args.train_global_batch_size
+    arch = Architecture.from_bridge(get_bridge(config.models.policy_trainer.load))
+    params = max(stage_params(arch, config.models.policy_trainer.parallel))[0]  # ep 1: experts shard over DP too
     for device, adam in ((cpu, 28), (DEVICES["h100"], 36)):
-        config = _config(layout)
-        steps = config.runtime_args.sample_per_episode // config.runtime_args.train_global_batch_size
-        arch = Architecture.from_bridge(get_bridge(config.models.policy_trainer.load))
-        params = max(stage_params(arch, config.models.policy_trainer.parallel))[0]  # ep 1: experts shard over DP too
         narrow = step_time(config, device, LENGTHS).detail["optimizer"]
-        wide = step_time(_config(layout, num_devices=32), device, LENGTHS).detail["optimizer"]
+        wide = step_time(wider, device, LENGTHS).detail["optimizer"]
         assert narrow - wide == pytest.approx(steps * adam * params / 32 / device.memory_bw)  # 16 -> 32 shards
         assert wide == pytest.approx(steps * (adam * params / 32 + 4 * params) / device.memory_bw)
 
