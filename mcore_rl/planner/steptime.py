@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 from mcore_rl.planner.memory import Workload, engine_memory
 from mcore_rl.planner.params import Architecture, layer_params, optimizer_shards, stage_params, stage_tensors
+from mcore_rl.trainer.sync import engine_probe_rows
 from parallel.config import ParallelConfig
 from parallel.device import CPU_BLOCK_SIZE
 
@@ -273,7 +274,7 @@ def sync_seconds(a: Architecture, config, device: DeviceSpec) -> float:
     """The weights into the engines: the trainer scores the probe batch (each data-parallel replica its share of
     the rows, at least as many as its pipeline schedule's micro-batches); colocated, its ranks gather each engine's
     share over their links and hand it over as a device copy the engine loads (two copies); on devices of their
-    own, one broadcast over the network; then the engines score the probe."""
+    own, one broadcast over the network; then the engines score the probe, each its share of the rows."""
     rt, m = config.runtime_args, config.models
     nbytes = a.engine_params() * device.param_bytes
     p, tp = m.policy_trainer.parallel, m.policy.rollout.tensor_parallel_size
@@ -288,7 +289,9 @@ def sync_seconds(a: Architecture, config, device: DeviceSpec) -> float:
         flops = forward_flops(a, rows * length, length / 2, rows * length)
         share = max(math.ceil(rows / p.dp(rt.trainer_devices)), p.pp if p.vpp > 1 else 1) / rows
         trainer_probe = score_seconds(flops * share, p.tp * p.cp * p.pp, device)
-        probe = trainer_probe + flops / (tp * device.flops * device.forward_efficiency)  # and the engines'
+        engines = max(1, len(rt.devices("rollout")) // tp)
+        engine_share = len(engine_probe_rows(rows, engines, 0)) / rows
+        probe = trainer_probe + flops * engine_share / (tp * device.flops * device.forward_efficiency)
     return transfer + probe + device.sync_latency
 
 

@@ -3,10 +3,10 @@
 Every trainer rank runs :func:`converters.stream.export_hf` (its collectives need all ranks) and gets the whole
 model, regrouped into byte buckets. A route takes the buckets to the engines: colocated engines map each bucket
 where their trainer ranks packed it (:class:`ColocatedRoute`); engines on other devices receive it by broadcast
-from trainer rank 0 (:class:`BroadcastRoute`). Afterwards each engine scores a fixed probe batch and its log-probs
-are compared with the trainer's, scored before the push (so the trainer's weights may leave the device before the
-engine's KV cache returns): stale or corrupted weights fail loudly here instead of silently skewing the policy
-gradient.
+from trainer rank 0 (:class:`BroadcastRoute`). Afterwards the engines score a fixed probe batch, each its share of
+the rows (:func:`engine_probe_rows`), and their log-probs are compared with the trainer's, scored before the push (so
+the trainer's weights may leave the device before the engine's KV cache returns): stale or corrupted weights fail
+loudly here instead of silently skewing the policy gradient.
 
 Ray is imported only where an engine is called (:func:`_get`): a trainer without engines, as the GPU self-check
 builds one, runs where Ray is not installed.
@@ -90,6 +90,15 @@ def probe_tokens(vocab_size: int, config: SyncConfig) -> torch.Tensor:
     """The fixed probe batch: seeded uniform token ids, the same on every rank and every sync."""
     generator = torch.Generator().manual_seed(config.probe_seed)
     return torch.randint(0, vocab_size, (config.probe_sequences, config.probe_length), generator=generator)
+
+
+def engine_probe_rows(rows: int, engines: int, index: int) -> list[int]:
+    """The rows of the probe batch that engine ``index`` of ``engines`` scores: every ``engines``-th row from its
+    index, or one row where there are more engines than rows. An engine's weights are all it is checked for, which
+    a share of the rows shows as well as all of them (every weight takes part in every position, and a stale or
+    mis-converted one moves the log-probs everywhere), at a share of the cost: each engine scores on its own
+    device's cores, and colocated engines do so at once."""
+    return list(range(index, rows, engines)) or [index % rows]
 
 
 def send_buckets(named: Iterator[tuple[str, torch.Tensor]], budget: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -252,6 +261,12 @@ class WeightSync:
         self.mean_tolerance = config.probe_mean_tolerance if config.probe_mean_tolerance is not None else default_mean
         device = next(chunks[0].parameters()).device
         self.probe_batch = probe_tokens(bridge.vocab_size, config).to(device)
+        # the rows this rank's engines score: their places among all ranks' engines, in rank order
+        counts = all_gather_objects(len(route.engines), torch.distributed.group.WORLD)
+        rank, rows = torch.distributed.get_rank(), config.probe_sequences
+        self.engine_rows = [
+            engine_probe_rows(rows, sum(counts), sum(counts[:rank]) + i) for i in range(len(route.engines))
+        ]
         self.count = 0  # pushes so far
         self._pushed: SyncReport | None = None  # the last push, until ``verify`` completes it
         self._trainer_logprobs: torch.Tensor | None = None  # of the probe batch, at the last push
@@ -339,9 +354,10 @@ class WeightSync:
 
     def _compare(self, trainer: torch.Tensor, when: str) -> tuple[float, float]:
         max_diff = mean_diff = 0.0
-        engines = self.route.engines
-        for engine in _get([e.score.remote(self.probe_batch.tolist()) for e in engines]) if engines else ():
-            diff = (torch.tensor(engine, dtype=torch.float32) - trainer).abs()
+        engines, probe = self.route.engines, self.probe_batch.tolist()
+        scores = [e.score.remote([probe[i] for i in rows]) for e, rows in zip(engines, self.engine_rows, strict=True)]
+        for engine, rows in zip(_get(scores) if engines else (), self.engine_rows, strict=True):
+            diff = (torch.tensor(engine, dtype=torch.float32) - trainer[rows]).abs()
             max_diff, mean_diff = max(max_diff, diff.max().item()), max(mean_diff, diff.mean().item())
         # The worst engine decides, on every rank, so that all ranks raise together or none does.
         max_diff = all_reduce_scalar(max_diff, torch.distributed.group.WORLD, "max")

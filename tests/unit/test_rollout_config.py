@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mcore_rl.rollout.engine import RolloutConfig, SamplingConfig, cpu_thread_binding
-from mcore_rl.trainer.sync import SyncConfig, probe_tokens
+from mcore_rl.trainer.sync import SyncConfig, engine_probe_rows, probe_tokens
 
 
 @pytest.mark.parametrize(
@@ -55,3 +55,14 @@ def test_sync_config_and_probe_batch():
     probe = probe_tokens(50, config)
     assert probe.shape == (3, 9) and int(probe.max()) < 50
     assert probe.equal(probe_tokens(50, config))  # fixed: the same batch at every sync
+
+
+@pytest.mark.parametrize("rows,engines", [(4, 1), (4, 2), (4, 3), (5, 2), (4, 4), (2, 5)])
+def test_the_engines_share_the_probe_rows_each_scoring_at_least_one(rows, engines):
+    shares = [engine_probe_rows(rows, engines, i) for i in range(engines)]
+    assert all(shares)  # every engine is checked
+    scored = sorted(r for share in shares for r in share)
+    if engines <= rows:  # each row once, the shares as even as they go
+        assert scored == list(range(rows)) and max(map(len, shares)) - min(map(len, shares)) <= 1
+    else:  # more engines than rows: one row each, every row scored
+        assert all(len(share) == 1 for share in shares) and set(scored) == set(range(rows))
