@@ -1,6 +1,6 @@
 """Starting a local Ray cluster survives Ray's start-up timeout once (ray-project/ray#65983), and nothing else; a Ray
 whose node address no longer follows its single-machine mode is refused before a cluster starts off loopback; its
-log monitor lists the log directory less often."""
+log monitor lists the log directory less often, and its raylet prestarts no worker."""
 
 import os
 
@@ -51,18 +51,24 @@ def test_a_ray_whose_node_address_ignores_single_machine_mode_is_refused(monkeyp
         compat_ray.start_local_cluster(num_cpus=1)
 
 
-def test_a_local_cluster_s_log_monitor_lists_its_directory_less_often(monkeypatch):
-    """compat/ray.py's "Log monitor": the variable is the one Ray's log monitor reads (from its source), and the
-    start sets it for the monitor it starts."""
+def test_a_local_cluster_lists_its_logs_less_often_and_prestarts_no_worker(monkeypatch):
+    """compat/ray.py's "Log monitor" and "Prestarted workers": the variables are the ones Ray's log monitor reads
+    (from its source) and the raylet reads (a setting its binary names), and the start sets them for the processes
+    it starts."""
     import inspect
+    from pathlib import Path
 
     from ray._private import log_monitor
 
-    name, value = compat_ray.LOG_MONITOR_LISTING
-    assert f'os.getenv("{name}"' in inspect.getsource(log_monitor)
+    listing, prestart = compat_ray.LOG_MONITOR_LISTING, compat_ray.NO_PRESTART
+    assert f'os.getenv("{listing[0]}"' in inspect.getsource(log_monitor)
+    raylet = Path(ray.__file__).parent / "core/src/ray/raylet/raylet"
+    assert prestart[0].encode() in raylet.read_bytes()
     calls = []
-    monkeypatch.delenv(name, raising=False)
+    for name, _ in (listing, prestart):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(ray, "init", _init_failing([], calls))
     monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Context", (), {"gcs_address": "127.0.0.1:1"}))
     compat_ray.start_local_cluster(num_cpus=1)
-    assert [call["num_cpus"] for call in calls] == [1] and os.environ[name] == value
+    assert [call["num_cpus"] for call in calls] == [1]
+    assert [os.environ[name] for name, _ in (listing, prestart)] == [listing[1], prestart[1]]
