@@ -70,5 +70,11 @@ def test_a_gathered_checkpoint_resumes_under_another_layout(ranks, tiny_models, 
         cases.policy_resume, hf_dir=hf_dir, layout=dict(pp=2), checkpoint_dir=str(tmp_path), save="per_rank"
     )[0]
     assert resumed["step"] == pytest.approx(straight["step"], rel=1e-5, abs=1e-6)
-    # the signed first moments' sum cancels to about 0.1: the layouts' rounding shows as about 4e-6 absolute there
-    assert resumed["digest"] == pytest.approx(under_pp["digest"], rel=1e-5, abs=2e-5)
+    # The two layouts' gradients round apart, and Adam's moments with them: the magnitudes' sums by 1.5e-5 of
+    # themselves on an AMD EPYC's GEMMs; the signed first moments' sum, which cancels to about 0.1 of 42, by 6e-5,
+    # 1.4e-6 of the magnitudes it is relative to (4e-6 on the Intel hosts)
+    digest, expected = resumed["digest"], under_pp["digest"]
+    assert {k: v for k, v in digest.items() if k != "exp_avg"} == pytest.approx(
+        {k: v for k, v in expected.items() if k != "exp_avg"}, rel=5e-5
+    )
+    assert digest["exp_avg"] == pytest.approx(expected["exp_avg"], abs=1e-5 * expected["exp_avg_abs"])
