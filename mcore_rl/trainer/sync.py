@@ -94,10 +94,10 @@ def probe_tokens(vocab_size: int, config: SyncConfig) -> torch.Tensor:
 
 def engine_probe_rows(rows: int, engines: int, index: int) -> list[int]:
     """The rows of the probe batch that engine ``index`` of ``engines`` scores: every ``engines``-th row from its
-    index, or one row where there are more engines than rows. An engine's weights are all it is checked for, which
-    a share of the rows shows as well as all of them (every weight takes part in every position, and a stale or
-    mis-converted one moves the log-probs everywhere), at a share of the cost: each engine scores on its own
-    device's cores, and colocated engines do so at once."""
+    index, or one row where there are more engines than rows. An engine is checked for its weights, which a share
+    of the rows shows as well as all of them (every layer's weights and the LM head take part in every position, and
+    a stale or mis-converted one moves the log-probs everywhere; only the embedding rows of the tokens it holds do),
+    at a share of the cost: each engine scores on its own device's cores, and colocated engines do so at once."""
     return list(range(index, rows, engines)) or [index % rows]
 
 
