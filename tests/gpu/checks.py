@@ -876,7 +876,7 @@ def vllm_engine() -> str:
     feeder.start()
     tokens = _tokens(49152, rows=2, length=32)
     hf = _hf_reference(hf_dir, tokens)
-    engine = RolloutEngine(hf_dir, RolloutConfig(load_tokenizer=False, max_model_len=256))
+    engine = RolloutEngine(hf_dir, RolloutConfig(max_model_len=256))
     try:
         assert engine.generate([[1, 2, 3, 4]])[0][0].token_ids
         for level in (1, 2):  # the same engine slept at each level, then updated as the RL loop does
@@ -894,7 +894,7 @@ def vllm_engine() -> str:
         feeder.join(timeout=60)
         engine.shutdown()
     # An engine on devices of its own runs without sleep mode: it generates, and refuses to sleep.
-    own = RolloutEngine(hf_dir, RolloutConfig(load_tokenizer=False, max_model_len=256), colocated=False)
+    own = RolloutEngine(hf_dir, RolloutConfig(max_model_len=256), colocated=False)
     try:
         assert own.generate([[1, 2, 3, 4]])[0][0].token_ids
         try:

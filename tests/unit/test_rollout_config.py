@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mcore_rl.rollout.engine import RolloutConfig, SamplingConfig, cpu_thread_binding
+from mcore_rl.rollout.engine import RolloutConfig, SamplingConfig, cpu_thread_binding, tokenizer_eos_ids
 from mcore_rl.trainer.sync import SyncConfig, engine_probe_rows, probe_tokens
 
 
@@ -23,10 +23,13 @@ def test_bad_sampling_is_named(field, value, message):
         RolloutConfig(train=SamplingConfig(**{field: value})).validate()
 
 
-def test_stop_strings_need_the_tokenizer():
-    config = RolloutConfig(load_tokenizer=False, eval=SamplingConfig(stop=["\n\n"]))
-    with pytest.raises(ValueError, match=r"rollout.eval.stop needs the tokenizer: set rollout.load_tokenizer=true"):
-        config.validate()
+def test_only_stop_strings_make_the_engine_load_the_tokenizer(tiny_models):
+    """Token ids need no tokenizer; stop strings do, in training's or evaluation's sampling. Without one the engine
+    stops at the tokenizer's EOS by id, which the tiny models' character tokenizer and SmolLM2's both name."""
+    assert not RolloutConfig(train=SamplingConfig(stop_token_ids=[7])).stop_strings
+    assert RolloutConfig(eval=SamplingConfig(stop=["\n\n"])).stop_strings
+    assert RolloutConfig(train=SamplingConfig(stop=["</answer>"])).stop_strings
+    assert tokenizer_eos_ids(tiny_models["LlamaForCausalLM"]) == [2]  # <|im_end|>
 
 
 def test_rollout_sizes_are_checked():

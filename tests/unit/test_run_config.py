@@ -512,7 +512,7 @@ def test_a_judge_of_its_own_is_checked_like_a_model_and_sized_like_an_engine(run
     config = load_run_config(run_yaml, own)
     assert "models.judge.load" in config.model_keys and config.models.judge.own_engines
     engine = config.models.judge.engine_config(config.models.policy.rollout)
-    assert (engine.max_model_len, engine.sleep_level, engine.load_tokenizer) == (128, 1, True)
+    assert (engine.max_model_len, engine.sleep_level, engine.stop_strings) == (128, 1, False)
     config.check_files()
     (judge / "chat_template.jinja").unlink()
     with pytest.raises(ConfigError, match=r"models.judge.load='.*judge': its tokenizer has no chat template"):
