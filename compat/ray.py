@@ -34,6 +34,15 @@ starts none (``RAY_prestart_worker_first_driver=0``, which the raylet reads as i
 ``RAY_<name>``). Measured, the main job's command from launch to its first sync, alternating 5 times on 2 cores:
 median 29.3 -> 25.8 s, faster in every pair.
 
+**Actors' environment.** The raylet starts each worker of a job that has a runtime environment through
+``setup_worker.py``, a Python process that applies the environment and then execs the worker, and a worker of a job
+without one directly (it strips that script, a name its binary holds, from the command). The variables the actors
+need (their collectives' interface, their priority, the run's own) reach them by inheritance instead: they are in
+this process's environment while the cluster starts, so the raylet and the workers it starts have them, and the job
+has no runtime environment. Measured on 2 cores: three actors ready in 2.95 s with the variables as the job's
+``env_vars``, 1.49 s inherited; the main job's command from launch to its first sync, alternating 4 times: median
+21.1 -> 20.2 s.
+
 **Actors' processes.** The hang watchdog needs each actor's pid and node, which Ray's public API gives only
 through the state API of the dashboard (off in mcore-rl's clusters); :func:`job_actors` reads the GCS actor table
 that ``ray._private.state.actors`` returns (ray 2.60: keys ``Name``, ``Pid``, ``Address.NodeID``,
@@ -86,7 +95,8 @@ def _loopback_node():
 
 def start_local_cluster(**init_kwargs) -> None:
     """``ray.init`` of a new local cluster on loopback alone, its actors' collectives too unless this process's
-    environment names their interfaces, its workers at this process's priority (see above).
+    environment names their interfaces, its workers at this process's priority, with the variables of
+    ``runtime_env["env_vars"]`` in their environment (see above).
 
     Ray turns on token authentication for it unless ``RAY_AUTH_MODE`` says otherwise; a cluster without a token
     is open to every process of this host, and that is said. Ray 2.60's notices that it started and that it turned
@@ -107,10 +117,10 @@ def start_local_cluster(**init_kwargs) -> None:
     runtime_env = dict(init_kwargs.pop("runtime_env", None) or {})
     defaults = {**LOOPBACK_ENV, RAY_WORKER_NICENESS: "0"}
     unset = {name: value for name, value in defaults.items() if name not in os.environ}
-    runtime_env["env_vars"] = {**unset, **runtime_env.get("env_vars", {})}
+    inherited = {**unset, **runtime_env.pop("env_vars", {})}  # see "Actors' environment"
     os.environ.update(SINGLE_MACHINE)  # for the processes this one starts, which connect by the loopback address
-    with _loopback_node():
-        init_retrying(runtime_env=runtime_env, **init_kwargs)
+    with _loopback_node(), _environment(inherited):
+        init_retrying(runtime_env=runtime_env or None, **init_kwargs)
     address = ray.get_runtime_context().gcs_address
     if not address.startswith(f"{LOOPBACK}:"):
         ray.shutdown()
@@ -118,6 +128,21 @@ def start_local_cluster(**init_kwargs) -> None:
             f"the local Ray cluster started at {address}, not on {LOOPBACK}: re-read ray {RAY}x's node address "
             "and update the loopback start in compat/ray.py"
         )
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """``env`` in this process's environment while the block runs; as it was before, after."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def init_retrying(**init_kwargs) -> None:

@@ -1,5 +1,6 @@
 """The local Ray cluster a single-node run starts is reachable from this host alone, and only with its token; its
-workers run at the starting process's priority, not below it.
+workers run at the starting process's priority, not below it, with the run's variables inherited (no runtime
+environment).
 
 Ray 2.60's services listen on every interface unless the node's address is loopback (see compat/ray.py). This
 starts the cluster the way the driver does, with Ray's authentication mode unset as a user's shell has it, runs a
@@ -27,13 +28,17 @@ from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, node_manag
 
 from compat.ray import LOOPBACK_ENV, start_local_cluster
 
-start_local_cluster(num_cpus=2, include_dashboard=False)
+start_local_cluster(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"MCORE_RL_TEST_RUN": "mine"}})
+assert not {*LOOPBACK_ENV, "MCORE_RL_TEST_RUN"} & set(os.environ)  # set while the raylet started, then restored
 
 
 @ray.remote
 class Actor:
     def env(self):
         return {name: os.environ.get(name) for name in LOOPBACK_ENV}, os.nice(0)
+
+    def run_env(self):
+        return os.environ.get("MCORE_RL_TEST_RUN"), ray.get_runtime_context().runtime_env
 
 
 @ray.remote
@@ -44,6 +49,8 @@ def env():
 assert os.nice(0) == 3
 actor = Actor.remote()
 assert ray.get(actor.env.remote(), timeout=300) == ray.get(env.remote(), timeout=300) == (LOOPBACK_ENV, 3)
+# inherited from the raylet: the job has no runtime environment, whose workers start through setup_worker.py
+assert ray.get(actor.run_env.remote(), timeout=300) == ("mine", {})
 
 processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
 names = {p.name() for p in processes}

@@ -52,9 +52,10 @@ def test_a_ray_whose_node_address_ignores_single_machine_mode_is_refused(monkeyp
 
 
 def test_a_local_cluster_lists_its_logs_less_often_and_prestarts_no_worker(monkeypatch):
-    """compat/ray.py's "Log monitor" and "Prestarted workers": the variables are the ones Ray's log monitor reads
-    (from its source) and the raylet reads (a setting its binary names), and the start sets them for the processes
-    it starts."""
+    """compat/ray.py's "Log monitor", "Prestarted workers" and "Actors' environment": the variables are the ones
+    Ray's log monitor reads (from its source) and the raylet reads (a setting its binary names), and the start sets
+    them for the processes it starts; the actors' variables are in the environment while the cluster starts, not in
+    a runtime environment (the raylet names setup_worker.py, which it runs only for those)."""
     import inspect
     from pathlib import Path
 
@@ -63,12 +64,14 @@ def test_a_local_cluster_lists_its_logs_less_often_and_prestarts_no_worker(monke
     listing, prestart = compat_ray.LOG_MONITOR_LISTING, compat_ray.NO_PRESTART
     assert f'os.getenv("{listing[0]}"' in inspect.getsource(log_monitor)
     raylet = Path(ray.__file__).parent / "core/src/ray/raylet/raylet"
-    assert prestart[0].encode() in raylet.read_bytes()
-    calls = []
+    assert prestart[0].encode() in raylet.read_bytes() and b"setup_worker.py" in raylet.read_bytes()
+    calls, environments = [], []
     for name, _ in (listing, prestart):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(ray, "init", _init_failing([], calls))
+    monkeypatch.delenv("MCORE_RL_TEST_RUN", raising=False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: (calls.append(kwargs), environments.append(dict(os.environ))))
     monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Context", (), {"gcs_address": "127.0.0.1:1"}))
-    compat_ray.start_local_cluster(num_cpus=1)
-    assert [call["num_cpus"] for call in calls] == [1]
+    compat_ray.start_local_cluster(num_cpus=1, runtime_env={"env_vars": {"MCORE_RL_TEST_RUN": "mine"}})
+    assert [(call["num_cpus"], call["runtime_env"]) for call in calls] == [(1, None)]
+    assert environments[0]["MCORE_RL_TEST_RUN"] == "mine" and "MCORE_RL_TEST_RUN" not in os.environ
     assert [os.environ[name] for name, _ in (listing, prestart)] == [listing[1], prestart[1]]
