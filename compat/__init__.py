@@ -135,6 +135,22 @@ def importing():
             gc.enable()
 
 
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """``env`` in this process's environment while the block runs (for the processes and libraries that read it
+    then); as it was before, after."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def start_cli(log_format: str | None) -> bool:
     """The prologue of every command (the RL driver, the planner, the converter CLIs), after its arguments are
     parsed: its log format (None: no logging set-up), then :func:`start`; False, with the version errors printed as

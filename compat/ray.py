@@ -61,7 +61,7 @@ import inspect
 import logging
 import os
 
-from compat import RAY, UpstreamChangedError
+from compat import RAY, UpstreamChangedError, environment
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def start_local_cluster(**init_kwargs) -> None:
     unset = {name: value for name, value in defaults.items() if name not in os.environ}
     inherited = {**unset, **runtime_env.pop("env_vars", {})}  # see "Actors' environment"
     os.environ.update(SINGLE_MACHINE)  # for the processes this one starts, which connect by the loopback address
-    with _loopback_node(), _environment(inherited):
+    with _loopback_node(), environment(inherited):
         init_retrying(runtime_env=runtime_env or None, **init_kwargs)
     address = ray.get_runtime_context().gcs_address
     if not address.startswith(f"{LOOPBACK}:"):
@@ -128,21 +128,6 @@ def start_local_cluster(**init_kwargs) -> None:
             f"the local Ray cluster started at {address}, not on {LOOPBACK}: re-read ray {RAY}x's node address "
             "and update the loopback start in compat/ray.py"
         )
-
-
-@contextlib.contextmanager
-def _environment(env: dict[str, str]):
-    """``env`` in this process's environment while the block runs; as it was before, after."""
-    before = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def init_retrying(**init_kwargs) -> None:

@@ -10,7 +10,6 @@ use it. (:func:`free_addresses` also gives the roles' own worlds their rendezvou
 from __future__ import annotations
 
 import contextlib
-import os
 import random
 import socket
 from datetime import timedelta
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from compat import environment
 from parallel.device import Device
 
 SOURCE = 0  # the trainer's rank in the group
@@ -129,13 +129,5 @@ def connecting_now():
     """Gloo groups built in the block connect in their constructor, whatever this process otherwise chose (the
     weight-transfer group: its engines' side builds its member eagerly, and a lazy member would leave it waiting in
     its constructor)."""
-    name = LAZY_GLOO[0]
-    saved = os.environ.get(name)
-    os.environ[name] = "0"
-    try:
+    with environment({LAZY_GLOO[0]: "0"}):
         yield
-    finally:
-        if saved is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = saved
