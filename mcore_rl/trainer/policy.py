@@ -183,10 +183,10 @@ class PolicyTrainer(TrainableRank):
             self.chunks, self.bridge, self.groups, route, self.model, sync, engine_dtype, self.lora, drafts
         )
 
-    def push_weights(self, version: int) -> None:
+    def push_weights(self, version: int, send: bool = True) -> None:
         """Load the weights into the engines as policy ``version`` (a colocated engine's KV cache stays asleep);
-        ``verify_sync`` completes it."""
-        self.sync.push(version)
+        ``verify_sync`` completes it. ``send=False``: the engines hold them already (see ``WeightSync.push``)."""
+        self.sync.push(version, send)
 
     def verify_sync(self) -> dict:
         """Wake the engines and check them with the probe; works with this rank's weights offloaded."""

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 # Defaults of the probe's tolerances by engine dtype: (max |Δ|, mean |Δ|) of per-token log-probs.
 PROBE_TOLERANCE = {torch.float32: (1e-3, 1e-4), torch.bfloat16: (1.0, 5e-2), torch.float16: (1.0, 5e-2)}
+NOTHING_SENT = (0, 0, 0.0, ())  # a push's bytes, buckets, seconds waited for the engines, repairs: none
 
 
 @dataclass
@@ -276,19 +277,29 @@ class WeightSync:
         self.push(version)
         return self.verify()
 
-    def push(self, version: int | None = None) -> SyncReport:
+    def push(self, version: int | None = None, send: bool = True) -> SyncReport:
         """Load the current weights into the engines, whose KV caches stay asleep; tokens they sample from now on
         carry policy ``version`` (default: the number of pushes before this one). Collective over all ranks.
+        ``send=False``: the engines hold these very weights already (they loaded them as ``version``), so none
+        travel and ``verify`` checks them as it checks sent ones.
 
         The trainer scores the probe batch first, while its weights are on the device, so that they can leave
         before ``verify`` wakes the engines' KV caches: the two never meet on the device.
         """
         start = time.perf_counter()
-        nbytes = buckets = 0
-        wait = 0.0
-        repairs: tuple[str, ...] = ()
         self._trainer_logprobs = self._score() if self.config.probe else None
         probed, start = time.perf_counter() - start, time.perf_counter()
+        nbytes, buckets, wait, repairs = (
+            self._send(self.count if version is None else version) if send else NOTHING_SENT
+        )
+        seconds = time.perf_counter() - start
+        self._pushed = SyncReport(self.count, seconds, wait, probed, nbytes, buckets, None, None, repairs)
+        self.count += 1
+        return self._pushed
+
+    def _send(self, version: int) -> tuple[int, int, float, tuple[str, ...]]:
+        """The weights to the engines as ``version``: (bytes, buckets, seconds waited for the engines, the repairs
+        they applied)."""
         if self.adapter is not None:  # the adapters alone, as PEFT tensors
             exported = export_peft(self.chunks, self.bridge, self.groups, self.config.bucket_bytes)
         else:  # LoRA-adapted weights leave merged with their adapters (any engine loads them as plain weights);
@@ -301,20 +312,18 @@ class WeightSync:
                 read=merged(self.chunks),
                 mtp=self.drafts,
             )
-        if not self.route.sends:
+        if not self.route.sends:  # this rank's part of the collective export
             for _ in exported:
                 pass
-        else:
-            self.route.begin(self.adapter)
-            for i, bucket in enumerate(send_buckets(exported, self.config.bucket_bytes)):
-                size, waited = self.route.send(i, bucket)
-                nbytes, buckets, wait = nbytes + size, buckets + 1, wait + waited
-            waited, repairs = self.route.finish(self.count if version is None else version)
-            wait += waited
-        seconds = time.perf_counter() - start
-        self._pushed = SyncReport(self.count, seconds, wait, probed, nbytes, buckets, None, None, repairs)
-        self.count += 1
-        return self._pushed
+            return NOTHING_SENT
+        nbytes = buckets = 0
+        wait = 0.0
+        self.route.begin(self.adapter)
+        for i, bucket in enumerate(send_buckets(exported, self.config.bucket_bytes)):
+            size, waited = self.route.send(i, bucket)
+            nbytes, buckets, wait = nbytes + size, buckets + 1, wait + waited
+        waited, repairs = self.route.finish(version)
+        return nbytes, buckets, wait + waited, repairs
 
     def verify(self) -> SyncReport:
         """Wake the engines' KV caches and (by default) compare their log-probs of the probe batch with the

@@ -335,7 +335,9 @@ def train_and_sync(
     engines draft with the model's MTP layers, which the sync sends too.
 
         Each engine sleeps while the trainer steps, as in the RL loop; before each sync it still holds the previous
-        weights, which the probe must reject. The sync's reports (with that verdict) are returned per step.
+        weights, which the probe must reject. The sync's reports (with that verdict) are returned per step, each
+        with the verdict of a first sync that sent nothing (``unsent_verified``: the engines held the weights the
+        trainer loaded, as a freshly started engine does).
     """
     import ray
 
@@ -371,6 +373,11 @@ def train_and_sync(
             verify_refused = False
         except RuntimeError as err:
             verify_refused = "nothing pushed" in str(err)
+        sync.push(send=False)
+        try:
+            unsent_verified = sync.verify().bytes == 0
+        except ProbeMismatchError:
+            unsent_verified = False
         for _ in range(steps):
             if controller is not None:
                 ray.get(controller.sleep.remote())
@@ -393,6 +400,7 @@ def train_and_sync(
                     stale_rejected=stale_rejected,
                     kv_asleep_after_push=kv_asleep_after_push,
                     unpushed_verify_refused=verify_refused,
+                    unsent_verified=unsent_verified,
                 )
             )
     finally:

