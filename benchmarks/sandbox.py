@@ -98,7 +98,7 @@ def suite(out: Path, hardware, report: Report) -> None:
     if started:
         from compat.ray import start_local_cluster
 
-        start_local_cluster(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        start_local_cluster(num_cpus=2, log_to_driver=False)
     try:
         sandboxed = _calls_per_s("python", config)
         unconfined = _calls_per_s(f"{tools_file}:Bare", config)

@@ -108,7 +108,7 @@ def suite(out: Path, hardware, report: Report, syncs: int = 4, bucket_mb: int = 
     from compat.ray import start_local_cluster
     from mcore_rl.rollout.remote import NAMESPACE
 
-    start_local_cluster(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE)
+    start_local_cluster(num_cpus=2, log_to_driver=False, namespace=NAMESPACE)
     runs = []
     try:
         with tempfile.TemporaryDirectory() as scratch:

@@ -43,6 +43,14 @@ has no runtime environment. Measured on 2 cores: three actors ready in 2.95 s wi
 ``env_vars``, 1.49 s inherited; the main job's command from launch to its first sync, alternating 4 times: median
 21.1 -> 20.2 s.
 
+**Head services.** A head node starts, beside its GCS, an autoscaler monitor (``monitor.py``) and an API server
+(``dashboard.py``; without the dashboard it loads the usage-stats module alone), two Python processes that a local
+cluster of one run has no use for: it never scales, reports no usage stats (no network), and reads its actors from
+the GCS (see "Actors' processes"). Ray has no option for them in ``ray.init`` (``ray start`` has ``--no-monitor``):
+the local cluster starts with ``Node.start_monitor`` and ``Node.start_api_server``, which only
+``Node.start_head_processes`` calls, doing nothing. Measured on 2 cores, the cluster started and an actor ready,
+alternating 3 times: 2.70-4.10 -> 2.11-3.24 s, Ray's processes 2.5-3.2 -> 1.7-1.9 CPU-s.
+
 **Actors' processes.** The hang watchdog needs each actor's pid and node, which Ray's public API gives only
 through the state API of the dashboard (off in mcore-rl's clusters); :func:`job_actors` reads the GCS actor table
 that ``ray._private.state.actors`` returns (ray 2.60: keys ``Name``, ``Pid``, ``Address.NodeID``,
@@ -93,10 +101,30 @@ def _loopback_node():
         ray_constants.ENABLE_RAY_CLUSTER = enabled
 
 
+@contextlib.contextmanager
+def _bare_head():
+    """A head node without its autoscaler monitor and API server while a local cluster starts (see "Head
+    services")."""
+    from ray._private.node import Node
+
+    starts = inspect.getsource(Node.start_head_processes)
+    if "self.start_monitor()" not in starts or "self.start_api_server(" not in starts:
+        raise UpstreamChangedError(
+            f"ray {RAY}x's Node.start_head_processes started the autoscaler monitor and the API server; this Ray's "
+            "does not: re-read it and update the head services of the local cluster in compat/ray.py"
+        )
+    monitor, api_server = Node.start_monitor, Node.start_api_server
+    Node.start_monitor = Node.start_api_server = lambda self, **kwargs: None
+    try:
+        yield
+    finally:
+        Node.start_monitor, Node.start_api_server = monitor, api_server
+
+
 def start_local_cluster(**init_kwargs) -> None:
     """``ray.init`` of a new local cluster on loopback alone, its actors' collectives too unless this process's
     environment names their interfaces, its workers at this process's priority, with the variables of
-    ``runtime_env["env_vars"]`` in their environment (see above).
+    ``runtime_env["env_vars"]`` in their environment, its head without the services it has no use for (see above).
 
     Ray turns on token authentication for it unless ``RAY_AUTH_MODE`` says otherwise; a cluster without a token
     is open to every process of this host, and that is said. Ray 2.60's notices that it started and that it turned
@@ -119,7 +147,7 @@ def start_local_cluster(**init_kwargs) -> None:
     unset = {name: value for name, value in defaults.items() if name not in os.environ}
     inherited = {**unset, **runtime_env.pop("env_vars", {})}  # see "Actors' environment"
     os.environ.update(SINGLE_MACHINE)  # for the processes this one starts, which connect by the loopback address
-    with _loopback_node(), environment(inherited):
+    with _loopback_node(), _bare_head(), environment(inherited):
         init_retrying(runtime_env=runtime_env or None, **init_kwargs)
     address = ray.get_runtime_context().gcs_address
     if not address.startswith(f"{LOOPBACK}:"):

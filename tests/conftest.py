@@ -93,8 +93,6 @@ def ray_address(tmp_path_factory):
     from mcore_rl.roles.cluster import DEVICE
     from mcore_rl.rollout.remote import NAMESPACE
 
-    start_local_cluster(
-        num_cpus=2, resources={DEVICE: WORLD_SIZE}, include_dashboard=False, log_to_driver=False, namespace=NAMESPACE
-    )
+    start_local_cluster(num_cpus=2, resources={DEVICE: WORLD_SIZE}, log_to_driver=False, namespace=NAMESPACE)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()

@@ -36,7 +36,7 @@ def connect_ray(config: RunConfig) -> bool:
     quiet = {"PYTHONWARNINGS": upstream_notices_env()}
     if not rt.log.verbose:  # the roles' output in their log files, their warnings on the console
         quiet[LOGS_ENV] = str(Path(rt.output_dir).resolve() / "logs")
-    local = dict(resources={DEVICE: rt.num_devices}, include_dashboard=False) if started else {}
+    local = dict(resources={DEVICE: rt.num_devices}) if started else {}
     if not ray.is_initialized():
         start = start_local_cluster if started else ray.init
         start(address=rt.ray_address or None, namespace=NAMESPACE, runtime_env={"env_vars": quiet}, **local)

@@ -6,6 +6,7 @@ Ray 2.60's services listen on every interface unless the node's address is loopb
 starts the cluster the way the driver does, with Ray's authentication mode unset as a user's shell has it, runs a
 task and an actor (from a process started at niceness 3), and checks their niceness and every socket that the driver and the processes under it listen on; then calls the
 GCS and the raylet with no token, a wrong one and the cluster's own, and connects another process by its address.
+The head runs no autoscaler monitor or API server.
 """
 
 import os
@@ -28,7 +29,7 @@ from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, node_manag
 
 from compat.ray import LOOPBACK_ENV, start_local_cluster
 
-start_local_cluster(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"MCORE_RL_TEST_RUN": "mine"}})
+start_local_cluster(num_cpus=2, runtime_env={"env_vars": {"MCORE_RL_TEST_RUN": "mine"}})
 assert not {*LOOPBACK_ENV, "MCORE_RL_TEST_RUN"} & set(os.environ)  # set while the raylet started, then restored
 
 
@@ -55,6 +56,9 @@ assert ray.get(actor.run_env.remote(), timeout=300) == ("mine", {})
 processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
 names = {p.name() for p in processes}
 assert {"gcs_server", "raylet"} <= names, names
+# a head without the autoscaler monitor and the API server, which a local cluster of one run has no use for
+head_services = ("autoscaler/_private/monitor.py", "dashboard/dashboard.py")
+assert not [p.cmdline() for p in processes if any(arg.endswith(head_services) for arg in p.cmdline())]
 listening = []
 for process in processes:
     for conn in process.net_connections(kind="inet"):

@@ -74,7 +74,7 @@ def _scenario() -> None:
     from compat.ray import start_local_cluster
     from mcore_rl.roles.cluster import Placement
 
-    start_local_cluster(num_cpus=2, num_gpus=DEVICES, include_dashboard=False, log_to_driver=False)
+    start_local_cluster(num_cpus=2, num_gpus=DEVICES, log_to_driver=False)
     placement = Placement.pools(DEVICES, 0, trainer_roles=SHARE - 1)
     assert placement.resource == "GPU"
     probe = ray.remote(_Probe)

@@ -75,3 +75,23 @@ def test_a_local_cluster_lists_its_logs_less_often_and_prestarts_no_worker(monke
     assert [(call["num_cpus"], call["runtime_env"]) for call in calls] == [(1, None)]
     assert environments[0]["MCORE_RL_TEST_RUN"] == "mine" and "MCORE_RL_TEST_RUN" not in os.environ
     assert [os.environ[name] for name, _ in (listing, prestart)] == [listing[1], prestart[1]]
+
+
+def test_a_local_cluster_s_head_starts_no_monitor_or_api_server_and_a_changed_head_is_refused(monkeypatch):
+    """compat/ray.py's "Head services": while the cluster starts, the head's calls that start the autoscaler
+    monitor and the API server do nothing, and are Ray's own again after; a head whose start no longer makes those
+    calls is refused before a cluster starts."""
+    from ray._private.node import Node
+
+    monitor, api_server, during = Node.start_monitor, Node.start_api_server, []
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("Context", (), {"gcs_address": "127.0.0.1:1"}))
+    monkeypatch.setattr(
+        ray, "init", lambda **kwargs: during.append((Node.start_monitor(None), Node.start_api_server(None, x=1)))
+    )
+    compat_ray.start_local_cluster(num_cpus=1)
+    assert during == [(None, None)]
+    assert (Node.start_monitor, Node.start_api_server) == (monitor, api_server)
+    monkeypatch.setattr(Node, "start_head_processes", lambda self: self.start_gcs_server())
+    monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("started a head that would start other services"))
+    with pytest.raises(compat.UpstreamChangedError, match="start_head_processes"):
+        compat_ray.start_local_cluster(num_cpus=1)
