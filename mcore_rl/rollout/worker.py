@@ -23,6 +23,7 @@ from compat.vllm import (
     begin_reload,
     check_reloadable,
     detach_pending,
+    drop_input_embedding_gemm,
     finish_reload,
     is_derived,
     load_bucket,
@@ -142,10 +143,20 @@ class AdapterUpdate:
 class WeightUpdateExtension:
     """vLLM worker extension: streamed in-place weight updates, and KV-cache release where sleep mode is absent."""
 
-    def mcore_rl_check_reloadable(self) -> None:
+    def mcore_rl_prepare(self) -> None:
+        """At the engine's start: refuse a layout whose reload is not restored, and adapt the loaded models to
+        this build (:mod:`compat.vllm`)."""
         check_reloadable(self.model_runner.get_model())
         if self.model_runner.lora_config is not None:
             allow_prompt_logprobs_with_lora()
+        for model in self._mcore_rl_models():
+            drop_input_embedding_gemm(model)
+
+    def _mcore_rl_models(self) -> list[torch.nn.Module]:
+        """The model, and the drafter of speculative decoding (its MTP layers) where the engine drafts."""
+        runner = self.model_runner
+        drafter = getattr(getattr(runner, "drafter", None), "model", None)
+        return [runner.get_model(), *([drafter] if drafter is not None else [])]
 
     def mcore_rl_join_transfer(self, address: tuple[str, int], first_rank: int, world: int) -> None:
         """Join a trainer's weight-transfer group as rank ``first_rank`` + this worker's rank (``address`` arrives
@@ -157,9 +168,8 @@ class WeightUpdateExtension:
 
     def mcore_rl_begin_update(self) -> None:
         runner = self.model_runner
-        drafter = getattr(getattr(runner, "drafter", None), "model", None)  # speculative decoding's MTP layers
         self._mcore_rl_update = WeightUpdate(
-            [runner.get_model(), *([drafter] if drafter is not None else [])],
+            self._mcore_rl_models(),
             runner.device,
             runner.model_config.dtype,
             self.rank,

