@@ -167,11 +167,16 @@ def step_time(config, device: DeviceSpec, lengths: Lengths, arch: Architecture |
     head = samples * lengths.response if shared else positions
     forward = forward_flops(a, positions, seq / 2, head)
     phases = {"rollout": rollout_seconds(a, config, device, lengths)}
-    phases["ref_logprobs"] = score_seconds(forward, rt.trainer_devices, device) * sum(
-        m.uses(role) for role in ("ref_policy", "teacher")
+
+    def score(parallel: ParallelConfig, rows: float) -> float:
+        exchanges = sum(forward_exchanges(a, parallel, device, positions * rows, rt.trainer_devices).values())
+        return score_seconds(forward * rows, rt.trainer_devices, device) + exchanges
+
+    phases["ref_logprobs"] = sum(
+        score(getattr(m, role).parallel, 1.0) for role in ("ref_policy", "teacher") if m.uses(role)
     )
     old_rows = 1.0 if (trainer.reward_kl_coef or trainer.distill_coef) else 1 - rt.train_global_batch_size / samples
-    phases["old_logprobs"] = score_seconds(forward * old_rows, rt.trainer_devices, device)
+    phases["old_logprobs"] = score(trainer.parallel, old_rows)
     train, detail = train_seconds(a, config, device, forward, positions)
     phases["train"] = train
     phases["sync"] = sync_seconds(a, config, device)
@@ -180,7 +185,8 @@ def step_time(config, device: DeviceSpec, lengths: Lengths, arch: Architecture |
 
 
 def score_seconds(forward: float, devices: int, device: DeviceSpec) -> float:
-    """A call scoring ``forward`` FLOPs over the role's devices (its communication is train's forward share)."""
+    """The compute of a call scoring ``forward`` FLOPs over the role's devices (its exchanges apart:
+    :func:`forward_exchanges`)."""
     return forward / (devices * device.flops * device.forward_efficiency) + (device.call_latency if forward else 0.0)
 
 
@@ -195,21 +201,12 @@ def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, p
     stage_layers = max(p.stage_layers(a.layers))
     compute = passes * forward / (world * device.flops * device.efficiency) * stage_layers * p.pp / a.layers
     bubble = compute * (p.pp - 1) / (work.micro_batches * p.vpp) if p.pp > 1 else 0.0
-    dp = p.dp(world)
-    per_rank = positions / dp  # positions one data-parallel rank (its TP x CP x PP devices) computes
     act = device.param_bytes
-    exchanges = passes - 1  # forward (and recomputation) once, backward once more: each exchanges activations
-    # TP (sequence parallel or not): two all-gather/reduce-scatter pairs (or two all-reduces) per layer
-    tp = exchanges * stage_layers * 2 * 2 * _ring(p.tp, per_rank / p.cp * a.hidden * act, _bandwidth(device, p.tp))
-    # CP: each rank's keys and values travel the ring once per layer (and their gradients back)
-    kv = (2 * a.kv_lora if a.mla else 2 * a.kv_heads * a.head_dim) * act
-    cp = exchanges * stage_layers * (p.cp - 1) * per_rank / p.cp * kv / _bandwidth(device, p.tp * p.cp)
-    # EP: every MoE layer dispatches each token to its top-k experts and combines them back
-    moe_layers = sum(a.moe_layers) / a.layers * stage_layers
-    routed = per_rank / (p.tp * p.cp) * a.topk * a.hidden * act  # sent by one device (all-to-all: (ep-1)/ep leave)
-    ep = exchanges * moe_layers * 2 * _ring(p.ep, routed, _bandwidth(device, p.ep * p.expert_tp))
-    # PP: each micro-batch's activations cross every stage boundary, forward and backward
-    pipeline = 2 * per_rank / p.cp / p.tp * a.hidden * act / _bandwidth(device, p.tp * p.cp * p.pp) if p.pp > 1 else 0
+    # activations are exchanged by the forward (and the recomputation) once each and by the backward once more
+    # (passes - 1: the backward computes two forwards' worth); the stage boundaries, forward and backward
+    exchanges = forward_exchanges(a, p, device, positions, world)
+    tp, cp, ep = ((passes - 1) * exchanges[k] for k in ("tp", "cp", "ep"))
+    pipeline = 2 * exchanges["pp"]
     # DP: the distributed optimizer reduce-scatters fp32 gradients and all-gathers the parameters, each step
     params, experts = max(stage_params(a, p), key=lambda s: s[0])
     steps = rt.sample_per_episode // rt.train_global_batch_size
@@ -227,6 +224,24 @@ def train_seconds(a: Architecture, config, device: DeviceSpec, forward: float, p
     parts = dict(compute=compute, bubble=bubble, tp=tp, cp=cp, ep=ep, pp=pipeline, dp=data, optimizer=optimizer,
                  latency=latency)  # fmt: skip
     return sum(parts.values()), parts
+
+
+def forward_exchanges(a: Architecture, p: ParallelConfig, device: DeviceSpec, positions: float, world: int) -> dict:
+    """Seconds of one forward pass's exchanges over ``positions`` (all data-parallel ranks'), by parallel dimension:
+    TP's two all-gather/reduce-scatter pairs (or all-reduces) per layer, CP's key/value ring per layer, EP's
+    dispatch and combine per MoE layer, PP's activations across every stage boundary (the busiest stage's layers
+    set the pace)."""
+    stage_layers = max(p.stage_layers(a.layers))
+    per_rank = positions / p.dp(world)  # positions one data-parallel rank (its TP x CP x PP devices) computes
+    act = device.param_bytes
+    tp = stage_layers * 2 * 2 * _ring(p.tp, per_rank / p.cp * a.hidden * act, _bandwidth(device, p.tp))
+    kv = (2 * a.kv_lora if a.mla else 2 * a.kv_heads * a.head_dim) * act
+    cp = stage_layers * (p.cp - 1) * per_rank / p.cp * kv / _bandwidth(device, p.tp * p.cp)
+    moe_layers = sum(a.moe_layers) / a.layers * stage_layers
+    routed = per_rank / (p.tp * p.cp) * a.topk * a.hidden * act  # sent by one device (all-to-all: (ep-1)/ep leave)
+    ep = moe_layers * 2 * _ring(p.ep, routed, _bandwidth(device, p.ep * p.expert_tp))
+    pipeline = per_rank / p.cp / p.tp * a.hidden * act / _bandwidth(device, p.tp * p.cp * p.pp) if p.pp > 1 else 0
+    return dict(tp=tp, cp=cp, ep=ep, pp=pipeline)
 
 
 def rollout_seconds(a: Architecture, config, device: DeviceSpec, lengths: Lengths) -> float:

@@ -12,7 +12,15 @@ import transformers
 
 from mcore_rl.config.schema import load_run_config
 from mcore_rl.planner.params import Architecture, stage_params
-from mcore_rl.planner.steptime import DEVICES, DeviceSpec, Lengths, forward_flops, prefill_positions, step_time
+from mcore_rl.planner.steptime import (
+    DEVICES,
+    DeviceSpec,
+    Lengths,
+    forward_exchanges,
+    forward_flops,
+    prefill_positions,
+    step_time,
+)
 from models.registry import get_bridge
 from parallel.device import CPU_BLOCK_SIZE
 
@@ -74,6 +82,24 @@ def test_each_parallel_exchange_appears_where_its_dimension_is_used():
     # the same layout over twice the devices (two nodes): the gradients' exchange leaves NVLink for the network
     wide = step_time(_config(dict(tp=1, ep=1, sequence_parallel="false"), num_devices=32), device, LENGTHS).detail
     assert wide["dp"] > base["dp"] and wide["compute"] == pytest.approx(base["compute"] / 2)
+
+
+def test_scoring_exchanges_what_one_forward_of_its_rows_does_and_training_that_per_pass():
+    """The old log-probs' call pays its layout's TP and EP exchanges for the rows it scores, once (a forward);
+    training pays them for each pass but one (forward, recomputation, and the backward's once more)."""
+    device = DEVICES["h100"]
+    config = _config(dict(tp=2, ep=8))  # full recomputation: four passes
+    a = Architecture.from_bridge(get_bridge(config.models.policy_trainer.load))
+    rt = config.runtime_args
+    positions = rt.sample_per_episode * (LENGTHS.prompt + LENGTHS.response)  # no shared prompts
+    once = forward_exchanges(a, config.models.policy_trainer.parallel, device, positions, rt.trainer_devices)
+    assert once["tp"] > 0 and once["ep"] > 0 and once["cp"] == once["pp"] == 0
+    t = step_time(config, device, LENGTHS, a)
+    assert (t.detail["tp"], t.detail["ep"]) == pytest.approx((3 * once["tp"], 3 * once["ep"]))
+    plain = step_time(_config(dict(tp=1, ep=1, sequence_parallel="false")), device, LENGTHS, a)
+    old_rows = 1 - rt.train_global_batch_size / rt.sample_per_episode
+    exchanged = t.phases["old_logprobs"] - plain.phases["old_logprobs"]  # the same compute on the same devices
+    assert exchanged == pytest.approx(old_rows * (once["tp"] + once["ep"]))
 
 
 def test_a_cpu_node_s_data_parallel_buckets_go_through_shared_memory():
