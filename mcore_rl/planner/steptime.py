@@ -12,10 +12,10 @@ Python around the kernels, which decide the phases of small models):
   and of its last, partial block per sample, then decoding the responses in waves of what the KV cache holds, over
   the engines;
 * scoring (reference, old log-probs): one forward over the positions the trainer computes (a prompt once per group
-  where samples share it); train: forward and backward (plus a forward where layers are recomputed) with the
-  pipeline's bubble, the tensor-, sequence-, context- and expert-parallel exchanges of every layer, and the
-  data-parallel gradient reduce-scatter and parameter all-gather of the distributed optimizer, then Adam and the
-  gradient buffer's zeroing;
+  where samples share it) with its layout's exchanges; train: forward and backward (plus a forward where layers
+  are recomputed) with the pipeline's bubble, the tensor-, sequence-, context- and expert-parallel exchanges of
+  every layer, and the data-parallel gradient reduce-scatter and parameter all-gather of the distributed optimizer,
+  then Adam and the gradient buffer's zeroing;
 * sync: the trainer scores the probe batch, its ranks gather the weights and the engines load them (colocated:
   device copies; else a broadcast over the network), then the engines score the probe; offload: the trainer's
   state out to the host and back, where colocated roles take turns on GPUs.
