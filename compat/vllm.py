@@ -205,15 +205,13 @@ def drop_input_embedding_gemm(model: torch.nn.Module) -> None:
             f"{type(model).__name__} computes logits with a {type(head).__name__}, not a ParallelLMHead: "
             "compat.vllm.drop_input_embedding_gemm would drop its GEMM"
         )
-    heads = {id(m.quant_method) for m in model.modules() if isinstance(m, ParallelLMHead)}
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if (
             isinstance(module, ParallelLMHead)
             or not isinstance(module, VocabParallelEmbedding)
             or type(method) is not UnquantizedEmbeddingMethod
-            or id(method) in heads
-            or vars(method).get("process_weights_after_loading") is _no_prepack  # shared with the model
+            or vars(method).get("process_weights_after_loading") is _no_prepack  # a drafter's, shared with the model
         ):
             continue
         if not hasattr(module, "cpu_linear"):
