@@ -134,6 +134,11 @@ def run_mcore(variant: Variant, out: Path, episodes: int, repeat: int, new_token
     with log.open("w") as f:
         subprocess.run(["bash", variant.script, *args], cwd=REPO, check=True, stdout=f, stderr=subprocess.STDOUT,
                        env=os.environ | variant.env)  # fmt: skip
+    return read_mcore(variant.name, directory, launch)
+
+
+def read_mcore(name: str, directory: Path, launch: float) -> Run:
+    """The run in ``directory`` (its metrics and resolved config), launched at ``launch``."""
     records = [json.loads(line) for line in (directory / "metrics.jsonl").read_text().splitlines()]
     synced = next(r["time"] for r in records if r.get("event") == "initial_sync")
     config = yaml.safe_load((directory / "config.yaml").read_text())
@@ -159,7 +164,7 @@ def run_mcore(variant: Variant, out: Path, episodes: int, repeat: int, new_token
             | {k: v for k, v in r.items() if k.startswith("staleness/")}
         )
     flops = flops_per_token(config["models"]["policy_trainer"]["load"])
-    return Run(variant.name, synced - launch, rows, flops, directory / "config.yaml")
+    return Run(name, synced - launch, rows, flops, directory / "config.yaml")
 
 
 def run_peer(out: Path, episodes: int, repeat: int, prompts: Path, new_tokens: int) -> Run:
@@ -344,11 +349,21 @@ class Case:
     device: object
     measured: dict[str, float]
     arch: object  # the model's shapes (planner.params.Architecture)
+    speedup: tuple[int, float] | None = None  # a device of several cores: (cores, the trainer's speed-up on them)
 
     def predict(self, **fitted: float) -> dict[str, float]:
+        """The phases; on a device of several cores, the trainer's at its measured speed-up, the engine's decoding
+        at the device's matmul rate (it speeds up with the cores as the matmuls do: dp1's rollout took 2.09 s, the
+        main job's two one-core engines 2.16, benchmarks/reports/2026-11-29_embedgemm_cpu2)."""
         from mcore_rl.planner.steptime import step_time
 
-        return step_time(self.config, dataclasses.replace(self.device, **fitted), self.lengths, self.arch).phases
+        device = dataclasses.replace(self.device, **fitted)
+        if not self.speedup:
+            return step_time(self.config, device, self.lengths, self.arch).phases
+        cores, speedup = self.speedup
+        trainer = dataclasses.replace(device, flops=device.flops * speedup / cores)
+        phases = step_time(self.config, trainer, self.lengths, self.arch).phases
+        return phases | {"rollout": step_time(self.config, device, self.lengths, self.arch).phases["rollout"]}
 
 
 def _case(run: Run, hardware: Hardware) -> Case:
@@ -358,18 +373,59 @@ def _case(run: Run, hardware: Hardware) -> Case:
     from models.registry import get_bridge
 
     config = load_run_config(run.config)
-    n = config.runtime_args.num_devices
-    # each logical device has its share of the cores (and of their matmul rate and memory bandwidth); a pair of them
-    # exchanges over gloo at the measured rate, and their data-parallel buckets through shared memory
-    device = DeviceSpec.cpu(hardware.matmul_tflops * 1e12 / n, hardware.memcpy_gbps * 1e9 / n,
-                            hardware.link_gbps * 1e9, hardware.cores)  # fmt: skip
     samples = run.median("samples")
     response = run.median("response_tokens") / samples
     lengths = Lengths(run.median("tokens") / samples - response, response,
                       config.models.policy.rollout.train.max_new_tokens)  # fmt: skip
+    n = config.runtime_args.num_devices
+    # each logical device has its share of the cores (and of their matmul rate and memory bandwidth; a trainer on
+    # several cores, its measured speed-up on them); a pair of them exchanges over gloo at the measured rate, and
+    # their data-parallel buckets through shared memory
+    cores = hardware.cores // n
+    speedup = (cores, core_speedup(config, lengths, cores)) if cores > 1 else None
+    device = DeviceSpec.cpu(hardware.matmul_tflops * 1e12 / n, hardware.memcpy_gbps * 1e9 / n,
+                            hardware.link_gbps * 1e9, hardware.cores)  # fmt: skip
     measured = {phase: run.median(m) for phase, m in PREDICTED.items()}
     arch = Architecture.from_bridge(get_bridge(config.models.policy_trainer.load))
-    return Case(run.name, config, lengths, device, measured, arch)
+    return Case(run.name, config, lengths, device, measured, arch, speedup)
+
+
+def core_speedup(config, lengths, cores: int, repeats: int = 2) -> float:
+    """How much faster the run's policy trainer takes an optimizer step on ``cores`` threads than on one: one rank in
+    this process, a global batch of prompt groups at ``lengths``. A CPU device's matmuls speed up with its cores (the
+    suite's matmul peak uses them all), the element-wise kernels and the Python between them much less at the main
+    job's micro-batches of about a hundred positions (SmolLM2 at micro-batch 4: 1.38x on two cores, at 16: 1.6x);
+    the step-time model's trainer on a device of several cores runs at this speed-up over one core."""
+    import torch
+
+    from benchmarks import free_port, single_process_world
+    from mcore_rl.trainer.policy import PolicyTrainer
+
+    rt, trainer = config.runtime_args, config.models.policy_trainer
+    single_process_world()
+    rank = PolicyTrainer(0, 1, ("127.0.0.1", free_port()), trainer, 0, 4 * repeats + 2)
+    group, samples = config.models.policy.num_inference_per_prompt, rt.train_global_batch_size
+    prompt, response = max(1, round(lengths.prompt)), max(1, round(lengths.response))
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(4, 1000, (samples, prompt + response), generator=generator)
+    tokens[:, :prompt] = tokens[::group, :prompt].repeat_interleave(group, 0)  # each group shares its prompt
+    mask = torch.zeros(samples, prompt + response - 1)
+    mask[:, prompt - 1 :] = 1
+    batch = dict(tokens=tokens, lengths=torch.full((samples,), prompt + response),
+                 prompt_lengths=torch.full((samples,), prompt), mask=mask, rollout_logp=torch.zeros_like(mask),
+                 old_logp=torch.zeros_like(mask), advantages=torch.randn(samples, generator=generator))  # fmt: skip
+    threads, best = torch.get_num_threads(), {}
+    try:
+        for n in (cores, 1) * repeats:  # alternating; the first step of each is a warm-up
+            torch.set_num_threads(n)
+            for warm in (True, False):
+                start = time.perf_counter()
+                rank.train(batch, global_batch_size=samples, micro_batch_size=trainer.micro_batch_size)
+                if not warm:
+                    best[n] = min(best.get(n, float("inf")), time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return best[1] / best[cores]
 
 
 def fit(cases: list[Case]) -> dict[str, float]:
@@ -421,12 +477,15 @@ def _predicted(report: Report, runs: list[Run], hardware: Hardware) -> None:
             rows.append([case.name, role, phase, f"{predicted[phase]:.3g}", f"{measured:.3g}",
                          f"{predicted[phase] / measured:.2f}"])  # fmt: skip
     constants = ", ".join(f"{k} {v:.3g}" + (" s" if k.endswith("latency") else "") for k, v in fitted.items())
+    speedups = "; ".join(f"{c.name}'s of {c.speedup[0]} cores {c.speedup[1]:.2f}x" for c in cases if c.speedup)
     report.add(
         "rl: the step-time model against the measured phases",
         "`python -m mcore_rl.planner`'s step-time model for each run's config at its measured mean lengths (the "
         "longest response: max_new_tokens), on this machine as measured above: each logical device with its share of "
         "the matmul rate and memcpy bandwidth, exchanging over gloo at the measured rate (the data-parallel buckets "
-        "through shared memory, each byte copied into a window and out). Its efficiencies and fixed "
+        "through shared memory, each byte copied into a window and out); a trainer on a device of several cores at "
+        "the speed-up of the run's trainer step on them over one core, measured in this process (`core_speedup`: "
+        f"{speedups or 'none here'}; the engine's decoding at the device's matmul rate). Its efficiencies and fixed "
         f"costs are fitted to the runs {', '.join(CALIBRATION)} (one per model; each phase its efficiency and fixed "
         f"cost, so those rows match by construction): {constants}. The other runs check the model. The rollout's "
         "measured time includes the rewards.",

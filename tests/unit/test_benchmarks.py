@@ -165,6 +165,28 @@ def test_the_rl_suite_fit_recovers_the_device_its_phases_were_made_with(monkeypa
         assert all(predicted[p] == pytest.approx(case.measured[p], rel=0.005) for p in rl.PREDICTED)
 
 
+def test_a_trainer_on_several_cores_runs_at_its_measured_speed_up_and_the_engine_at_the_matmul_rate(monkeypatch):
+    """The dp1 run's device holds both cores: its trainer's phases are those of a device whose matmul rate is one
+    core's times the measured speed-up, its engine's decoding that of the whole device."""
+    from mcore_rl.config.schema import load_run_config
+    from mcore_rl.planner.params import Architecture
+    from mcore_rl.planner.steptime import DeviceSpec, Lengths, step_time
+    from models.registry import get_bridge
+
+    monkeypatch.setenv("MCORE_RL_MODEL", str(default_model_dir()))
+    config = load_run_config(rl.REPO / "scripts/configs/smollm2_135m_grpo.yaml", ["runtime_args.num_devices=1"])
+    arch, lengths = Architecture.from_bridge(get_bridge(str(default_model_dir()))), Lengths(45, 15, 16)
+    fitted = dict(forward_efficiency=0.7, efficiency=0.8, memory_efficiency=0.5, copy_efficiency=0.2)
+    device = DeviceSpec.cpu(0.18e12, 16e9, 3e9, 2)
+    case = rl.Case("dp1", config, lengths, device, {}, arch, speedup=(2, 1.25))
+    predicted = case.predict(**fitted)
+    whole = step_time(config, dataclasses.replace(device, **fitted), lengths, arch).phases
+    one_core = step_time(config, dataclasses.replace(device, **fitted, flops=0.09e12 * 1.25), lengths, arch).phases
+    assert predicted["rollout"] == pytest.approx(whole["rollout"])
+    for phase in ("old_logprobs", "train", "sync"):
+        assert predicted[phase] == pytest.approx(one_core[phase]) and predicted[phase] > whole[phase], phase
+
+
 def test_the_completion_length_reaches_every_run_and_the_peer(monkeypatch, tmp_path):
     """``--new-tokens``: mcore-rl's runs and TRL's generate completions of the same length."""
 
