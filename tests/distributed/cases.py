@@ -1145,12 +1145,12 @@ def sockets_opened_by_a_layout(layout: dict) -> dict:
 
 
 def shm_collectives_match_gloo(directory: str, private: bool) -> dict:
-    """Megatron's bucket collectives through shared windows against gloo's, on the whole world and on pairs: a
-    bucket reduce-scattered into its own shard (a view of it, as Megatron's grads; summed, or averaged as with
-    ``average_in_collective``) and all-gathered from it (as its params), fp32 and bf16, the windows growing with a
-    larger bucket. ``directory``: where the windows are made (its own, so no other process's windows are counted
-    as left); ``private``: a subdirectory per rank, where no rank can map its peers' windows, and torch's
-    collectives serve."""
+    """Megatron's bucket collectives through shared windows against gloo's, on the whole world, on pairs and on each
+    rank alone: a bucket reduce-scattered into its own shard (a view of it, as Megatron's grads; summed, or averaged
+    as with ``average_in_collective``) and all-gathered from it (as its params), fp32 and bf16, the windows growing
+    with a larger bucket; and the group sizes torch's collectives were called for. ``directory``: where the windows
+    are made (its own, so no other process's windows are counted as left); ``private``: a subdirectory per rank,
+    where no rank can map its peers' windows, and torch's collectives serve."""
     from pathlib import Path
 
     import torch.distributed as dist
@@ -1160,10 +1160,20 @@ def shm_collectives_match_gloo(directory: str, private: bool) -> dict:
     rank = dist.get_rank()
     where = Path(directory) / str(rank) if private else Path(directory)
     where.mkdir(parents=True, exist_ok=True)
-    shm = SharedMemoryCollectives(directory=where)
+    fallbacks = set()
+
+    def counted(collective):
+        def call(output, input, *args, group, **kwargs):
+            fallbacks.add(group.size())
+            return collective(output, input, *args, group=group, **kwargs)
+
+        return call
+
+    shm = SharedMemoryCollectives(counted(dist.reduce_scatter_tensor), counted(dist.all_gather_into_tensor), where)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]
     results = {}
-    for name, group in (("world", dist.group.WORLD), ("pair", pairs[rank // 2])):
+    for name, group in (("world", dist.group.WORLD), ("pair", pairs[rank // 2]), ("one", alone[rank])):
         size, grank = group.size(), group.rank()
         cases = [(op, dtype, count) for op in ("SUM", "AVG")
                  for dtype, count in ((torch.float32, 1000), (torch.bfloat16, 24), (torch.float32, 4096))]  # fmt: skip
@@ -1190,7 +1200,8 @@ def shm_collectives_match_gloo(directory: str, private: bool) -> dict:
     dist.barrier()  # every rank has unlinked its windows
     left = list(Path(directory).glob(f"**/mcore_rl_shm_{os.getuid()}_*"))
     results["files_left"] = [str(p) for p in left]
-    for group in pairs:
+    results["fallback_sizes"] = sorted(fallbacks)
+    for group in pairs + alone:
         dist.destroy_process_group(group)
     return results
 
