@@ -394,8 +394,8 @@ def core_speedup(config, lengths, cores: int, repeats: int = 2) -> float:
     """How much faster the run's policy trainer takes an optimizer step on ``cores`` threads than on one: one rank in
     this process, a global batch of prompt groups at ``lengths``. A CPU device's matmuls speed up with its cores (the
     suite's matmul peak uses them all), the element-wise kernels and the Python between them much less at the main
-    job's micro-batches of about a hundred positions (SmolLM2's: 1.24-1.35x on two cores, its matmuls 2x); the
-    step-time model's trainer on a device of several cores runs at this speed-up over one core."""
+    job's micro-batches of about a hundred positions (SmolLM2's: 1.55x on two cores, its matmuls 2x); the step-time
+    model's trainer on a device of several cores runs at this speed-up over one core."""
     import torch
 
     from benchmarks import free_port, single_process_world
