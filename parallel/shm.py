@@ -17,7 +17,7 @@ no ``/dev/shm``) falls back to torch's collectives, decided once per group by al
 A group of one rank (data parallel 1, or expert data parallel 1 where EP spans the world) is its own result: at most
 a copy where the output is not the input, and none where Megatron's shard is the whole bucket, as it is there. gloo
 runs its collectives on such a group as on any other: 0.42-0.47 s for each of SmolLM2's 538 MB buffers, where one
-pass over it takes 0.03 s, so that a `dp1` run's optimizer step paid for two of them.
+pass over it takes 0.03 s, so that a ``dp1`` run's optimizer step paid for two of them.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ ALIGN = 64  # window sizes are multiples of this many bytes
 class SharedMemoryCollectives:
     """Drop-in ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (torch's signatures) for flat (1-D)
     contiguous CPU tensors, a group of one by itself; anything else (CUDA tensors, other ops than SUM and AVG, empty
-    tensors, groups without shared windows) goes to ``reduce_scatter`` and ``all_gather`` (torch's by default). One instance
-    holds each group's windows for as long as the group lives."""
+    tensors, groups without shared windows) goes to ``reduce_scatter`` and ``all_gather`` (torch's by default).
+    One instance holds each group's windows for as long as the group lives."""
 
     def __init__(self, reduce_scatter=dist.reduce_scatter_tensor, all_gather=dist.all_gather_into_tensor,
                  directory: Path = SHM_DIR):  # fmt: skip

@@ -26,7 +26,7 @@ def test_shared_memory_collectives_give_gloo_s_results(ranks):
         assert result.pop("fallback_sizes") == []  # gloo served nothing; a rank alone is its own result
         for key, got in result.items():
             assert got["all_gather"], key
-            if key.startswith(("pair", "one")):  # a sum of two is the same in any order, and halving it exact
+            if key.startswith(("pair", "one")):  # a sum of two (or one) is the same in any order, halving it exact
                 assert got["exact"], key
             else:  # four ranks: gloo's ring adds in another order; a few roundings of the largest sum apart
                 assert got["reduce_scatter"] <= 4 * torch.finfo(getattr(torch, key.split("/")[2][6:])).eps, key
