@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from compat.megatron_core import accumulate_weight_grads, fuse_torch_adam, release_dispatcher_graphs
+from compat.torch import optimizers_without_compiler
 from mcore_rl.trainer.logprobs import token_logprobs
 from mcore_rl.trainer.moe import end_replay, replay_routing
 from mcore_rl.trainer.packing import pack_rows, plan_packing, rows_of, share_prompt_rows, to_width
@@ -262,6 +263,7 @@ class MegatronTrainStep(MegatronModel):
         if config.gradient_accumulation_fusion:  # the linears write their buffers: the embeddings too
             accumulate_weight_grads(self.model)
         config.finalize_model_grads_func = finalize_model_grads
+        optimizers_without_compiler()  # torch's Adam imports the compiler for nothing (compat.torch)
         self.optimizer = get_megatron_optimizer(optimizer, self.model, pg_collection=groups, **device.optimizer_args())
         fuse_torch_adam(self.optimizer)
 
