@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import single_process_world
+from benchmarks import grpo_batch, single_process_world
 from benchmarks.report import Report, pyplot, table
 
 PROMPTS, GROUP, PROMPT_TOKENS, CAP = 8, 8, 64, 512
@@ -25,22 +25,7 @@ LAYOUTS = {  # name -> the trainer section's fields
 
 def long_tailed_batch(generator: torch.Generator, vocab: int) -> dict:
     responses = (48 * torch.exp(1.0 * torch.randn(PROMPTS * GROUP, generator=generator))).clamp(1, CAP).long()
-    lengths = PROMPT_TOKENS + responses
-    tokens = torch.randint(4, vocab, (len(lengths), int(lengths.max())), generator=generator)
-    mask = torch.zeros(len(lengths), tokens.shape[1] - 1)
-    for i, n in enumerate(lengths.tolist()):
-        tokens[i, :PROMPT_TOKENS] = tokens[i - i % GROUP, :PROMPT_TOKENS]  # a group shares its prompt
-        tokens[i, n:] = 0
-        mask[i, PROMPT_TOKENS - 1 : n - 1] = 1
-    return {
-        "tokens": tokens,
-        "lengths": lengths,
-        "prompt_lengths": torch.full_like(lengths, PROMPT_TOKENS),
-        "mask": mask,
-        "rollout_logp": torch.zeros_like(mask),
-        "old_logp": torch.zeros_like(mask),
-        "advantages": torch.randn(len(lengths), generator=generator),
-    }
+    return grpo_batch(generator, vocab, PROMPT_TOKENS, PROMPT_TOKENS + responses, GROUP)
 
 
 def _step_seconds(hf_dir: Path, batch: dict, layout: dict, repeats: int = 2) -> tuple[float, dict]:

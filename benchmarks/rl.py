@@ -398,7 +398,7 @@ def core_speedup(config, lengths, cores: int, repeats: int = 2) -> float:
     model's trainer on a device of several cores runs at this speed-up over one core."""
     import torch
 
-    from benchmarks import free_port, single_process_world
+    from benchmarks import free_port, grpo_batch, single_process_world
     from mcore_rl.trainer.policy import PolicyTrainer
 
     rt, trainer = config.runtime_args, config.models.policy_trainer
@@ -406,14 +406,7 @@ def core_speedup(config, lengths, cores: int, repeats: int = 2) -> float:
     rank = PolicyTrainer(0, 1, ("127.0.0.1", free_port()), trainer, 0, 4 * repeats + 2)
     group, samples = config.models.policy.num_inference_per_prompt, rt.train_global_batch_size
     prompt, response = max(1, round(lengths.prompt)), max(1, round(lengths.response))
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(4, 1000, (samples, prompt + response), generator=generator)
-    tokens[:, :prompt] = tokens[::group, :prompt].repeat_interleave(group, 0)  # each group shares its prompt
-    mask = torch.zeros(samples, prompt + response - 1)
-    mask[:, prompt - 1 :] = 1
-    batch = dict(tokens=tokens, lengths=torch.full((samples,), prompt + response),
-                 prompt_lengths=torch.full((samples,), prompt), mask=mask, rollout_logp=torch.zeros_like(mask),
-                 old_logp=torch.zeros_like(mask), advantages=torch.randn(samples, generator=generator))  # fmt: skip
+    batch = grpo_batch(torch.Generator().manual_seed(0), 1000, prompt, torch.full((samples,), prompt + response), group)
     threads, best = torch.get_num_threads(), {}
     try:
         for n in (cores, 1) * repeats:  # alternating; the first step of each is a warm-up
