@@ -57,8 +57,8 @@ class SharedMemoryCollectives:
         group = group or dist.group.WORLD
         peers_bytes = input.nbytes - output.nbytes
         reducible = op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
-        if reducible and self._alone(group, output, input):  # the sum and the mean of one input are that input
-            return None
+        if reducible and _alone(group, output):  # the sum and the mean of one input are that input
+            return _own_result(output, input)
         windows = self._usable(group, (output, input), peers_bytes) if reducible else None
         if windows is None:
             return self._reduce_scatter(output, input, op=op, group=group, async_op=async_op)
@@ -85,8 +85,8 @@ class SharedMemoryCollectives:
         """``output`` gets every rank's ``input`` in rank order (``input`` may be a view of it). Synchronous;
         returns None."""
         group = group or dist.group.WORLD
-        if self._alone(group, output, input):
-            return None
+        if _alone(group, output):
+            return _own_result(output, input)
         windows = self._usable(group, (output, input), input.nbytes)
         if windows is None:
             return self._all_gather(output, input, group=group, async_op=async_op)
@@ -101,15 +101,6 @@ class SharedMemoryCollectives:
                 part.copy_(input)
         _barrier(group)
         return None
-
-    @staticmethod
-    def _alone(group, output, input) -> bool:
-        """Whether ``group`` is this rank alone, whose collective's result is its ``input``: then in ``output``."""
-        if group.size() != 1 or output.device.type != "cpu":
-            return False
-        if output.data_ptr() != input.data_ptr():
-            output.copy_(input.reshape(output.shape))
-        return True
 
     def _usable(self, group, tensors, nbytes: int) -> list[torch.Tensor] | None:
         """The group's windows, each at least ``nbytes`` (grown together: every rank asks for the same size at the
@@ -168,3 +159,14 @@ def _barrier(group) -> None:
     """The group's barrier, called on the group itself: inside Megatron's ``_coalescing_manager`` (which captures
     ``torch.distributed``'s collectives to run them at its exit) it runs now."""
     group.barrier(dist.BarrierOptions()).wait()
+
+
+def _alone(group, output: torch.Tensor) -> bool:
+    """Whether ``group`` is this rank alone (on CPU), whose collective's result is its own input."""
+    return group.size() == 1 and output.device.type == "cpu"
+
+
+def _own_result(output: torch.Tensor, input: torch.Tensor) -> None:
+    """A collective of one rank: its ``input`` in ``output``, copied only where ``output`` is not ``input``."""
+    if output.data_ptr() != input.data_ptr():
+        output.copy_(input.reshape(output.shape))
