@@ -45,9 +45,12 @@ def model_dir(name: str, scratch: Path) -> Path:
         return default_model_dir()
     import transformers
 
+    from tests.tiny import save_char_tokenizer
+
     out = scratch / "synthetic-llama"
     config = transformers.LlamaConfig(architectures=["LlamaForCausalLM"], **SYNTHETIC)
     transformers.LlamaForCausalLM(config).float().save_pretrained(out)
+    save_char_tokenizer(out)  # the engine stops at its EOS (a model directory holds a tokenizer)
     return out
 
 
