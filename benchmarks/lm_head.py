@@ -12,6 +12,7 @@ whose "before" would not fit in 80 % of the free memory is reported as not run.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import free_port
 from benchmarks.report import Report, table
 from mcore_rl.trainer.logprobs import LM_HEAD_CHUNK_BYTES as CHUNK
 
@@ -102,9 +104,11 @@ def _measure(spec: dict) -> dict | str:
             return _one(spec, _world())
         except torch.OutOfMemoryError as err:
             return f"out of memory: {str(err).splitlines()[0]}"
+    env = os.environ | {"MASTER_PORT": str(free_port())}  # not the port of a world this process may hold
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.lm_head", json.dumps(spec)], cwd=REPO, capture_output=True, text=True
-    )
+        [sys.executable, "-m", "benchmarks.lm_head", json.dumps(spec)], cwd=REPO, env=env, capture_output=True,
+        text=True,
+    )  # fmt: skip
     if run.returncode != 0:
         return f"failed (exit {run.returncode}): {run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ''}"
     return json.loads(run.stdout.strip().splitlines()[-1])
