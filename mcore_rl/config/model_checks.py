@@ -166,21 +166,34 @@ def _check_weights(config: RunConfig) -> None:
             raise ConfigError(f"{key}={path!r}: incomplete Megatron checkpoint: " + "; ".join(missing))
 
 
-def _vocabularies(config: RunConfig) -> None:
-    """The teacher and the critic read the policy's token ids: their tokenizers must be the policy's."""
+def load_tokenizer(key: str, path: str):
+    """The tokenizer of the model directory ``path`` (the value of ``key``): where it does not load, or holds no
+    token but its special ones, a ``ConfigError`` naming the key, on one line. (transformers 5 builds an empty
+    tokenizer for some families, Qwen's among them, when the directory has no tokenizer files.)"""
     from transformers import AutoTokenizer
 
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key}={path!r}: its tokenizer does not load: {' '.join(str(err).split())}") from None
+    if len(tokenizer.get_vocab()) <= len(tokenizer.all_special_tokens):
+        raise ConfigError(
+            f"{key}={path!r}: its tokenizer holds no token but its special ones {tokenizer.all_special_tokens}; "
+            "expected the model's tokenizer files there (tokenizer.json, or a slow tokenizer's vocabulary)"
+        )
+    return tokenizer
+
+
+def _vocabularies(config: RunConfig) -> None:
+    """The teacher and the critic read the policy's token ids: their tokenizers must be the policy's."""
     m = config.models
     policy = None
     for role in ("teacher", "critic"):
         path = getattr(m, role).load
         if not m.uses(role) or path == m.policy.load:
             continue
-        policy = policy or AutoTokenizer.from_pretrained(m.policy.load).get_vocab()
-        try:
-            theirs = AutoTokenizer.from_pretrained(path).get_vocab()
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"models.{role}.load={path!r}: its tokenizer does not load ({err})") from None
+        policy = policy or load_tokenizer("models.policy.load", m.policy.load).get_vocab()
+        theirs = load_tokenizer(f"models.{role}.load", path).get_vocab()
         if theirs != policy:
             differ = sorted(set(theirs.items()) ^ set(policy.items()), key=str)[:3]
             raise ConfigError(
@@ -193,13 +206,8 @@ def _vocabularies(config: RunConfig) -> None:
 def _check_chat_template(config: RunConfig, role: str) -> None:
     """The reward model and a judge of its own render what they read with their own tokenizer's chat
     template."""
-    from transformers import AutoTokenizer
-
     path = getattr(config.models, role).load
-    try:
-        template = AutoTokenizer.from_pretrained(path).chat_template
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"models.{role}.load={path!r}: its tokenizer does not load ({err})") from None
+    template = load_tokenizer(f"models.{role}.load", path).chat_template
     if not template:
         raise ConfigError(
             f"models.{role}.load={path!r}: its tokenizer has no chat template, which what it reads is rendered "

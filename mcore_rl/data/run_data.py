@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from mcore_rl.config.loader import ConfigError
+from mcore_rl.config.model_checks import load_tokenizer
 from mcore_rl.config.schema import RunConfig
 from mcore_rl.data.arithmetic import BUILTIN_SPLITS
 from mcore_rl.data.prompts import PromptDataset, read_rows
@@ -20,10 +21,8 @@ class Data:
     """
 
     def __init__(self, config: RunConfig):
-        from transformers import AutoTokenizer
-
         rt, policy = config.runtime_args, config.models.policy
-        self.tokenizer = AutoTokenizer.from_pretrained(policy.load)
+        self.tokenizer = load_tokenizer("models.policy.load", policy.load)
         self.train = self._prompts("runtime_args.data_path", rt.data_path, 0, config, rt.data_shuffle)
         # the eval sets by name, the main one ("") first
         sets = {"": ("runtime_args.eval_data_path", rt.eval_data_path)}

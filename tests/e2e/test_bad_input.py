@@ -98,6 +98,22 @@ def test_truncated_weights_are_named(bad_run, capsys, tmp_path, tiny_models):
     )
 
 
+@pytest.mark.parametrize(
+    ("family", "problem"),
+    [
+        ("LlamaForCausalLM", "its tokenizer does not load"),
+        ("Qwen3ForCausalLM", "its tokenizer holds no token but its special ones"),
+    ],
+)
+def test_a_model_directory_without_its_tokenizer_is_named(bad_run, capsys, tmp_path, tiny_models, family, problem):
+    """Without its tokenizer files, a Llama's tokenizer fails to load and a Qwen's loads empty (transformers 5):
+    both are refused by the key."""
+    model = Path(shutil.copytree(tiny_models[family], tmp_path / "untokenized"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (model / name).unlink()
+    _refused(bad_run, capsys, [f"models.policy_trainer.load={model}"], f"models.policy.load='{model}': {problem}")
+
+
 def test_bad_command_lines(bad_run, capsys, tmp_path):
     cases = [
         (["runtime_args.num_devices=3"], "models.policy_trainer.parallel"),
