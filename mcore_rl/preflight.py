@@ -20,7 +20,7 @@ def check_inputs(config: RunConfig) -> Data:
     config.check_files()
     check_resume(config)
     data = Data(config)
-    check_user_code(config, data.train.batch(0, 1)[0].row)
+    check_user_code(config, data.train.batch(0, 1)[0].row, data.tokenizer)
     return data
 
 
@@ -48,10 +48,10 @@ def check_resume(config: RunConfig) -> None:
         raise ConfigError(f"runtime_args.output_dir: no checkpoint there loads under this run's layout: {problems[0]}")
 
 
-def check_user_code(config: RunConfig, row) -> None:
+def check_user_code(config: RunConfig, row, tokenizer) -> None:
     """The reward function, or the environment and tools, on the first training prompt answered with its reference
     answer (an agent program: loaded): code that cannot load or answer at all fails in seconds, before any actor
-    starts."""
+    starts. ``tokenizer``: the policy's, whose chat template renders the tools."""
     reward = config.models.reward
     answered = [*row.messages, {"role": "assistant", "content": row.answer}]
     if not reward.multi_turn:
@@ -71,7 +71,7 @@ def check_user_code(config: RunConfig, row) -> None:
 
     tools = load_tools(reward.tools, reward.sandbox)
     if tools:
-        check_tool_format(config, tools)
+        check_tool_format(config, tools, tokenizer)
     env = environment_factory(reward.environment, reward.fn, reward.sandbox)()
     what = f"models.reward.env={reward.environment!r} on the first training prompt (row {row.id!r})"
     try:
@@ -83,16 +83,14 @@ def check_user_code(config: RunConfig, row) -> None:
         raise EnvError(f"{what} raised {type(err).__name__}: {err}") from None
 
 
-def check_tool_format(config: RunConfig, tools: dict) -> None:
-    """The policy's chat template with the tool-call format it is read in (``auto``: the template's own): a
-    template that does not render tools takes Hermes's instructions, so another format is refused here, by key."""
-    from transformers import AutoTokenizer
-
+def check_tool_format(config: RunConfig, tools: dict, tokenizer) -> None:
+    """The policy's chat template (``tokenizer``'s) with the tool-call format it is read in (``auto``: the
+    template's own): a template that does not render tools takes Hermes's instructions, so another format is
+    refused here, by key."""
     from mcore_rl.agent.chat import ChatFormat
     from mcore_rl.agent.tool_calls import KEY, resolve_format
     from mcore_rl.agent.tools import schema
 
-    tokenizer = AutoTokenizer.from_pretrained(config.models.policy.load)
     try:
         limits = config.models.policy.rollout.multi_turn
         fmt = resolve_format(KEY, limits.tool_format, tokenizer.chat_template)

@@ -172,11 +172,11 @@ def test_hermes_instructions_join_an_existing_system_message(smollm2):
     with pytest.raises(ValueError, match=r"multi_turn.tool_format='qwen3_coder': the chat template does not render"):
         ChatFormat(smollm2, [schema(Calculator())], "qwen3_coder")
     config = RunConfig()
-    config.models.policy.load, config.models.policy.rollout.multi_turn.tool_format = smollm2.name_or_path, "kimi_k2"
+    config.models.policy.rollout.multi_turn.tool_format = "kimi_k2"
     with pytest.raises(ConfigError, match=r"multi_turn.tool_format='kimi_k2': the chat template does not render"):
-        check_tool_format(config, {"calculator": Calculator()})
+        check_tool_format(config, {"calculator": Calculator()}, smollm2)
     config.models.policy.rollout.multi_turn.tool_format = "auto"  # auto: Hermes, as SmolLM2's template shows none
-    check_tool_format(config, {"calculator": Calculator()})
+    check_tool_format(config, {"calculator": Calculator()}, smollm2)
 
 
 def test_a_client_s_earlier_tool_calls_reach_a_template_that_ignores_tools_as_hermes_calls(smollm2):
