@@ -92,15 +92,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--default", action="store_true", help="convert the embedded SmolLM2 into the cache")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.default:
-        out = default_model_dir()
+    if args.default:  # every script's bootstrap: named as the embedded model, whichever model the script runs
+        logger.info("embedded model (SmolLM2-135M-Instruct): %s", default_model_dir())
     elif args.gguf and args.out_dir:
         if not args.gguf.is_file():
             parser.error(f"{args.gguf}: no such file")
-        out = convert(args.gguf, args.out_dir)
+        logger.info("HF model directory: %s", convert(args.gguf, args.out_dir))
     else:
         parser.error("give GGUF and OUT_DIR, or --default")
-    logger.info("HF model directory: %s", out)
 
 
 if __name__ == "__main__":
