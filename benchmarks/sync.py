@@ -4,7 +4,9 @@ For each model it times several syncs (the first one allocates the transfer buff
 bytes delivered into the engine, and sets that against the measured memcpy bandwidth: a sync copies every byte
 at least once, into the shared bucket, and the engine's loader copies it again into its own layout. The trainer
 side (export + pack, overlapped with the engine through two buffers) is the time not spent waiting on the
-engine. Models: SmolLM2-135M and a synthetic 0.5B Llama (random weights).
+engine. Models: SmolLM2-135M, a synthetic 0.5B Llama (random weights) and the tiny DeepSeek-V3 that the rl suite's
+MoE runs train (MLA, routed and shared experts, 12 MB: its syncs are the fixed costs of its many small tensors, and
+of the engine's expert repacking, more than bytes).
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ def model_dir(name: str, scratch: Path) -> Path:
         from converters.gguf2hf import default_model_dir
 
         return default_model_dir()
+    if name == "tiny_moe":
+        from tests.tiny import make_tiny
+
+        return make_tiny("DeepseekV3ForCausalLM", scratch / "tiny-deepseek-v3")
     import transformers
 
     from tests.tiny import save_char_tokenizer
@@ -93,7 +99,8 @@ def bench_model(name: str, hf_dir: Path, syncs: int, bucket_bytes: int) -> tuple
     load_hf(chunks, bridge, hf_dir, groups)
     model = MegatronModel(chunks, groups)
     alone = trainer_side_alone(chunks, bridge, groups, bucket_bytes, syncs)
-    engine = launch_engine(hf_dir, RolloutConfig(max_model_len=256, cpu_kv_cache_bytes=64 << 20))
+    # the probe's 32 tokens fit (the tiny DeepSeek-V3 allows 128)
+    engine = launch_engine(hf_dir, RolloutConfig(max_model_len=128, cpu_kv_cache_bytes=64 << 20))
     route = ColocatedRoute(engine, next(chunks[0].parameters()).device, bucket_bytes)
     sync = WeightSync(chunks, bridge, groups, route, model, SyncConfig(bucket_bytes=bucket_bytes), torch.float32)
     try:
@@ -115,7 +122,7 @@ def suite(out: Path, hardware, report: Report, syncs: int = 4, bucket_mb: int = 
     runs = []
     try:
         with tempfile.TemporaryDirectory() as scratch:
-            for name in ("smollm2", "synthetic"):
+            for name in ("smollm2", "synthetic", "tiny_moe"):
                 runs.append((name, bench_model(name, model_dir(name, Path(scratch)), syncs, bucket_mb << 20)))
     finally:
         ray.shutdown()
