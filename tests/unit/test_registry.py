@@ -1,14 +1,17 @@
 """Bridge registry, config translation both ways, and clear errors on bad checkpoints."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
-from converters.mapping import MappingTable
+from converters.mapping import Direct, MappingTable
 from models.registry import BRIDGES, get_bridge
 from parallel.config import ParallelConfig
 from tests.tiny import FAMILIES
+
+FULL_SIZE = Path(__file__).resolve().parents[2] / "models" / "configs"
 
 
 def _config(tiny_models, arch) -> dict:
@@ -98,3 +101,26 @@ def test_deepseek_s_multi_token_prediction_layers_are_megatron_s_mtp_block(tiny_
     assert head.hf == ("lm_head.weight", "model.layers.4.shared_head.head.weight")
     plain = get_bridge(_config(tiny_models, "DeepseekV3ForCausalLM") | {"num_nextn_predict_layers": 0})
     assert plain.transformer_config(ParallelConfig()).mtp_num_layers is None
+
+
+def test_a_name_resolves_among_the_patterns_of_its_shape_as_among_all(tiny_models):
+    """MappingTable matches a name only against the patterns with its digit runs in the same places: for every
+    family (tiny and full-size configs), each pattern's names with indices of 1-3 digits, and those names with a
+    literal digit changed or a digit appended, resolve (or fail) exactly as a scan of every pattern does."""
+    paths = [*tiny_models.values(), *sorted(FULL_SIZE.iterdir())]
+    for bridge in (get_bridge(path) for path in paths):
+        table = MappingTable(bridge.mappings())
+        scan = [(re.compile("^" + re.escape(m.megatron).replace(r"\*", r"(\d+)") + "$"), m) for m in table.mappings]
+        for m in table.mappings:
+            for index in ("0", "7", "12", "305"):
+                name = m.megatron.replace("*", index)
+                for probe in (name, re.sub(r"1", "2", name, count=1), name + "0"):
+                    hits = [(mapping, match.groups()) for rx, mapping in scan if (match := rx.match(probe))]
+                    if len(hits) == 1:
+                        assert table.resolve(probe) == hits[0], probe
+                    else:
+                        with pytest.raises(KeyError, match="no mapping declared" if not hits else "several"):
+                            table.resolve(probe)
+    for pattern in ("decoder.layers.*1.weight", "experts.2*.weight", "experts.**.weight"):
+        with pytest.raises(ValueError, match=re.escape(pattern) + ".*ambiguous"):
+            MappingTable([Direct(pattern, "x")])
