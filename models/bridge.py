@@ -73,6 +73,8 @@ class Bridge:
 
     architecture: ClassVar[str]
     model_type: ClassVar[str]
+    # transformers' model type of the same layers, where the family has none of its own (Kimi-K2's are DeepSeek-V3's)
+    transformers_model_type: ClassVar[str | None] = None
     mla: ClassVar[bool] = False  # multi-latent attention (Megatron's MLATransformerConfig)
     config_table: ClassVar[tuple[tuple[str, str], ...]] = DENSE_CONFIG
     qk_norm: ClassVar[bool] = False
@@ -132,6 +134,11 @@ class Bridge:
     @property
     def rope_theta(self) -> float:
         return float(self.hf.get("rope_theta") or self.rope_scaling.get("rope_theta", 10000.0))
+
+    @property
+    def rotary_percent(self) -> float:
+        """The share of each head's dimensions RoPE rotates (the first ones; GLM-4.5 rotates half)."""
+        return float(self.rope_scaling.get("partial_rotary_factor", self.hf.get("partial_rotary_factor", 1.0)))
 
     @property
     def attention_bias(self) -> bool:
@@ -275,6 +282,7 @@ class Bridge:
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=self.tie_word_embeddings,
             position_embedding_type="rope",
+            rotary_percent=self.rotary_percent,
             rotary_base=self.rope_theta,
             vp_stage=vp_stage,
         )

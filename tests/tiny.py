@@ -88,7 +88,33 @@ FAMILIES: dict[str, dict] = {
             mscale_all_dim=1.0,
         ),
     ),
+    # GLM-4.5: q/k/v biases, RoPE on half of each head, q/k norms (GLM-4.5 has none; the mapping has them), one
+    # dense layer, then DeepSeek's MoE (one expert group) and an MTP layer.
+    "Glm4MoeForCausalLM": dict(
+        config="Glm4MoeConfig",
+        tie_word_embeddings=False,
+        attention_bias=True,
+        use_qk_norm=True,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=4,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        moe_intermediate_size=64,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
+    ),
 }
+# What a Kimi-K2 config.json says beside DeepSeek-V3's fields: its model type and the remote-code classes it names.
+KIMI_K2 = dict(
+    model_type="kimi_k2",
+    auto_map={
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM",
+    },
+)
 
 
 # DeepSeek-V3's other shape (Moonlight-16B-A3B), as overrides of the tiny DeepSeek: no query LoRA, plain RoPE, one
@@ -118,6 +144,14 @@ def make_tiny(architecture: str, out_dir: Path, seed: int = 0, **overrides) -> P
     if mtp:
         _as_mtp_layers(Path(out_dir), mtp)
     save_char_tokenizer(out_dir)
+    return Path(out_dir)
+
+
+def make_tiny_kimi_k2(out_dir: Path, **overrides) -> Path:
+    """The tiny DeepSeek-V3 saved as a Kimi-K2 checkpoint (:data:`KIMI_K2`), without MTP layers as Kimi-K2 has none."""
+    make_tiny("DeepseekV3ForCausalLM", out_dir, **({"num_nextn_predict_layers": 0} | overrides))
+    path = Path(out_dir) / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | KIMI_K2, indent=2))
     return Path(out_dir)
 
 

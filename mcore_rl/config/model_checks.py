@@ -112,7 +112,7 @@ def roles(config: RunConfig) -> None:
     if m.uses("reward_model"):
         path, bridge = m.reward_model.load, get_bridge(m.reward_model.load)
         if not bridge.value_model:
-            names = sorted(b.value_architecture for b in BRIDGES.values() if b.value_architecture)
+            names = sorted({b.value_architecture for b in BRIDGES.values() if b.value_architecture})
             raise ConfigError(
                 f"models.reward_model.load={path!r}: {bridge.architecture} is no reward model; expected "
                 f"a one-label sequence classifier, one of {names}"

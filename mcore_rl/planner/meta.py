@@ -49,6 +49,7 @@ def hf_tensors(hf_config: dict) -> dict[str, torch.Size]:
     fields = {k: v for k, v in hf_config.items() if k not in _NOT_ARCHITECTURE}
     # MTP layers: transformers builds none; their decoder layers are as many more of its own, after the model's
     fields["num_hidden_layers"] = hf_config["num_hidden_layers"] + bridge.num_mtp_layers
+    fields["model_type"] = bridge.transformers_model_type or bridge.model_type
     config = transformers.AutoConfig.for_model(**fields)
     # a reward model: the family's sequence classifier (a score head where the causal LM has its LM head)
     auto = "AutoModelForSequenceClassification" if bridge.value_model else "AutoModelForCausalLM"

