@@ -91,7 +91,8 @@ def dry_run(
     bridge = get_bridge(m.policy_trainer.load)
     hf = hf_tensors(bridge.hf)
     print(
-        f"{bridge.architecture} from {m.policy_trainer.load}: {sum(s.numel() for s in hf.values()) / GB:.2f} B params"
+        f"{bridge.architecture} ({bridge.model_type}) from {m.policy_trainer.load}: "
+        f"{sum(s.numel() for s in hf.values()) / GB:.2f} B params"
     )
     rt = config.runtime_args
     shown = ("trainer", "reward_model", "judge") if rt.colocated else ("trainer", "rollout", "reward_model", "judge")

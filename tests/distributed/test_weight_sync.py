@@ -27,8 +27,10 @@ CASES = [
     # MLA (vLLM's CPU MLA kernel), expert bias, shared experts; the engine drafts with the MTP layer (speculative
     # decoding), so the sync sends it too and the update refuses any drafter parameter left stale
     ("DeepseekV3ForCausalLM", 1, MOE_LAYOUTS, [0]),
+    # GLM-4.5: q/k/v biases, partial RoPE, DeepSeek's MoE; the engine drafts with its MTP layer (vLLM's GLM drafter)
+    ("Glm4MoeForCausalLM", 1, [dict(ep=2)], [0]),
 ]
-DRAFTING = {"DeepseekV3ForCausalLM"}
+DRAFTING = {"DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"}
 
 
 @pytest.mark.parametrize(

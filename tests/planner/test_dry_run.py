@@ -18,6 +18,8 @@ CONFIGS = [
     ("moonlight_16b_a3b_grpo", "moonlight_16b_a3b", []),
     ("qwen3_235b_a22b_grpo", "qwen3_235b_a22b", [pytest.mark.slow]),
     ("deepseek_v3_671b_grpo", "deepseek_v3", [pytest.mark.slow]),
+    ("glm45_355b_a32b_grpo", "glm45_355b_a32b", [pytest.mark.slow]),
+    ("kimi_k2_1t_grpo", "kimi_k2", [pytest.mark.slow]),
 ]
 
 
