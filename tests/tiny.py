@@ -150,8 +150,8 @@ def make_tiny(architecture: str, out_dir: Path, seed: int = 0, **overrides) -> P
 def make_tiny_kimi_k2(out_dir: Path, **overrides) -> Path:
     """The tiny DeepSeek-V3 saved as a Kimi-K2 checkpoint (:data:`KIMI_K2`), without MTP layers as Kimi-K2 has none."""
     make_tiny("DeepseekV3ForCausalLM", out_dir, **({"num_nextn_predict_layers": 0} | overrides))
-    path = Path(out_dir) / "config.json"
-    path.write_text(json.dumps(json.loads(path.read_text()) | KIMI_K2, indent=2))
+    path = Path(out_dir) / "config.json"  # transformers writes its default of one MTP layer; Kimi-K2's says 0
+    path.write_text(json.dumps(json.loads(path.read_text()) | KIMI_K2 | {"num_nextn_predict_layers": 0}, indent=2))
     return Path(out_dir)
 
 

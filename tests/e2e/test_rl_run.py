@@ -28,7 +28,7 @@ from mcore_rl.data.run_data import Data
 from mcore_rl.driver import run
 from mcore_rl.metrics import read_metrics
 from mcore_rl.train import main
-from tests.tiny import make_tiny_reward_model
+from tests.tiny import make_tiny_kimi_k2, make_tiny_reward_model
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = ("models.policy_trainer", "models.ref_policy")
@@ -532,6 +532,28 @@ def test_tiny_deepseek_config_runs_with_expert_parallel_and_packing(tiny_models,
         assert 0 < record["train/mtp/loss"] < 20  # the MTP layer's cross-entropy, near ln(100) at random
         assert record["rollout/draft_tokens"] > 0 and 0 <= record["rollout/draft_acceptance"] <= 1
     assert checkpoint.latest_complete(out / "checkpoints")[0] == 2
+
+
+@pytest.mark.parametrize("family", ["Glm4MoeForCausalLM", "KimiK2"])
+def test_glm45_and_kimi_k2_shaped_models_train_two_episodes(tiny_models, ray_address, tmp_path, monkeypatch, family):
+    """The tiny DeepSeek-V3 run's shape (EP 2, packing, grouped experts, expert-bias updates synced) on a tiny
+    GLM-4.5 (q/k/v biases, partial RoPE, q/k norms, its MTP layer kept frozen) and a tiny Kimi-K2 (MLA under its own
+    model type): the engine's log-probs match the trainer's after each sync and in the trained samples."""
+    model = make_tiny_kimi_k2(tmp_path / "kimi") if family == "KimiK2" else tiny_models[family]
+    monkeypatch.setenv("MCORE_RL_MODEL", str(model))
+    overrides = [
+        f"runtime_args.output_dir={tmp_path}/run",
+        "runtime_args.num_episode=2",
+        "runtime_args.eval_episode_interval=0",
+        "runtime_args.save_episode_interval=0",
+        f"models.reward.fn={REPO}/scripts/rewards/vowel_fraction.py",
+    ]
+    out = run(load_run_config(REPO / "scripts/configs/tiny_deepseek_v3_grpo.yaml", overrides))
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["episode"] for r in records] == [1, 2]
+    for record in records:
+        assert record["train/rollout_logp_abs_diff"] < 1e-4 and record["sync/probe_max_abs_diff"] < 1e-4
+        assert record["train/update_successful"] == 1.0 and record["moe/max_over_mean"] >= 1
 
 
 # A plain agent with the openai client and the calculator, as a user writes one; its reward: "42" in the answer.
