@@ -42,6 +42,7 @@ setup(
             "mcore-rl-mcore2hf=mcore_rl.convert:mcore2hf",
             "mcore-rl-mcore2mcore=mcore_rl.convert:mcore2mcore",
             "mcore-rl-plan=mcore_rl.planner.__main__:main",
+            "mcore-rl-check-template=mcore_rl.agent.template_audit:main",
         ]
     },
 )

@@ -4,6 +4,7 @@ that code that cannot load or answer fails in seconds with the key that names it
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from mcore_rl import checkpoint
@@ -12,6 +13,8 @@ from mcore_rl.config.schema import RunConfig
 from mcore_rl.data.run_data import Data
 from mcore_rl.rewards.judge import PARSERS, Verdicts
 from mcore_rl.rewards.user import Rewards
+
+log = logging.getLogger(__name__)
 
 
 def check_inputs(config: RunConfig) -> Data:
@@ -60,18 +63,21 @@ def check_user_code(config: RunConfig, row, tokenizer) -> None:
         return Rewards(reward.weighted_terms).check(answered, row.answer)
     if reward.agent:  # it needs the endpoint to run at all: loaded here, run by the sampler
         from mcore_rl.agent.actors import AgentError, load_program
+        from mcore_rl.agent.template_audit import CALCULATOR
 
         try:
             load_program(reward.agent)
         except AgentError as err:
             raise ConfigError(str(err)) from None
+        check_template(config, [CALCULATOR], tokenizer)  # an agent's tools are its own: audited with a calculator
         return
     from mcore_rl.agent.envs import EnvError, check_messages, check_step, environment_factory
-    from mcore_rl.agent.tools import load_tools
+    from mcore_rl.agent.tools import load_tools, schema
 
     tools = load_tools(reward.tools, reward.sandbox)
     if tools:
         check_tool_format(config, tools, tokenizer)
+    check_template(config, [schema(t) for t in tools.values()], tokenizer)
     env = environment_factory(reward.environment, reward.fn, reward.sandbox)()
     what = f"models.reward.env={reward.environment!r} on the first training prompt (row {row.id!r})"
     try:
@@ -97,3 +103,18 @@ def check_tool_format(config: RunConfig, tools: dict, tokenizer) -> None:
         ChatFormat(tokenizer, [schema(t) for t in tools.values()], fmt, limits.rewritten_history == "new_sample")
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def check_template(config: RunConfig, tools: list[dict], tokenizer) -> None:
+    """The template audit (:mod:`mcore_rl.agent.template_audit`) of the policy's chat template with the run's tools:
+    a template that refuses the conversation is refused, and one that rewrites the history is refused unless the
+    run trains rewritten contexts as new samples; the verdict is logged either way."""
+    from mcore_rl.agent.chat import REWRITTEN_KEY
+    from mcore_rl.agent.template_audit import audit
+
+    limits = config.models.policy.rollout.multi_turn
+    verdict = audit(tokenizer, tools, limits.tool_format)
+    where = f"models.policy.load={config.models.policy.load!r}: its chat template"
+    if verdict.refused or (not verdict.appends and limits.rewritten_history == "refuse"):
+        raise ConfigError(f"{where} {verdict.describe()}" + ("" if verdict.refused else f" ({REWRITTEN_KEY}=refuse)"))
+    log.info("template audit: %s %s", where, verdict.describe())

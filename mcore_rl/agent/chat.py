@@ -121,10 +121,15 @@ class ChatFormat:
     def _context(self, conversation: list[dict]) -> str:
         """The text of :meth:`context`."""
         try:
-            return self._render(conversation, generation=True, tools=None if self.tools_in_system else self.tools)
+            return self.render(conversation, generation=True)
         except jinja2.TemplateError as err:  # its own raise_exception (gpt-oss's wants the call a result answers)
             roles = "/".join(sorted({m["role"] for m in conversation}))
             raise ValueError(f"the chat template refuses this conversation of {roles} messages ({err})") from None
+
+    def render(self, conversation: list[dict], generation: bool) -> str:
+        """The text of ``conversation`` (with the tools' instructions, :meth:`with_tools`) as the policy sees it;
+        ``generation``: followed by the next assistant turn's opening."""
+        return self._render(conversation, generation, tools=None if self.tools_in_system else self.tools)
 
     def sampled(self, turn_ids: list[int]) -> dict:
         """An assistant turn as the template reads it back to render the conversation: its sampled text with the

@@ -22,6 +22,7 @@ CLIS = [
     ("mcore-rl-mcore2mcore=mcore_rl.convert:mcore2mcore", "mcore_rl.convert", ["mcore2mcore"]),
     ("mcore-rl-plan=mcore_rl.planner.__main__:main", "mcore_rl.planner", []),
     ("mcore-rl-gguf2hf=converters.gguf2hf:main", "converters.gguf2hf", []),
+    ("mcore-rl-check-template=mcore_rl.agent.template_audit:main", "mcore_rl.agent.template_audit", []),
     (None, "mcore_rl.train", []),
 ]
 HEAVY = ("torch", "megatron", "transformers", "ray", "vllm", "safetensors")
