@@ -24,6 +24,16 @@ import torch.nn.functional as F
 CHUNK = 64
 
 
+def gated_delta_rule():
+    """fla's ``chunk_gated_delta_rule`` where it imports (GPUs with fla installed), else :func:`chunk_gated_delta_rule`
+    (the same signature and results)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
+    except ImportError:
+        return chunk_gated_delta_rule
+    return kernel
+
+
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` along ``dim``, as fla's ``l2norm`` (computed in fp32)."""
     y = x.float()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compat.torch import cat
 from converters import transforms
 
 
@@ -95,6 +96,68 @@ class QKV(Mapping):
 
     def to_hf(self, full, tp):
         return transforms.split_qkv(full, self.num_attention_heads, self.num_query_groups, self.head_dim)
+
+
+@dataclass(frozen=True)
+class GatedQKV(QKV):
+    """``q_proj`` holding each head's queries then its output gate (Qwen3-Next), and k/v -> Megatron's
+    ``linear_qkv`` with ``attention_output_gate``: per query group ``[q heads | gate heads | k | v]``."""
+
+    def to_megatron(self, hf, tp, full_shape):
+        return transforms.merge_gated_qkv(*hf, self.num_attention_heads, self.num_query_groups)
+
+    def to_hf(self, full, tp):
+        return transforms.split_gated_qkv(full, self.num_attention_heads, self.num_query_groups, self.head_dim)
+
+
+@dataclass(frozen=True)
+class PerRankParts(Mapping):
+    """One HF tensor whose rows are parts of ``sizes`` (Gated DeltaNet's ``conv1d``: the ``[q | k | v]`` channels)
+    -> a Megatron tensor holding on each TP rank its share of every part, in order."""
+
+    sizes: tuple[int, ...] = ()
+    tp_axis: int | None = 0
+
+    def to_megatron(self, hf, tp, full_shape):
+        return transforms.merge_per_rank(list(hf[0].split(self.sizes)), tp)
+
+    def to_hf(self, full, tp):
+        return (cat(transforms.split_per_rank(full, list(self.sizes), tp)),)
+
+
+@dataclass(frozen=True)
+class GatedDeltaInProj(Mapping):
+    """Qwen3-Next's ``in_proj_qkvz`` and ``in_proj_ba``, each grouped by key head (``[q k v z]`` of one key head's
+    value heads, then the next; ``[b a]`` likewise) -> Megatron's ``in_proj``: ``[q | k | v | z | b | a]`` of its heads
+    on each TP rank."""
+
+    key_heads: int = 0
+    value_heads: int = 0
+    key_dim: int = 0
+    value_dim: int = 0
+    tp_axis: int | None = 0
+
+    def _sizes(self) -> tuple[list[int], list[int]]:
+        """Per key head: q, k, v, z rows; b, a rows."""
+        per = self.value_heads // self.key_heads
+        return [self.key_dim, self.key_dim, per * self.value_dim, per * self.value_dim], [per, per]
+
+    def to_megatron(self, hf, tp, full_shape):
+        parts = []
+        for tensor, sizes in zip(hf, self._sizes(), strict=True):
+            grouped = tensor.reshape(self.key_heads, sum(sizes), *tensor.shape[1:])
+            parts += [p.reshape(-1, *tensor.shape[1:]) for p in grouped.split(sizes, dim=1)]
+        return transforms.merge_per_rank(parts, tp)
+
+    def to_hf(self, full, tp):
+        qkvz, ba = self._sizes()
+        parts = transforms.split_per_rank(full, [self.key_heads * n for n in qkvz + ba], tp)
+        rest = full.shape[1:]
+        grouped = [p.reshape(self.key_heads, -1, *rest) for p in parts]
+        return (
+            cat(grouped[:4], dim=1).reshape(-1, *rest),
+            cat(grouped[4:], dim=1).reshape(-1, *rest),
+        )
 
 
 @dataclass(frozen=True)

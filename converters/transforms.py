@@ -35,6 +35,44 @@ def split_qkv(
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
+def merge_gated_qkv(
+    q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_attention_heads: int, num_query_groups: int
+) -> torch.Tensor:
+    """Queries with an output gate (Qwen3-Next's ``q_proj``: each head's queries, then its gate) and K/V ->
+    Megatron's ``linear_qkv`` with ``attention_output_gate``: per query group ``[q heads | gate heads | k | v]``."""
+    rest = q_gate.shape[1:]
+    g = num_query_groups
+    heads = q_gate.reshape(num_attention_heads, 2, -1, *rest)  # [heads, (q, gate), head_dim, ...]
+    q, gate = (heads[:, i].reshape(g, -1, *rest) for i in (0, 1))
+    return cat([q, gate, k.reshape(g, -1, *rest), v.reshape(g, -1, *rest)], dim=1).reshape(-1, *rest)
+
+
+def split_gated_qkv(
+    qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`merge_gated_qkv`."""
+    rest = qkv.shape[1:]
+    g = num_query_groups
+    per_group_q = num_attention_heads // g * head_dim
+    grouped = qkv.reshape(g, 2 * per_group_q + 2 * head_dim, *rest)
+    q, gate, k, v = torch.split(grouped, [per_group_q, per_group_q, head_dim, head_dim], dim=1)
+    q, gate = (x.reshape(num_attention_heads, 1, head_dim, *rest) for x in (q, gate))
+    return cat([q, gate], dim=1).reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def merge_per_rank(parts: list[torch.Tensor], tp: int) -> torch.Tensor:
+    """Tensors whose TP rank i holds ``[part_0 chunk i; part_1 chunk i; ...]`` (a fused projection of several
+    parts, each split over TP by rows)."""
+    chunks = [part.chunk(tp) for part in parts]
+    return cat([c[rank] for rank in range(tp) for c in chunks])
+
+
+def split_per_rank(full: torch.Tensor, sizes: list[int], tp: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`merge_per_rank` for parts of ``sizes`` rows."""
+    shards = [shard.split([n // tp for n in sizes]) for shard in full.chunk(tp)]
+    return tuple(cat([shard[i] for shard in shards]) for i in range(len(sizes)))
+
+
 def merge_gated(gate: torch.Tensor, up: torch.Tensor, tp: int) -> torch.Tensor:
     """Megatron's fused ``linear_fc1`` holds ``[gate_i; up_i]`` on TP rank i, so gate and up are chunked apart."""
     return cat([t for pair in zip(gate.chunk(tp), up.chunk(tp), strict=True) for t in pair])

@@ -14,8 +14,18 @@ from models.llama import LlamaBridge
 from models.qwen2 import Qwen2Bridge
 from models.qwen3 import Qwen3Bridge
 from models.qwen3_moe import Qwen3MoeBridge
+from models.qwen3_next import Qwen3NextBridge
 
-FAMILIES = (DeepseekV3Bridge, Glm4MoeBridge, KimiK2Bridge, LlamaBridge, Qwen2Bridge, Qwen3Bridge, Qwen3MoeBridge)
+FAMILIES = (
+    DeepseekV3Bridge,
+    Glm4MoeBridge,
+    KimiK2Bridge,
+    LlamaBridge,
+    Qwen2Bridge,
+    Qwen3Bridge,
+    Qwen3MoeBridge,
+    Qwen3NextBridge,
+)
 # Causal LMs, and the reward models (score head) of the families that have them: a critic starts from either.
 BRIDGES: dict[tuple[str, str], type[Bridge]] = {(b.architecture, b.model_type): b for b in FAMILIES} | {
     (b.value_architecture, b.model_type): b for b in FAMILIES if b.value_architecture

@@ -8,7 +8,9 @@ The local spec is Megatron's own, with modules substituted through the spec (its
   gradients over TP, as it does for TransformerEngine's norms;
 * core attention: :class:`models.attention.SDPAttention` (packed sequences, context parallelism, MLA);
 * MLA's down projections: replicated ``Linear`` (as in TransformerEngine's spec) instead of column-parallel;
-* routed experts: :class:`models.experts.GroupedExperts` when ``moe_grouped_gemm`` is set.
+* routed experts: :class:`models.experts.GroupedExperts` when ``moe_grouped_gemm`` is set;
+* Gated DeltaNet layers (``linear_attention_freq``): :class:`models.gated_delta.GatedDeltaNet` in place of
+  self-attention, after an input norm of its own, on both backends.
 
 Dense and MoE layers follow ``moe_layer_freq`` (DeepSeek's first dense layers); multi-token-prediction layers
 (``mtp_num_layers``) take the last layer's kind, on the last pipeline stage, as Megatron places them.
@@ -27,6 +29,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_mtp_block_spec_for_backend,
 )
 from megatron.core.post_training.modelopt.layers import Linear
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -40,19 +44,50 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from compat.megatron_core import mla_without_te
 from models.attention import SDPAttention
 from models.experts import GroupedExperts
+from models.gated_delta import GatedDeltaNet
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm whose weight is kept as its offset from one (``layernorm_zero_centered_gamma``; Qwen3-Next's norms,
+    computed in fp32 as its checkpoints' model does)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
 
 
 class TorchNorm:
-    """``torch.nn.RMSNorm``/``LayerNorm`` built from a TransformerConfig, usable with sequence parallelism."""
+    """``torch.nn.RMSNorm``/``LayerNorm`` built from a TransformerConfig, usable with sequence parallelism; a
+    zero-centered RMSNorm where the config says so."""
+
+    zero_centered = True  # honours layernorm_zero_centered_gamma
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
         kinds = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}
         if config.normalization not in kinds:
             raise ValueError(f"normalization={config.normalization!r}: expected one of {sorted(kinds)}")
-        norm = kinds[config.normalization](hidden_size, eps=eps)
+        if cls.zero_centered and config.layernorm_zero_centered_gamma:
+            if config.normalization != "RMSNorm":
+                raise ValueError("layernorm_zero_centered_gamma: supported with RMSNorm only")
+            norm = ZeroCenteredRMSNorm(hidden_size, eps)
+        else:
+            norm = kinds[config.normalization](hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class GatedOutputNorm(TorchNorm):
+    """Gated DeltaNet's norm of each value head's output: a plain RMSNorm whatever the config (its checkpoints hold
+    the weight itself, not an offset from one)."""
+
+    zero_centered = False
 
 
 class _LocalProvider(LocalSpecProvider):
@@ -105,8 +140,19 @@ def _with_grouped_experts(spec: ModuleSpec) -> ModuleSpec:
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp))
 
 
-def layer_spec(config: TransformerConfig, backend: str, moe: bool) -> ModuleSpec:
-    """The transformer-layer spec on ``backend`` (``local`` or ``te``); ``moe``: routed experts, else dense MLP."""
+# Gated DeltaNet's submodules, the same on both backends (so one mapping serves both): Megatron's local linears and
+# the plain output norm.
+GATED_DELTA_NET = ModuleSpec(
+    module=GatedDeltaNet,
+    submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=GatedOutputNorm, out_proj=RowParallelLinear
+    ),
+)
+
+
+def layer_spec(config: TransformerConfig, backend: str, moe: bool, linear: bool = False) -> ModuleSpec:
+    """The transformer-layer spec on ``backend`` (``local`` or ``te``); ``moe``: routed experts, else dense MLP;
+    ``linear``: Gated DeltaNet (linear attention) in place of self-attention, after an input norm of its own."""
     if config.multi_latent_attention:
         mla_without_te()
     if backend == "te":
@@ -118,6 +164,14 @@ def layer_spec(config: TransformerConfig, backend: str, moe: bool) -> ModuleSpec
         )
     else:
         spec = _local_layer(config, moe)
+    if linear:
+        norm = TorchNorm
+        if backend == "te":
+            from megatron.core.extensions.transformer_engine import TENorm
+
+            norm = TENorm
+        layer = dataclasses.replace(spec.submodules, input_layernorm=norm, self_attention=GATED_DELTA_NET)
+        spec = dataclasses.replace(spec, submodules=layer)
     return _with_grouped_experts(spec) if moe and config.moe_grouped_gemm else spec
 
 
@@ -131,6 +185,17 @@ def moe_layers(config: TransformerConfig) -> list[bool]:
     return [bool(x) for x in freq]
 
 
+def linear_attention_layers(config: TransformerConfig) -> list[bool]:
+    """Which of the model's layers are Gated DeltaNet, from ``linear_attention_freq`` (Megatron's convention: an
+    interval N puts one self-attention layer after N - 1 linear ones, or a 0/1 list)."""
+    if config.experimental_attention_variant != "gated_delta_net":
+        return [False] * config.num_layers
+    freq = config.linear_attention_freq
+    if isinstance(freq, int):
+        return [(i + 1) % freq != 0 for i in range(config.num_layers)]
+    return [bool(x) for x in freq]
+
+
 def block_spec(config: TransformerConfig, backend: str, vp_stage: int | None) -> ModuleSpec:
     """Spec of this rank's (virtual) pipeline stage: its layers and, on the last stage, the final norm."""
     final_norm = TorchNorm
@@ -140,11 +205,12 @@ def block_spec(config: TransformerConfig, backend: str, vp_stage: int | None) ->
         final_norm = TENorm
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    kinds = moe_layers(config)[offset : offset + num_layers]
-    specs = {moe: layer_spec(config, backend, moe) for moe in set(kinds)}
+    window = slice(offset, offset + num_layers)
+    kinds = list(zip(moe_layers(config)[window], linear_attention_layers(config)[window], strict=True))
+    specs = {kind: layer_spec(config, backend, *kind) for kind in set(kinds)}
     return ModuleSpec(
         module=TransformerBlock,
-        submodules=TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in kinds], layer_norm=final_norm),
+        submodules=TransformerBlockSubmodules(layer_specs=[specs[kind] for kind in kinds], layer_norm=final_norm),
     )
 
 

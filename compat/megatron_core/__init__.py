@@ -1,7 +1,8 @@
 """megatron-core 0.16.1's quirks: CPU support (:mod:`compat.megatron_core.cpu`), the MoE router without
 TransformerEngine (:func:`router_without_te`), torch Adam's checkpoints (:func:`install_adam_fixes`), multi-latent
 attention without TransformerEngine (:func:`mla_without_te`), models and process groups that outlive a layout
-(:func:`release_dispatcher_graphs`, :func:`destroy_groups`), an import that pulls in torch's compiler for
+(:func:`release_dispatcher_graphs`, :func:`destroy_groups`), Gated DeltaNet without flash-linear-attention
+(:func:`gated_delta_net_without_fla`), an import that pulls in torch's compiler for
 nothing (:func:`compile_on_first_call`), a process server behind every checkpoint save
 (:func:`in_process_save_results`), the per-rank optimizer checkpoint's load into fp32 models
 (:func:`dp_reshardable_load`), and weight gradients that autograd materialised before DDP added them
@@ -425,6 +426,17 @@ def compile_on_first_call(jit: types.ModuleType) -> None:
 
 
 # ---- MLA without TransformerEngine --------------------------------------------------------------------------------
+def gated_delta_net_without_fla() -> None:
+    """0.16.1's ``GatedDeltaNet`` refuses to be built where flash-linear-attention does not import
+    (gated_delta_net.py:103), though only its forward uses fla's kernels; :class:`models.gated_delta.GatedDeltaNet`
+    has a forward of its own that takes :mod:`compat.fla`'s there. Idempotent."""
+    if importlib.util.find_spec("fla") is not None:
+        return
+    module = "megatron.core.ssm.gated_delta_net"
+    target(module, "HAVE_FLA")
+    importlib.import_module(module).HAVE_FLA = True
+
+
 def mla_without_te() -> None:
     """0.16.1 builds its TE wrappers on a MagicMock when TE is absent, so multi-latent attention believes TE is there
     and fails on ``isinstance(..., TELinear)`` (multi_latent_attention.py:185; fixed upstream in 0.19). Tell it TE

@@ -36,6 +36,7 @@ dist_checkpointing/strategies/              synchronize before the writers start
                                             state_dict_saver.py:252)
 transformer/multi_token_prediction.py       current_device() receive buffers of the context-parallel roll
                                             of the MTP layers' inputs and labels (:178)
+ssm/gated_delta_net.py                      current_device() conv1d, dt_bias and A_log (:184-231)
 ==========================================  ==========================================================
 
 What a module-level proxy cannot reach is patched narrowly:
@@ -96,6 +97,7 @@ PROXIED_MODULES = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.transformer.multi_token_prediction",
+    "megatron.core.ssm.gated_delta_net",
 )
 
 

@@ -18,7 +18,7 @@ DENSE_LAYOUTS = [
     dict(pp=2, last_stage_layers=1),
 ]
 EXPERT_LAYOUTS = [dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)]
-MOE = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
 
 
 def _layouts(arch, layouts):
@@ -124,7 +124,7 @@ def test_context_parallel_matches_single_rank(ranks, tiny_models, arch):
             assert worst <= 1e-5, (layout, packed, worst)
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM"])
 def test_packed_training_matches_padded(ranks, tiny_models, arch):
     """THD-packed micro-batches (token-balanced over DP ranks) give the padded micro-batches' loss and gradient."""
     generator = torch.Generator().manual_seed(7)
@@ -149,7 +149,7 @@ def test_packed_training_matches_padded(ranks, tiny_models, arch):
             assert packed_count == count and utilization > 0.8, (layout, packed_count, utilization)
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM"])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM"])
 def test_packed_scoring_matches_padded(ranks, tiny_models, arch):
     """Reference/old log-probs scored in THD packs equal padded micro-batches' at every real position; under
     interleaved pipelining the packs come in a multiple of PP."""
