@@ -157,6 +157,11 @@ class Bridge:
     def multi_latent_attention(self) -> bool:
         return self.mla
 
+    @property
+    def linear_attention(self) -> bool:
+        """Whether some layers are linear attention (a recurrence over the whole row: no masks, no shared prompts)."""
+        return False
+
     def padded_vocab_size(self, tp: int) -> int:
         return padded_vocab(self.vocab_size, tp)
 

@@ -57,6 +57,10 @@ class Qwen3NextBridge(Bridge):
         return self.hf.get("layer_types") or default
 
     @property
+    def linear_attention(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    @property
     def layers(self) -> int:
         return self.hf["num_hidden_layers"]
 

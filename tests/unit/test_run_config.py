@@ -201,6 +201,13 @@ def test_shared_prompts_are_checked_up_front(run_yaml, tmp_path):
     with pytest.raises(ConfigError, match=r"models.ref_policy.share_prompts: .*uses MLA: True"):
         load_run_config(run_yaml, ["models.ref_policy.share_prompts=true", f"models.ref_policy.load={deepseek}",
                                    "models.ref_policy.parallel.tp=1"])  # fmt: skip
+    qwen3_next = make_tiny("Qwen3NextForCausalLM", tmp_path / "qwen3_next")
+    with pytest.raises(ConfigError, match=r"models.ref_policy.share_prompts: .*linear attention: True"):
+        load_run_config(run_yaml, ["models.ref_policy.share_prompts=true", f"models.ref_policy.load={qwen3_next}",
+                                   "models.ref_policy.parallel.tp=1"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"parallel.cp=3: Gated DeltaNet has no context parallelism"):
+        load_run_config(run_yaml, [f"models.policy_trainer.load={qwen3_next}", "models.policy_trainer.parallel.tp=1",
+                                   "models.policy_trainer.parallel.cp=3"])  # fmt: skip
 
 
 @pytest.mark.parametrize(
