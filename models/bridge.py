@@ -412,6 +412,11 @@ class Bridge:
         return any(rx.search(hf_name) for rx in self._ignored)
 
     # ---- rollout engine -----------------------------------------------------------------------------------
+    def engine_problem(self, cuda: bool, dtype: str) -> str | None:
+        """Why a rollout engine of ``dtype`` cannot serve this model on this platform (an engine's measured limits),
+        or None."""
+        return None
+
     def rollout_engine_args(self, cuda: bool) -> dict:
         """Extra ``vllm.LLM`` arguments this model needs on the engine's platform (workarounds for measured
         engine bugs; none by default)."""

@@ -14,6 +14,7 @@
   conversion back to HF holds none.
 """
 
+from compat.vllm import gated_delta_net_problem
 from converters.mapping import Direct, GatedDeltaInProj, GatedMLP, GatedQKV, Mapping, PerRankParts
 from models.bridge import _HL, _L, DENSE_CONFIG, ROUTED_EXPERTS, Bridge
 from parallel.config import ParallelConfig
@@ -144,6 +145,10 @@ class Qwen3NextBridge(Bridge):
             Direct(shared + "linear_fc2.weight", hf_shared + "down_proj.weight", tp_axis=1),
             Direct(shared + "gate_weight", _HL + "mlp.shared_expert_gate.weight"),
         ]
+
+    def engine_problem(self, cuda: bool, dtype: str) -> str | None:
+        heads = (self.hf["linear_key_head_dim"], self.hf["linear_value_head_dim"])
+        return gated_delta_net_problem(cuda, dtype, heads)
 
     def ignored_hf_tensors(self) -> list[str]:
         return [*super().ignored_hf_tensors(), r"^mtp\."]

