@@ -21,7 +21,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGatedDeltaNet
 
 from compat.fla import causal_conv1d, gated_delta_rule, l2norm
-from compat.megatron_core import gated_delta_net_without_fla
+from compat.megatron_core import gated_delta_net_tensor_parallel, gated_delta_net_without_fla
 
 
 class GatedDeltaNet(MegatronGatedDeltaNet):
@@ -31,11 +31,18 @@ class GatedDeltaNet(MegatronGatedDeltaNet):
         gated_delta_net_without_fla()
         super().__init__(*args, **kwargs)
         self.rule = gated_delta_rule()
-        # Megatron marks them tensor-parallel without saying along which dim (its state dict splits them by hand):
-        # all are split by channel or head, along dim 0
-        for param in (self.conv1d.weight, self.conv1d.bias, self.dt_bias, self.A_log):
-            if param is not None:
-                param.partition_dim, param.partition_stride = 0, 1
+        gated_delta_net_tensor_parallel(self)
+
+    def reset_parameters(self) -> None:
+        """Megatron's initialisation, drawn outside its CUDA RNG tracker: on CPU that tracker forks the CPU generator
+        itself and warns, once per layer, that the CPU state changed inside it (every checkpoint load overwrites
+        these anyway)."""
+        if self.config.perform_initialization:
+            if self.conv_init is not None:
+                torch.nn.init.uniform_(self.conv1d.weight, -self.conv_init, self.conv_init)
+            with torch.no_grad():
+                self.dt_bias.fill_(1.0)
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*self.A_init_range).log())
 
     def forward(
         self,

@@ -437,6 +437,23 @@ def gated_delta_net_without_fla() -> None:
     importlib.import_module(module).HAVE_FLA = True
 
 
+def gated_delta_net_tensor_parallel(module: torch.nn.Module) -> None:
+    """0.16.1's ``GatedDeltaNet`` creates ``conv1d``, ``dt_bias`` and ``A_log`` on ``torch.cuda.current_device()``
+    explicitly (gated_delta_net.py:184-231), outside the device a meta build of the model runs under (the other
+    layers create theirs there), and marks them tensor-parallel without a ``partition_dim`` (its state dict splits
+    them by hand). Moved to that device, they would lose the mark; here they are created there, all marked split
+    along dim 0 (by channel or head), as the rest of Megatron's parameters say it."""
+    build = torch.empty(0).device  # the device a ``with torch.device(...)`` build puts tensors on
+    for owner, name in ((module.conv1d, "weight"), (module.conv1d, "bias"), (module, "dt_bias"), (module, "A_log")):
+        param = getattr(owner, name)
+        if param is None:
+            continue
+        if build.type == "meta" and param.device != build:
+            param = torch.nn.Parameter(torch.empty_like(param, device=build), requires_grad=param.requires_grad)
+            setattr(owner, name, param)
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
+
+
 def mla_without_te() -> None:
     """0.16.1 builds its TE wrappers on a MagicMock when TE is absent, so multi-latent attention believes TE is there
     and fails on ``isinstance(..., TELinear)`` (multi_latent_attention.py:185; fixed upstream in 0.19). Tell it TE

@@ -164,18 +164,24 @@ class EngineMemory:
 
 def engine_memory(a: Architecture, rollout, device_bytes: int, max_num_seqs: int = 256) -> EngineMemory:
     """One rollout engine's device share at ``rollout`` (a RolloutConfig): bf16 weights split over its TP, vLLM's
-    profiled working memory (``max_num_batched_tokens`` of activations and ``max_num_seqs`` rows of sampler
-    logits), and the KV cache in the rest."""
+    profiled working memory (``max_num_batched_tokens`` of activations, ``max_num_seqs`` rows of sampler logits and,
+    for Gated DeltaNet layers, as many recurrent states), and the KV cache of the attention layers in the rest."""
     tp = rollout.tensor_parallel_size
     share = int(rollout.gpu_memory_utilization * device_bytes)
     weights = a.engine_params(bool(rollout.speculative_tokens)) * 2 // tp
     batched = max(8192, rollout.max_model_len)
     mlp = a.topk * a.moe_ffn if a.experts else a.ffn
     working = batched * (16 * a.hidden + 6 * mlp // tp) + max_num_seqs * a.vocab * 12
+    attention = a.layers - sum(a.linear_layers)  # Gated DeltaNet layers keep a state per sequence instead
     if a.mla:
-        per_token = a.layers * (a.kv_lora + a.rope_dim) * 2
+        per_token = attention * (a.kv_lora + a.rope_dim) * 2
     else:
-        per_token = 2 * a.layers * max(1, a.kv_heads // tp) * a.head_dim * 2
+        per_token = 2 * attention * max(1, a.kv_heads // tp) * a.head_dim * 2
+    # a Gated DeltaNet state (fp32) per sequence and layer, for as many sequences as the engine may run at once
+    states = (
+        max_num_seqs * sum(a.linear_layers) * a.linear_value_heads * a.linear_key_dim * a.linear_value_dim * 4 // tp
+    )
+    working += states
     return EngineMemory(share, weights, working, per_token, (share - weights - working) // per_token)
 
 

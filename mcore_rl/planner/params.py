@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from models.bridge import padded_vocab
-from models.spec import moe_layers
+from models.spec import linear_attention_layers, moe_layers
 from parallel.config import ParallelConfig
 
 
@@ -44,6 +44,15 @@ class Architecture:
     v_dim: int = 0
     value_head: bool = False  # a value head ([1, hidden]) for the LM head: a reward model or a critic
     mtp_layers: int = 0  # multi-token-prediction layers (models/mtp.py), on the last pipeline stage
+    attention_gate: bool = False  # a sigmoid output gate per query head, projected with the queries
+    shared_gate: bool = False  # the shared expert's output scaled by a sigmoid gate ([1, hidden])
+    # Gated DeltaNet (linear attention) layers (models/gated_delta.py): which, and their heads and convolution width
+    linear_layers: tuple[bool, ...] = ()
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv: int = 0
 
     @classmethod
     def from_bridge(cls, bridge) -> Architecture:
@@ -75,7 +84,19 @@ class Architecture:
             v_dim=c.v_head_dim if mla else 0,
             value_head=bridge.value_model,
             mtp_layers=c.mtp_num_layers or 0,
+            attention_gate=c.attention_output_gate,
+            shared_gate=bool(c.moe_shared_expert_gate and c.moe_shared_expert_intermediate_size),
+            linear_layers=tuple(linear_attention_layers(c)),
+            linear_key_heads=c.linear_num_key_heads,
+            linear_value_heads=c.linear_num_value_heads,
+            linear_key_dim=c.linear_key_head_dim,
+            linear_value_dim=c.linear_value_head_dim,
+            linear_conv=c.linear_conv_kernel_dim,
         )
+
+    def linear(self, layer: int) -> bool:
+        """Whether global layer ``layer`` is Gated DeltaNet."""
+        return bool(self.linear_layers) and self.linear_layers[layer]
 
     def padded_vocab(self, tp: int) -> int:
         return padded_vocab(self.vocab, tp)
@@ -111,25 +132,41 @@ def rank_layers(parallel: ParallelConfig, layers: int) -> list[list[int]]:
     ]
 
 
-def _attention_params(a: Architecture, tp: int) -> int:
+def _linear_attention_params(a: Architecture, tp: int) -> int:
+    """Gated DeltaNet: input norm, ``in_proj`` (q, k, v, z, b, a), the depthwise convolution of q, k and v, dt_bias and
+    A_log per value head, the output norm of a value head, ``out_proj``."""
+    h, qk, v, heads = (
+        a.hidden,
+        a.linear_key_heads * a.linear_key_dim,
+        a.linear_value_heads * a.linear_value_dim,
+        a.linear_value_heads,
+    )
+    in_proj = (2 * qk + 2 * v + 2 * heads) * h // tp
+    return h + in_proj + (2 * qk + v) * a.linear_conv // tp + 2 * heads // tp + a.linear_value_dim + v * h // tp
+
+
+def _attention_params(a: Architecture, tp: int, linear: bool = False) -> int:
     h, d = a.hidden, a.head_dim
+    if linear:
+        return _linear_attention_params(a, tp)
     if a.mla:
         q_head = a.qk_dim + a.rope_dim
         q = h * a.q_lora + a.q_lora + a.q_lora * a.heads * q_head // tp if a.q_lora else h * a.heads * q_head // tp
         kv = h * (a.kv_lora + a.rope_dim) + a.kv_lora + a.kv_lora * a.heads * (a.qk_dim + a.v_dim) // tp
         return h + q + kv + a.heads * a.v_dim * h // tp
-    qkv = (a.heads + 2 * a.kv_heads) * d
+    qkv = (a.heads * (2 if a.attention_gate else 1) + 2 * a.kv_heads) * d
     return h + qkv * h // tp + (qkv // tp if a.qkv_bias else 0) + (2 * d if a.qk_norm else 0) + a.heads * d * h // tp
 
 
-def layer_params(a: Architecture, moe: bool, parallel: ParallelConfig) -> tuple[int, int]:
-    """(parameters, of which expert parameters) of one layer on one device."""
+def layer_params(a: Architecture, moe: bool, parallel: ParallelConfig, linear: bool = False) -> tuple[int, int]:
+    """(parameters, of which expert parameters) of one layer on one device; ``linear``: a Gated DeltaNet layer."""
     tp, h = parallel.tp, a.hidden
-    dense = _attention_params(a, tp) + h
+    dense = _attention_params(a, tp, linear) + h
     if not moe:
         return dense + 3 * a.ffn * h // tp, 0
     experts = a.experts // parallel.ep * 3 * a.moe_ffn * h // parallel.expert_tp
-    return dense + a.experts * h + 3 * a.shared_ffn * h // tp + experts, experts
+    shared = 3 * a.shared_ffn * h // tp + (h if a.shared_gate else 0)
+    return dense + a.experts * h + shared + experts, experts
 
 
 def adaptable_linears(a: Architecture, moe: bool) -> set[str]:
@@ -194,7 +231,7 @@ def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, i
     vocab = a.padded_vocab(parallel.tp) * a.hidden // parallel.tp
     out = []
     for rank, layers in enumerate(rank_layers(parallel, a.layers)):
-        per_layer = [layer_params(a, a.moe_layers[i], parallel) for i in layers]
+        per_layer = [layer_params(a, a.moe_layers[i], parallel, a.linear(i)) for i in layers]
         total, experts = sum(p for p, _ in per_layer), sum(e for _, e in per_layer)
         if rank == 0:
             total += vocab
@@ -207,23 +244,26 @@ def stage_params(a: Architecture, parallel: ParallelConfig) -> list[tuple[int, i
     return out
 
 
-def layer_tensors(a: Architecture, moe: bool, parallel: ParallelConfig) -> int:
+def layer_tensors(a: Architecture, moe: bool, parallel: ParallelConfig, linear: bool = False) -> int:
     """Parameter tensors of one layer on one device, however TP shards them: what an optimizer step, the gradient
     clipping and the gradient buffers walk one by one (their fixed cost per step)."""
-    if a.mla:  # norm; queries (down, norm, up, or one projection); keys and values (down, norm, up); output
+    if linear:  # norm, in_proj, conv1d, dt_bias, A_log, output norm, out_proj
+        attention = 7
+    elif a.mla:  # norm; queries (down, norm, up, or one projection); keys and values (down, norm, up); output
         attention = 1 + (3 if a.q_lora else 1) + 3 + 1
     else:  # norm, fused QKV (and its bias), query and key norms, output
         attention = 1 + 1 + a.qkv_bias + 2 * a.qk_norm + 1
     if not moe:
         return attention + 3  # norm, fc1, fc2
-    return attention + 2 + 2 * (a.experts // parallel.ep) + (2 if a.shared_ffn else 0)  # norm, router, experts
+    shared = (2 + a.shared_gate) if a.shared_ffn else 0
+    return attention + 2 + 2 * (a.experts // parallel.ep) + shared  # norm, router, experts, shared expert
 
 
 def stage_tensors(a: Architecture, parallel: ParallelConfig) -> list[int]:
     """Per pipeline rank: the parameter tensors one of its devices holds (:func:`stage_params`' tensors)."""
     out = []
     for rank, layers in enumerate(rank_layers(parallel, a.layers)):
-        tensors = sum(layer_tensors(a, a.moe_layers[i], parallel) for i in layers) + (rank == 0)
+        tensors = sum(layer_tensors(a, a.moe_layers[i], parallel, a.linear(i)) for i in layers) + (rank == 0)
         if rank == parallel.pp - 1:  # final norm; the LM head (its tied copy under PP) or a value head; MTP layers
             head = a.value_head or not a.tied or parallel.pp > 1
             mtp = a.mtp_layers * (layer_tensors(a, a.moe_layers[-1], parallel) + 4)  # 3 norms, the projection

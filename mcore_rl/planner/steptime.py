@@ -110,16 +110,19 @@ class Lengths:
 def forward_flops(a: Architecture, tokens: float, context: float, head_tokens: float) -> float:
     """FLOPs of one forward over ``tokens`` positions with ``context`` mean attended positions each, the LM head on
     ``head_tokens`` of them: 2 per multiply-add of the active weights (MoE: the top-k routed and the shared
-    experts), and the attention's scores and weighted sums."""
+    experts), the attention's scores and weighted sums, and a Gated DeltaNet layer's state update and read per
+    position (two [key dim x value dim] products per value head; its chunked form's intra-chunk terms are left out)."""
     one = ParallelConfig()
     active = 0.0
-    for moe in a.moe_layers:
-        params, experts = layer_params(a, moe, one)
+    for i, moe in enumerate(a.moe_layers):
+        params, experts = layer_params(a, moe, one, a.linear(i))
         active += params - experts + (a.topk * 3 * a.moe_ffn * a.hidden if moe else 0)
     qk = (a.qk_dim + a.rope_dim) if a.mla else a.head_dim
     v = a.v_dim if a.mla else a.head_dim
-    attention = 2 * a.layers * a.heads * (qk + v) * context
-    return tokens * (2 * active + attention) + head_tokens * 2 * a.vocab * a.hidden
+    linear = sum(a.linear_layers)
+    attention = 2 * (a.layers - linear) * a.heads * (qk + v) * context
+    recurrence = 4 * linear * a.linear_value_heads * a.linear_key_dim * a.linear_value_dim
+    return tokens * (2 * active + attention + recurrence) + head_tokens * 2 * a.vocab * a.hidden
 
 
 def _bandwidth(device: DeviceSpec, group_span: int, within: float = 0.0) -> float:
