@@ -27,6 +27,30 @@ def read_config(hf_dir: str | Path) -> dict:
         raise ValueError(f"{path}: invalid JSON at line {err.lineno}: {err.msg}") from err
 
 
+def load_tokenizer(hf_dir: str | Path):
+    """The tokenizer of an HF directory, never running code the directory ships: where its tokenizer_config.json
+    names a tokenizer class of its own (``auto_map``, Kimi-K2's tiktoken tokenizer), the directory's
+    ``tokenizer.json`` is loaded as a fast tokenizer with the config's special tokens and chat template instead;
+    without one, a ``ValueError`` names the code file. (transformers, asked to run such code, prompts for a yes on
+    a terminal and waits.)"""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config = Path(hf_dir) / "tokenizer_config.json"
+    auto_map = json.loads(config.read_text()).get("auto_map", {}) if config.is_file() else {}
+    names = auto_map.get("AutoTokenizer") if isinstance(auto_map, dict) else None
+    code = next((name for name in (names if isinstance(names, list) else [names]) if name), None)
+    if code is None:
+        return AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False)
+    if (Path(hf_dir) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(hf_dir)
+    module = code.split("--")[-1].rsplit(".", 1)[0]
+    raise ValueError(
+        f"{Path(hf_dir) / (module + '.py')}: the tokenizer is the model's own code (tokenizer_config.json's "
+        "auto_map), which mcore-rl does not run, and the directory has no tokenizer.json to load instead; save the "
+        "tokenizer there as a fast tokenizer (tokenizer.json)"
+    )
+
+
 # Block-quantized FP8 checkpoints (DeepSeek-V3's release): each quantized weight has a float32 ``<name>_scale_inv``
 # with one factor per block of ``quantization_config.weight_block_size``.
 SCALE_SUFFIX = "_scale_inv"

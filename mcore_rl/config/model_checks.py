@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from converters.hf_io import HFCheckpoint
+from converters.hf_io import load_tokenizer as hf_load_tokenizer
 from converters.torch_dist import Reader, find_megatron
 from mcore_rl.config.loader import ConfigError
 from mcore_rl.planner.params import Architecture, adaptable_linears
@@ -173,10 +174,8 @@ def load_tokenizer(key: str, path: str):
     """The tokenizer of the model directory ``path`` (the value of ``key``): where it does not load, or holds no
     token but its special ones, a ``ConfigError`` naming the key, on one line. (transformers 5 builds an empty
     tokenizer for some families, Qwen's among them, when the directory has no tokenizer files.)"""
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = hf_load_tokenizer(path)
     except (OSError, ValueError) as err:
         raise ConfigError(f"{key}={path!r}: its tokenizer does not load: {' '.join(str(err).split())}") from None
     if len(tokenizer.get_vocab()) <= len(tokenizer.all_special_tokens):

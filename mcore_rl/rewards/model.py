@@ -25,10 +25,10 @@ class ModelReward:
     the call."""
 
     def __init__(self, config, group, on_device):
-        from transformers import AutoTokenizer
+        from converters.hf_io import load_tokenizer
 
         self.name, self.weight, self.micro_batch_size = config.name, config.weight, config.micro_batch_size
-        self.tokenizer = AutoTokenizer.from_pretrained(config.load)
+        self.tokenizer = load_tokenizer(config.load)
         self.group, self.on_device = group, on_device
 
     def score(self, samples: list[tuple[str, list[dict], str]]) -> list[float]:

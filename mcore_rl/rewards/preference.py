@@ -77,13 +77,13 @@ def build_reward_model(model_dir: str, out_dir: Path, pairs, held_out: int) -> d
     reward model to ``out_dir``; returns the preference accuracy on the training and the held-out pairs."""
     import transformers
 
-    from converters.hf_io import copy_model_files
+    from converters.hf_io import copy_model_files, load_tokenizer
     from models.registry import get_bridge
 
     bridge = get_bridge(model_dir)
     if bridge.value_architecture is None:
         raise ValueError(f"{model_dir}: {bridge.architecture} has no reward-model architecture to save as")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     causal = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     chosen = last_hidden(causal, tokenizer, [c for c, _ in pairs])
     rejected = last_hidden(causal, tokenizer, [r for _, r in pairs])

@@ -223,9 +223,9 @@ def cpu_thread_binding(config: RolloutConfig) -> str:
 def tokenizer_eos_ids(model_dir: str | Path) -> list[int]:
     """The EOS id of ``model_dir``'s tokenizer (none where it sets none): where a chat turn ends, which vLLM stops at
     only when it loads the tokenizer itself."""
-    from transformers import AutoTokenizer
+    from converters.hf_io import load_tokenizer
 
-    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    eos = load_tokenizer(model_dir).eos_token_id
     return [] if eos is None else [eos]
 
 

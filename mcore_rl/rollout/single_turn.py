@@ -34,9 +34,9 @@ class SingleTurn:
             self.model = ModelReward(m.reward_model, system.reward_model, system.on_device)
         parse = system.verdicts.score if system.verdicts else None  # a user's parser, else the built-in one
         if m.judge.own_engines:  # its engines, with its own tokenizer
-            from transformers import AutoTokenizer
+            from converters.hf_io import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(m.judge.load)
+            tokenizer = load_tokenizer(m.judge.load)
             self.judge = Judge(m.judge, system.judge_engines, tokenizer, m.judge.max_model_len, parse)
         elif m.judge.load:  # on the policy's engines, with the policy's tokenizer
             self.judge = Judge(m.judge, system.rollout, tokenizer, m.policy.rollout.max_model_len, parse)

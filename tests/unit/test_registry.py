@@ -151,3 +151,30 @@ def test_a_name_resolves_among_the_patterns_of_its_shape_as_among_all(tiny_model
     for pattern in ("decoder.layers.*1.weight", "experts.2*.weight", "experts.**.weight"):
         with pytest.raises(ValueError, match=re.escape(pattern) + ".*ambiguous"):
             MappingTable([Direct(pattern, "x")])
+
+
+def test_a_tokenizer_of_the_model_s_own_code_is_never_run(tmp_path):
+    """Kimi-K2's release names its own tokenizer class (tiktoken, tokenization_kimi.py) in tokenizer_config.json's
+    auto_map. Its code is never run: with a tokenizer.json beside it that loads as a fast tokenizer (the config's
+    special tokens kept); without one the refusal names the code's file (transformers would ask on a terminal)."""
+    from converters.hf_io import load_tokenizer
+    from mcore_rl.config.loader import ConfigError
+    from mcore_rl.config.model_checks import load_tokenizer as checked_tokenizer
+    from tests.tiny import save_char_tokenizer
+
+    save_char_tokenizer(tmp_path)
+    ran = tmp_path / "ran"
+    (tmp_path / "tokenization_kimi.py").write_text(f"open({str(ran)!r}, 'w').close()\n")
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config |= {
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.encode("ab", add_special_tokens=False) == [14, 15]
+    (tmp_path / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"models.policy.load=.*tokenization_kimi.py: the tokenizer is the model's own "
+                       r"code .* no tokenizer.json"):  # fmt: skip
+        checked_tokenizer("models.policy.load", str(tmp_path))
+    assert not ran.exists()
