@@ -18,6 +18,9 @@ and the state leaving it is ``exp(G_C) S0 + (exp(G_C - G)*K)^T U``.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -25,13 +28,11 @@ CHUNK = 64
 
 
 def gated_delta_rule():
-    """fla's ``chunk_gated_delta_rule`` where it imports (GPUs with fla installed), else :func:`chunk_gated_delta_rule`
-    (the same signature and results)."""
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
-    except ImportError:
+    """fla's ``chunk_gated_delta_rule`` where it is installed (an optional GPU package, not a requirement), else
+    :func:`chunk_gated_delta_rule` (the same signature and results)."""
+    if importlib.util.find_spec("fla") is None:
         return chunk_gated_delta_rule
-    return kernel
+    return importlib.import_module("fla.ops.gated_delta_rule").chunk_gated_delta_rule
 
 
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6) -> torch.Tensor:

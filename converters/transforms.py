@@ -39,12 +39,12 @@ def merge_gated_qkv(
     q_gate: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_attention_heads: int, num_query_groups: int
 ) -> torch.Tensor:
     """Queries with an output gate (Qwen3-Next's ``q_proj``: each head's queries, then its gate) and K/V ->
-    Megatron's ``linear_qkv`` with ``attention_output_gate``: per query group ``[q heads | gate heads | k | v]``."""
+    Megatron's ``linear_qkv`` with ``attention_output_gate``: per query group ``[q heads | gate heads | k | v]``
+    (:func:`merge_qkv` of the group's queries, then gates, as its queries)."""
     rest = q_gate.shape[1:]
-    g = num_query_groups
-    heads = q_gate.reshape(num_attention_heads, 2, -1, *rest)  # [heads, (q, gate), head_dim, ...]
-    q, gate = (heads[:, i].reshape(g, -1, *rest) for i in (0, 1))
-    return cat([q, gate, k.reshape(g, -1, *rest), v.reshape(g, -1, *rest)], dim=1).reshape(-1, *rest)
+    g, per_group = num_query_groups, num_attention_heads // num_query_groups
+    grouped = q_gate.reshape(g, per_group, 2, -1, *rest).transpose(1, 2)  # [group, (q, gate), head, head_dim, ...]
+    return merge_qkv(grouped.reshape(-1, *rest), k, v, g)
 
 
 def split_gated_qkv(
@@ -52,12 +52,10 @@ def split_gated_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of :func:`merge_gated_qkv`."""
     rest = qkv.shape[1:]
-    g = num_query_groups
-    per_group_q = num_attention_heads // g * head_dim
-    grouped = qkv.reshape(g, 2 * per_group_q + 2 * head_dim, *rest)
-    q, gate, k, v = torch.split(grouped, [per_group_q, per_group_q, head_dim, head_dim], dim=1)
-    q, gate = (x.reshape(num_attention_heads, 1, head_dim, *rest) for x in (q, gate))
-    return cat([q, gate], dim=1).reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+    g, per_group = num_query_groups, num_attention_heads // num_query_groups
+    q_gate, k, v = split_qkv(qkv, 2 * num_attention_heads, g, head_dim)
+    heads = q_gate.reshape(g, 2, per_group, head_dim, *rest).transpose(1, 2)  # [group, head, (q, gate), ...]
+    return heads.reshape(-1, *rest), k, v
 
 
 def merge_per_rank(parts: list[torch.Tensor], tp: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ class Qwen3MoeBridge(Bridge):
     def check_supported(self) -> None:
         super().check_supported()
         if self.hf.get("mlp_only_layers") or self.hf.get("decoder_sparse_step", 1) != 1:
-            raise ValueError("Qwen3MoeForCausalLM: dense layers (mlp_only_layers, decoder_sparse_step) unsupported")
+            raise ValueError(f"{self.architecture}: dense layers (mlp_only_layers, decoder_sparse_step) unsupported")
 
     def extra_config(self) -> dict:
         aux = float(self.hf.get("router_aux_loss_coef", 0.0))

@@ -8,15 +8,16 @@
 * Self-attention layers: queries with a sigmoid output gate per head (``attention_output_gate``), q/k norms, RoPE on
   ``partial_rotary_factor`` of each head.
 * Norms are zero-centered (``1 + weight``, ``layernorm_zero_centered_gamma``), but Gated DeltaNet's output norm.
-* MoE: softmax routing, top-k renormalised (``norm_topk_prob``), a shared expert scaled by ``sigmoid`` of its own
-  gate (``moe_shared_expert_gate``).
+* MoE: Qwen3-MoE's (:class:`models.qwen3_moe.Qwen3MoeBridge`: softmax routing, top-k renormalised, every layer
+  MoE), and a shared expert scaled by ``sigmoid`` of its own gate (``moe_shared_expert_gate``).
 * The checkpoint's multi-token-prediction layers (``mtp.*``) are not loaded: no Megatron mapping yet, so a
   conversion back to HF holds none.
 """
 
 from compat.vllm import gated_delta_net_problem
 from converters.mapping import Direct, GatedDeltaInProj, GatedMLP, GatedQKV, Mapping, PerRankParts
-from models.bridge import _HL, _L, DENSE_CONFIG, ROUTED_EXPERTS, Bridge
+from models.bridge import _HL, _L, DENSE_CONFIG
+from models.qwen3_moe import MOE_CONFIG, Qwen3MoeBridge
 from parallel.config import ParallelConfig
 
 LINEAR_ATTENTION_CONFIG = tuple(
@@ -29,27 +30,19 @@ LINEAR_ATTENTION_CONFIG = tuple(
         "linear_num_value_heads",
     )
 )
-MOE_CONFIG = (
-    ("num_experts", "num_moe_experts"),
-    ("num_experts_per_tok", "moe_router_topk"),
-    ("moe_intermediate_size", "moe_ffn_hidden_size"),
-    ("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
-    ("router_aux_loss_coef", "moe_aux_loss_coeff"),
-)
+SHARED_EXPERT_CONFIG = (("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),)
 
 _A = _L + "self_attention."
 _HG = _HL + "linear_attn."
 
 
-class Qwen3NextBridge(Bridge):
+class Qwen3NextBridge(Qwen3MoeBridge):
+    """Qwen3-MoE's routing and config (every layer MoE), with the layers above."""
+
     architecture = "Qwen3NextForCausalLM"
     model_type = "qwen3_next"
-    qk_norm = True
-    config_table = DENSE_CONFIG + LINEAR_ATTENTION_CONFIG + MOE_CONFIG
-
-    @property
-    def num_experts(self) -> int:
-        return self.hf["num_experts"]
+    value_architecture = None
+    config_table = DENSE_CONFIG + LINEAR_ATTENTION_CONFIG + MOE_CONFIG + SHARED_EXPERT_CONFIG
 
     @property
     def layer_types(self) -> list[str]:
@@ -88,20 +81,12 @@ class Qwen3NextBridge(Bridge):
                 raise ValueError(f"{key}={self.hf[key]} is not divisible by tp={parallel.tp}")
 
     def extra_config(self) -> dict:
-        hf = self.hf
-        aux = float(hf.get("router_aux_loss_coef", 0.0))
-        step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
-        return dict(
+        return super().extra_config() | dict(
             layernorm_zero_centered_gamma=True,
             attention_output_gate=True,
             experimental_attention_variant="gated_delta_net",
             linear_attention_freq=[int(t == "linear_attention") for t in self.layer_types],
-            moe_layer_freq=[int(i not in dense and (i + 1) % step == 0) for i in range(self.layers)],
-            moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
-            moe_router_load_balancing_type="aux_loss" if aux > 0 else "none",
             moe_shared_expert_gate=True,
-            moe_token_dispatcher_type="alltoall",
-            moe_grouped_gemm=True,
         )
 
     def attention_mappings(self) -> list[Mapping]:
@@ -139,8 +124,7 @@ class Qwen3NextBridge(Bridge):
     def mlp_mappings(self) -> list[Mapping]:
         shared, hf_shared = _L + "mlp.shared_experts.", _HL + "mlp.shared_expert."
         return [
-            *super().mlp_mappings(),  # mlp_only_layers' dense MLPs, and every layer's pre-MLP norm
-            *ROUTED_EXPERTS,
+            *super().mlp_mappings(),  # the pre-MLP norm, router and routed experts
             GatedMLP(shared + "linear_fc1.weight", (hf_shared + "gate_proj.weight", hf_shared + "up_proj.weight")),
             Direct(shared + "linear_fc2.weight", hf_shared + "down_proj.weight", tp_axis=1),
             Direct(shared + "gate_weight", _HL + "mlp.shared_expert_gate.weight"),
