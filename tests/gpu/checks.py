@@ -533,6 +533,68 @@ def tiny_moe() -> tuple[str, dict]:
     return "; ".join(report), numbers
 
 
+FAMILY_TOLERANCE = 1e-4  # fp32 logits and log-probs against transformers' (measured on CPU: under 1e-5)
+
+
+def new_families() -> tuple[str, dict]:
+    """Tiny GLM-4.5, Kimi-K2 and Qwen3-Next in fp32 on each available layer spec: logits equal transformers' on the
+    device, and log-probs padded equal THD-packed (Qwen3-Next's Gated DeltaNet with fla's kernel where it is
+    installed, else compat.fla's plain-torch one, on the GPU)."""
+    _need("transformers", "safetensors", "tokenizers")
+    import transformers
+
+    from compat.fla import gated_delta_rule
+    from converters.stream import load_weights
+    from mcore_rl.trainer.training import MegatronModel
+    from models.registry import get_bridge
+    from parallel.config import ParallelConfig
+    from parallel.device import Device
+    from parallel.groups import init_parallel
+    from tests.tiny import make_tiny, make_tiny_kimi_k2
+
+    _world()
+    report, numbers = [], {"gated_delta_rule": gated_delta_rule().__module__}
+    backends = ["local"] + (["te"] if Device.current().layer_backend("auto") == "te" else [])
+    with tempfile.TemporaryDirectory() as root:
+        models = {
+            "Glm4MoeForCausalLM": (make_tiny("Glm4MoeForCausalLM", Path(root) / "glm"), None),
+            # transformers has no Kimi-K2: its reference is the DeepSeek-V3 it was saved from
+            "KimiK2": (
+                make_tiny_kimi_k2(Path(root) / "kimi"),
+                make_tiny("DeepseekV3ForCausalLM", Path(root) / "dsv3", num_nextn_predict_layers=0),
+            ),  # fmt: skip
+            "Qwen3NextForCausalLM": (make_tiny("Qwen3NextForCausalLM", Path(root) / "qwen3_next"), None),
+        }
+        tokens = _tokens(100, rows=4, length=17)
+        positions = torch.arange(17, device=_device()).expand(4, -1)
+        for family, (hf_dir, reference) in models.items():
+            hf = transformers.AutoModelForCausalLM.from_pretrained(reference or hf_dir, dtype=torch.float32)
+            with torch.no_grad():
+                want = hf.to(_device())(tokens).logits
+            bridge = get_bridge(hf_dir)
+            for backend in backends:
+                groups = init_parallel(ParallelConfig())
+                config = bridge.transformer_config(ParallelConfig(), params_dtype=torch.float32)
+                chunks = bridge.build_model(config, backend=backend)
+                load_weights(chunks, bridge, str(hf_dir), groups)
+                with torch.no_grad():
+                    logits = chunks[0](tokens, positions, None)[..., : bridge.vocab_size]
+                model = MegatronModel(chunks, groups)
+                lengths = [17, 9, 13, 5]
+                padded, packed = (model.logprobs(tokens, bridge.vocab_size, 2, lengths, n) for n in (0, 34))
+                real = torch.arange(16, device=_device())[None] < torch.tensor(lengths, device=_device())[:, None] - 1
+                diffs = {
+                    "logits": (logits - want).abs().max().item(),
+                    "packed_vs_padded": (packed - padded)[real].abs().max().item(),
+                }
+                assert max(diffs.values()) <= FAMILY_TOLERANCE, (family, backend, diffs)
+                numbers[f"{family}_{backend}"] = diffs
+                report.append(
+                    f"{family} {backend}: |Δlogit| {diffs['logits']:.1e}, packed {diffs['packed_vs_padded']:.1e}"
+                )
+    return "; ".join(report), numbers
+
+
 def _hf_engine(hf_dir: str, connection) -> None:
     """Step hf_sync's engine, in its own process: an HF model on the same GPU, zeroed, whose weights then come from
     the trainer's CUDA IPC buckets (one update); then its log-probs of the step's tokens, and what it never got."""
@@ -947,6 +1009,7 @@ STEPS = [
     Step("transport", transport, (), 180, 1),
     Step("megatron_vs_hf", megatron_vs_hf, (*MEGATRON, "transformers"), 300, 1),
     Step("tiny_moe", tiny_moe, (*MEGATRON, "transformers", "safetensors"), 300, 1),  # runs on CPU too
+    Step("new_families", new_families, (*MEGATRON, "transformers", "safetensors"), 300, 1),  # runs on CPU too
     Step("train_and_checkpoint", train_and_checkpoint, (*MEGATRON, "transformers", "yaml"), 420, 2),
     Step("critic", critic, (*MEGATRON, "transformers", "yaml"), 300, 2),
     Step("lora", lora, (*MEGATRON, "transformers", "yaml"), 300, 2),
