@@ -425,7 +425,7 @@ def compile_on_first_call(jit: types.ModuleType) -> None:
     jit.jit_fuser = jit_fuser
 
 
-# ---- MLA without TransformerEngine --------------------------------------------------------------------------------
+# ---- Gated DeltaNet without flash-linear-attention ----------------------------------------------------------------
 def gated_delta_net_without_fla() -> None:
     """0.16.1's ``GatedDeltaNet`` refuses to be built where flash-linear-attention does not import
     (gated_delta_net.py:103), though only its forward uses fla's kernels; :class:`models.gated_delta.GatedDeltaNet`
@@ -454,6 +454,7 @@ def gated_delta_net_tensor_parallel(module: torch.nn.Module) -> None:
         param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
 
 
+# ---- MLA without TransformerEngine --------------------------------------------------------------------------------
 def mla_without_te() -> None:
     """0.16.1 builds its TE wrappers on a MagicMock when TE is absent, so multi-latent attention believes TE is there
     and fails on ``isinstance(..., TELinear)`` (multi_latent_attention.py:185; fixed upstream in 0.19). Tell it TE

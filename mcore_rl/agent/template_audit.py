@@ -11,8 +11,8 @@ turn once a tool result follows it: training then silently uses contexts the mod
 tool's result, an assistant turn with reasoning and an answer, a second user message, a plain assistant answer)
 incrementally and whole, and checks that each step's text is a prefix of the next: the prompt of each assistant turn,
 that turn as the last message, the prompt of the next. The first step that is not names the first differing token
-and the fix. A run with tools or an environment audits its policy's template before any actor starts
-(:func:`mcore_rl.preflight.check_tool_format`); ``mcore-rl-check-template MODEL_DIR`` runs it alone.
+and the fix. A run with tools, an environment or an agent audits its policy's template before any actor starts
+(:func:`mcore_rl.preflight.check_template`); ``mcore-rl-check-template MODEL_DIR`` runs it alone.
 """
 
 from __future__ import annotations
@@ -27,19 +27,9 @@ import jinja2
 
 from mcore_rl.agent.chat import REWRITTEN_KEY, ChatFormat
 from mcore_rl.agent.tool_calls import KEY, resolve_format
+from mcore_rl.agent.tools import Calculator, schema
 
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluates an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "The expression."}},
-            "required": ["expression"],
-        },
-    },
-}
+CALCULATOR = schema(Calculator())  # the tool the audit's conversation calls, where the run gives none of its own
 _CALL = {"id": "call_0_0_0", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}}
 _THOUGHTS = ("The user wants 6*7; the calculator gives it.", "The tool says 42.")
 
