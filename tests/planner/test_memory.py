@@ -89,6 +89,8 @@ def moonlight(tmp_path_factory):
         ("Qwen3ForCausalLM", dict(pp=4)),
         ("Qwen3MoeForCausalLM", dict(ep=2, etp=2, **SP)),
         ("DeepseekV3ForCausalLM", dict(pp=2, ep=2, last_stage_layers=1)),  # the dense first layer on stage 0
+        ("Glm4MoeForCausalLM", dict(pp=2, ep=2)),  # q/k/v biases, shared expert, the MTP layer on the last stage
+        ("Qwen3NextForCausalLM", dict(ep=2, **SP)),  # Gated DeltaNet, gated queries, the shared expert's gate
         ("moonlight", dict(tp=2, ep=2, etp=1, sequence_parallel=True)),  # MLA without a query projection rank
     ],
 )
