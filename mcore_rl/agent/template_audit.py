@@ -140,16 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tool-format", default="auto", help="how the policy writes tool calls (default: auto)")
     parser.add_argument("--no-tools", action="store_true", help="audit a conversation without tools")
     args = parser.parse_args(argv)
-    from mcore_rl.config.loader import ConfigError
-    from mcore_rl.config.model_checks import load_tokenizer
+    from converters.hf_io import load_tokenizer
 
     if not Path(args.model_dir).is_dir():
         print(f"error: MODEL_DIR={args.model_dir!r}: not a directory", file=sys.stderr)
         return 2
     try:
-        tokenizer = load_tokenizer("MODEL_DIR", args.model_dir)
+        tokenizer = load_tokenizer(args.model_dir)
         verdict = audit(tokenizer, [] if args.no_tools else None, args.tool_format)
-    except (ConfigError, ValueError) as err:
+    except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"{args.model_dir}: {verdict.describe()}")
