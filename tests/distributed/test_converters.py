@@ -23,7 +23,7 @@ from converters.hf_io import HFCheckpoint, copy_model_files
 from mcore_rl import checkpoint, convert
 from tests.distributed import cases
 from tests.distributed.test_bridges import DENSE_LAYOUTS, _layouts
-from tests.tiny import FAMILIES, make_tiny
+from tests.tiny import FAMILIES, make_tiny, make_tiny_kimi_k2
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,6 +96,17 @@ def test_hf_megatron_hf_is_bit_exact(converted, tiny_models, arch):
     for name in ("config.json", "tokenizer.json"):
         assert (out / name).read_bytes() == (Path(tiny_models[arch]) / name).read_bytes()
     assert not list(out.parent.glob(".*.partial"))
+
+
+def test_kimi_k2_converts_both_ways_keeping_its_model_type(tmp_path):
+    """A Kimi-K2 checkpoint (DeepSeek-V3's layers under model_type kimi_k2, its config naming remote code) through
+    hf2mcore and mcore2hf: the same tensors bit for bit, and a config.json that is still Kimi-K2's."""
+    source = make_tiny_kimi_k2(tmp_path / "kimi")
+    ok(cli("hf2mcore", source, tmp_path / "mcore", "--bucket-size", "64KB"))
+    ok(cli("mcore2hf", tmp_path / "mcore", tmp_path / "hf"))
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), hf_tensors(source))
+    config, original = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "hf", source))
+    assert config["model_type"] == "kimi_k2" and config["auto_map"] == original["auto_map"]
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
