@@ -72,16 +72,15 @@ def split_per_rank(full: torch.Tensor, sizes: list[int], tp: int) -> tuple[torch
 
 
 def merge_gated(gate: torch.Tensor, up: torch.Tensor, tp: int) -> torch.Tensor:
-    """Megatron's fused ``linear_fc1`` holds ``[gate_i; up_i]`` on TP rank i, so gate and up are chunked apart."""
-    return cat([t for pair in zip(gate.chunk(tp), up.chunk(tp), strict=True) for t in pair])
+    """Megatron's fused ``linear_fc1`` holds ``[gate_i; up_i]`` on TP rank i (:func:`merge_per_rank` of the two)."""
+    return merge_per_rank([gate, up], tp)
 
 
 def split_gated(fc1: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`merge_gated`; at TP 1, views of ``fc1`` (a weight sync exports every layer's: no copies)."""
-    halves = [shard.chunk(2) for shard in fc1.chunk(tp)]
     if tp == 1:
-        return halves[0]
-    return cat([g for g, _ in halves]), cat([u for _, u in halves])
+        return fc1.chunk(2)
+    return split_per_rank(fc1, [fc1.shape[0] // 2] * 2, tp)
 
 
 def permute_rope_rows(
