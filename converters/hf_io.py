@@ -7,11 +7,14 @@ import math
 import os
 import shutil
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from converters.stacks import ExpertStacks
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -56,19 +59,21 @@ def load_tokenizer(hf_dir: str | Path):
 SCALE_SUFFIX = "_scale_inv"
 
 
-def fp8_block_size(config: dict, where: str) -> tuple[int, int] | None:
-    """The weight block of a block-quantized FP8 checkpoint's ``config`` (config.json), None if not quantized."""
+def quantization(config: dict, where: str) -> tuple[str, tuple[int, int] | None] | None:
+    """How ``config``'s (config.json's) weights are quantized: ``("fp8", block)`` or ``("mxfp4", None)``, or None."""
     quantization = config.get("quantization_config")
     if not quantization:
         return None
     method, block = quantization.get("quant_method"), quantization.get("weight_block_size")
+    if method == "mxfp4":
+        return method, None
     if method != "fp8" or not (isinstance(block, list) and len(block) == 2):
         raise ValueError(
             f"{where}: quantization_config quant_method={method!r}, weight_block_size={block!r}: only block FP8 "
-            "(quant_method 'fp8' with [rows, cols] blocks, as DeepSeek-V3's release) is dequantized here; convert the "
-            "checkpoint to bf16 first"
+            "(quant_method 'fp8' with [rows, cols] blocks, as DeepSeek-V3's release) and MXFP4 experts (gpt-oss's) "
+            "are dequantized here; convert the checkpoint to bf16 first"
         )
-    return block[0], block[1]
+    return method, (block[0], block[1])
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -76,6 +81,21 @@ def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
     rows, cols = weight.shape
     scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     return (weight.float() * scale).to(torch.bfloat16)
+
+
+# MXFP4 checkpoints (gpt-oss's release): a weight ``<name>`` [..., in, out] is stored transposed as
+# ``<name>_blocks`` [..., out, in / 32, 16] uint8, two e2m1 values per byte (the low nibble first), and
+# ``<name>_scales`` [..., out, in / 32] uint8, a power of two per 32 values with its exponent biased by 127.
+MXFP4_SUFFIXES = ("_blocks", "_scales")
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bf16 weight [..., in, out] of MXFP4 ``blocks`` and ``scales`` (exact: every value is an e2m1 number times a
+    power of two)."""
+    values = torch.tensor(E2M1)[torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).long()]  # [..., out, G, 16, 2]
+    values = values.flatten(-2) * torch.exp2(scales.float() - 127).unsqueeze(-1)
+    return values.flatten(-2).transpose(-1, -2).to(torch.bfloat16)
 
 
 def safetensors_header(path: Path) -> dict[str, dict]:
@@ -99,13 +119,20 @@ def safetensors_header(path: Path) -> dict[str, dict]:
 
 class HFCheckpoint:
     """Lazy, per-tensor access to a checkpoint's safetensors: a rank reads only the tensors it asks for. Block FP8
-    weights read as bf16 (their scales are not listed): converters and trainers see the model, not its storage.
-    Every file's header is checked when the checkpoint is opened (:func:`safetensors_header`)."""
+    weights and MXFP4 experts read as bf16 (their scales are not listed), and where ``stacks`` is given, stacked
+    expert tensors as one tensor per expert (:mod:`converters.stacks`, read as slices): converters and trainers see
+    the model, not its storage. Every file's header is checked when the checkpoint is opened
+    (:func:`safetensors_header`)."""
 
-    def __init__(self, hf_dir: str | Path):
+    def __init__(self, hf_dir: str | Path, stacks: ExpertStacks | None = None):
         self.dir = Path(hf_dir)
         config = self.dir / "config.json"
-        self.fp8_block = fp8_block_size(read_config(self.dir), str(config)) if config.is_file() else None
+        method, self.fp8_block = (quantization(read_config(self.dir), str(config)) if config.is_file() else None) or (
+            None,
+            None,
+        )
+        self.mxfp4 = method == "mxfp4"
+        self.stacks = stacks
         index = self.dir / INDEX_FILE
         if index.is_file():
             try:
@@ -131,14 +158,33 @@ class HFCheckpoint:
             self._stored.update(header)
         self.weight_map: dict[str, str] = weight_map
         self._handles: dict[str, object] = {}
+        stored = dict(self._listed())
+        self._shapes = stacks.split(stored) if stacks is not None else stored
 
     def names(self) -> set[str]:
-        return {n for n in self.weight_map if not self._is_scale(n)}
+        return set(self._shapes)
 
-    def _is_scale(self, name: str) -> bool:
-        return (
-            self.fp8_block is not None and name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] in self.weight_map
-        )
+    def _listed(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """Each tensor as the model sees it, with its shape: quantized ones under their own names (an MXFP4 one
+        transposed back), their scales not at all."""
+        for name in self.weight_map:
+            if (
+                self.fp8_block is not None
+                and name.endswith(SCALE_SUFFIX)
+                and name[: -len(SCALE_SUFFIX)] in self.weight_map
+            ):
+                continue
+            base = name[: -len(MXFP4_SUFFIXES[0])]
+            if (stored := self._mxfp4_of(base)) is None:
+                yield name, tuple(self._stored[name]["shape"])
+            elif name == stored[0]:
+                *lead, out, groups, pairs = self._stored[name]["shape"]
+                yield base, (*lead, groups * pairs * 2, out)
+
+    def _mxfp4_of(self, name: str) -> tuple[str, str] | None:
+        """The blocks and scales that store ``name`` in an MXFP4 checkpoint, or None."""
+        stored = tuple(name + suffix for suffix in MXFP4_SUFFIXES)
+        return stored if self.mxfp4 and all(n in self.weight_map for n in stored) else None
 
     def _scale_of(self, name: str) -> str | None:
         scale = name + SCALE_SUFFIX
@@ -152,25 +198,38 @@ class HFCheckpoint:
             self._handles[file] = safe_open(self.dir / file, framework="pt")
         return self._handles[file]
 
+    def _read(self, name: str, expert: int | None) -> torch.Tensor:
+        handle = self._handle(name)
+        return handle.get_tensor(name) if expert is None else handle.get_slice(name)[expert]
+
+    def _stored_name(self, name: str) -> tuple[str, int | None]:
+        """The stored tensor holding ``name`` and, for one expert's slice of a stacked tensor, the expert's index."""
+        found = self.stacks.source(name) if self.stacks is not None else None
+        return found if found is not None else (name, None)
+
     def get(self, name: str) -> torch.Tensor:
-        tensor = self._handle(name).get_tensor(name)
-        scale = self._scale_of(name)
-        return (
-            tensor if scale is None else dequantize_fp8(tensor, self._handle(scale).get_tensor(scale), self.fp8_block)
-        )
+        if name not in self._shapes:
+            raise KeyError(f"{self.dir}: tensor {name!r} is not in the checkpoint")
+        stored, expert = self._stored_name(name)
+        if (mxfp4 := self._mxfp4_of(stored)) is not None:
+            return dequantize_mxfp4(*(self._read(n, expert) for n in mxfp4))
+        tensor = self._read(stored, expert)
+        scale = self._scale_of(stored)
+        return tensor if scale is None else dequantize_fp8(tensor, self._read(scale, expert), self.fp8_block)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor's shape (FP8 scales aside), from the headers: no data is read."""
-        return {n: self.shape(n) for n in self.names()}
+        """Every tensor's shape (quantization scales aside), from the headers: no data is read."""
+        return dict(self._shapes)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._stored[name]["shape"])
+        return self._shapes[name]
 
     def dtype(self, name: str) -> torch.dtype:
-        if self._scale_of(name) is not None:
+        stored, _ = self._stored_name(name)
+        if self._scale_of(stored) is not None or self._mxfp4_of(stored) is not None:
             return torch.bfloat16
-        return _DTYPE_OF_NAME[self._stored[name]["dtype"]]
+        return _DTYPE_OF_NAME[self._stored[stored]["dtype"]]
 
 
 # Files of a model directory that are not weights (config, tokenizer, generation settings): copied along.

@@ -174,6 +174,35 @@ class GatedMLP(Mapping):
 
 
 @dataclass(frozen=True)
+class Transposed(Mapping):
+    """An HF tensor stored as ``x @ W`` multiplies it ([in, out], gpt-oss's experts) -> Megatron's [out, in]."""
+
+    def to_megatron(self, hf, tp, full_shape):
+        return hf[0].transpose(0, 1)
+
+    def to_hf(self, full, tp):
+        return (full.transpose(0, 1),)
+
+
+@dataclass(frozen=True)
+class InterleavedGatedMLP(Mapping):
+    """One HF tensor whose outputs alternate gate and up (gpt-oss's ``gate_up_proj`` [in, 2 * ffn] and its bias
+    [2 * ffn]: gate at even, up at odd outputs) -> Megatron's ``linear_fc1`` as :class:`GatedMLP`'s; ``transposed``:
+    the weight is stored [in, out]."""
+
+    transposed: bool = False
+    tp_axis: int | None = 0
+
+    def to_megatron(self, hf, tp, full_shape):
+        rows = hf[0].transpose(0, 1) if self.transposed else hf[0]
+        return transforms.merge_gated(rows[0::2], rows[1::2], tp)
+
+    def to_hf(self, full, tp):
+        rows = torch.stack(transforms.split_gated(full, tp), dim=1).flatten(0, 1)
+        return (rows.transpose(0, 1) if self.transposed else rows,)
+
+
+@dataclass(frozen=True)
 class RopeRows(Mapping):
     """A projection whose output rows hold, every ``period`` rows, ``rope_dim`` rotary rows at ``offset``.
 

@@ -48,7 +48,7 @@ def load_hf(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path, groups: P
     problems gathered so that all ranks raise together instead of leaving peers in a collective): a
     ``ValueError`` names every missing, mis-shaped or unexpected checkpoint tensor before anything is read.
     """
-    ckpt = HFCheckpoint(hf_dir)
+    ckpt = HFCheckpoint(hf_dir, bridge.expert_stacks())
     table = MappingTable(bridge.mappings())
     ep, ep_rank = _size_rank(groups.ep)
     num_local = _num_local_experts(chunks, ep)
@@ -167,9 +167,16 @@ def export_hf(
     ``mtp`` False: without the multi-token-prediction layers (for an engine that does not draft with them).
 
     Per bucket (tasks of one pipeline owner): one all_gather over TP, one over expert-TP, one over EP for the
-    experts, one broadcast over PP. Peak extra memory is about one bucket. Yielded tensors may alias
-    parameters or the bucket buffer: copy them before the model or the iterator moves on.
+    experts, one broadcast over PP. Peak extra memory is about one bucket (plus, for a family whose checkpoints
+    stack experts, the stacked tensors begun). Yielded tensors may alias parameters or the bucket buffer: copy them
+    before the model or the iterator moves on.
     """
+    stacks = bridge.expert_stacks()
+    exported = _export_hf(chunks, bridge, groups, bucket_bytes, read, mtp)
+    return exported if stacks is None else stacks.stack(exported)
+
+
+def _export_hf(chunks, bridge, groups, bucket_bytes, read, mtp) -> Iterator[tuple[str, torch.Tensor]]:
     table = MappingTable(bridge.mappings())
     tp, _ = _size_rank(groups.tp)
     etp, _ = _size_rank(groups.expt_tp)

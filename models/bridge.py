@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
+from compat.megatron_core import expert_biases, sinks_split_by_head
 from compat.megatron_core.cpu import loaded_later
 from converters.mapping import QKV, Direct, GatedMLP, Mapping, Vocab
+from converters.stacks import ExpertStacks
 from parallel.config import ParallelConfig
 from parallel.device import Device
 
@@ -220,9 +222,18 @@ class Bridge:
         )
         fields.update(self.extra_config())
         fields.update(overrides)
+        return self.config_class()(**fields)
+
+    def config_class(self) -> type[TransformerConfig]:
+        """The TransformerConfig class this family's fields fill."""
         from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-        return (MLATransformerConfig if self.mla else TransformerConfig)(**fields)
+        return MLATransformerConfig if self.mla else TransformerConfig
+
+    @property
+    def position_embedding_type(self) -> str:
+        """GPTModel's ``position_embedding_type``: RoPE, or YaRN where the family builds it into the layers."""
+        return "rope"
 
     def extra_config(self) -> dict:
         """Family-specific TransformerConfig fields (MoE, ...)."""
@@ -265,6 +276,8 @@ class Bridge:
             with device if meta else contextlib.nullcontext():
                 model = self._gpt_model(config, backend, vp_stage, vocab, max_sequence_length)
             chunks.append(model.to(device=device, dtype=config.params_dtype))
+        sinks_split_by_head(chunks)
+        expert_biases(chunks)
         if self.value_model:  # a reward model's score head in place of the LM head
             attach_value_heads(chunks, parallel_state.get_tensor_model_parallel_group())
         return chunks
@@ -286,7 +299,7 @@ class Bridge:
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=self.tie_word_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type=self.position_embedding_type,
             rotary_percent=self.rotary_percent,
             rotary_base=self.rope_theta,
             vp_stage=vp_stage,
@@ -320,6 +333,10 @@ class Bridge:
         head = ("model.embed_tokens.weight",) if tied else ("lm_head.weight", *heads)
         out.append(Vocab("output_layer.weight", head, vocab_size=self.vocab_size, export=not tied))
         return out
+
+    def expert_stacks(self) -> ExpertStacks | None:
+        """Where the family's checkpoints stack each layer's experts into one tensor (:mod:`converters.stacks`)."""
+        return None
 
     def mtp_prefix(self, i: int) -> str:
         """HF name prefix of MTP layer ``i``: after the decoder's layers (DeepSeek-V3's layout)."""

@@ -4,7 +4,7 @@
 modules, so parameter names, TP/EP sharding, dist-checkpoint keys and HF mappings are the sequential experts'
 (checkpoints and the rollout sync do not care which one ran). The forward stacks the local experts' weights
 (one copy per step, the size of the local expert weights) and runs ``fc1`` and ``fc2`` as one grouped GEMM each
-over the tokens sorted by expert, instead of a Python loop of ``2 * num_local_experts`` small GEMMs, where that is
+over the tokens sorted by expert (biases, and the activation's clamp and offset, as Megatron's ``MLP`` applies them), instead of a Python loop of ``2 * num_local_experts`` small GEMMs, where that is
 the faster of the two (:meth:`parallel.device.Device.grouped_experts`); else it is the loop. The experts' LoRA
 adapters, where a run trains them, add theirs per expert.
 """
@@ -62,10 +62,6 @@ class GroupedExperts(SequentialMLP):
                 f"fc2 {tuple(fc2.shape)}) to be multiples of {per_row} for {fc1.dtype}; use sequential experts "
                 "(moe_grouped_gemm=False)"
             )
-        if config.glu_linear_offset or config.activation_func_clamp_value is not None:
-            raise ValueError("grouped experts implement plain (gated) activations: no glu offset or clamp")
-        if any(has_bias(e.linear_fc1) or has_bias(e.linear_fc2) for e in self.local_experts):
-            raise ValueError("grouped experts have no bias support; MoE models need add_bias_linear=False")
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         """``hidden`` [T, h] sorted by local expert, ``tokens_per_expert`` [E], ``probs`` [T] -> ([T, h], None)."""
@@ -79,18 +75,43 @@ class GroupedExperts(SequentialMLP):
         if self.config.moe_apply_probs_on_input:
             hidden = probs.unsqueeze(-1).to(hidden.dtype) * hidden
             probs = torch.ones_like(probs)
-        offsets = torch.cumsum(tokens_per_expert.to(hidden.device), 0).to(torch.int32)
+        counts = tokens_per_expert.to(hidden.device)
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
         fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
         fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
         intermediate = _with_lora(self, "linear_fc1", hidden, grouped_linear(hidden, fc1, offsets), tokens_per_expert)
-        if self.config.gated_linear_unit:
-            gate, linear = intermediate.chunk(2, dim=-1)
-            intermediate = self.config.activation_func(gate) * linear
-        else:
-            intermediate = self.config.activation_func(intermediate)
-        intermediate = (intermediate * probs.unsqueeze(-1)).to(hidden.dtype)
-        out = grouped_linear(intermediate, fc2, offsets)
-        return _with_lora(self, "linear_fc2", intermediate, out, tokens_per_expert), None
+        if (bias := _expert_bias(self, "linear_fc1", counts, hidden.shape[0])) is not None:
+            intermediate = intermediate + bias
+        intermediate = (activate(self.config, intermediate) * probs.unsqueeze(-1)).to(hidden.dtype)
+        out = _with_lora(
+            self, "linear_fc2", intermediate, grouped_linear(intermediate, fc2, offsets), tokens_per_expert
+        )
+        if (bias := _expert_bias(self, "linear_fc2", counts, hidden.shape[0])) is not None:
+            out = out + (bias * probs.unsqueeze(-1)).to(out.dtype)  # weighted as the expert's output (mlp.py:242)
+        return out, None
+
+
+def _expert_bias(experts: SequentialMLP, name: str, counts: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """Each row's expert's bias of projection ``name`` [rows, out], or None without biases."""
+    linears = [getattr(e, name) for e in experts.local_experts]
+    if not has_bias(linears[0]):
+        return None
+    return torch.stack([linear.bias for linear in linears]).repeat_interleave(counts, dim=0, output_size=rows)
+
+
+def activate(config, x: torch.Tensor) -> torch.Tensor:
+    """Megatron's expert activation (mlp.py:215): of ``[gate | linear]`` under a gated linear unit,
+    ``act(gate) * (linear + glu_linear_offset)``, gate clamped above and linear both ways at
+    ``activation_func_clamp_value`` where set (gpt-oss's). Without them ``linear`` stays a view of ``x`` (what the
+    product keeps for backward: no second copy)."""
+    if not config.gated_linear_unit:
+        return config.activation_func(x)
+    gate, linear = x.chunk(2, dim=-1)
+    if (limit := config.activation_func_clamp_value) is not None:
+        gate, linear = gate.clamp(max=limit), linear.clamp(-limit, limit)
+    if config.glu_linear_offset:
+        linear = linear + config.glu_linear_offset
+    return config.activation_func(gate) * linear
 
 
 def _with_lora(experts: SequentialMLP, name: str, x: torch.Tensor, out: torch.Tensor, tokens_per_expert: torch.Tensor):

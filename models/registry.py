@@ -9,6 +9,7 @@ from converters.hf_io import read_config
 from models.bridge import Bridge
 from models.deepseek_v3 import DeepseekV3Bridge
 from models.glm4_moe import Glm4MoeBridge
+from models.gpt_oss import GptOssBridge
 from models.kimi_k2 import KimiK2Bridge
 from models.llama import LlamaBridge
 from models.qwen2 import Qwen2Bridge
@@ -19,6 +20,7 @@ from models.qwen3_next import Qwen3NextBridge
 FAMILIES = (
     DeepseekV3Bridge,
     Glm4MoeBridge,
+    GptOssBridge,
     KimiK2Bridge,
     LlamaBridge,
     Qwen2Bridge,

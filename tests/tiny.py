@@ -124,6 +124,26 @@ FAMILIES: dict[str, dict] = {
         router_aux_loss_coef=0.0,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
     ),
+    # gpt-oss: q/k/v/o biases and sinks, a 4-token window on even layers (the rows are longer), YaRN without
+    # truncation, 4 experts with biases (their checkpoint tensors stacked) and the router's bias.
+    "GptOssForCausalLM": dict(
+        config="GptOssConfig",
+        tie_word_embeddings=False,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        sliding_window=4,
+        router_aux_loss_coef=0.0,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=150000.0,
+            factor=4.0,
+            original_max_position_embeddings=32,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        ),
+    ),
 }
 # What a Kimi-K2 config.json says beside DeepSeek-V3's fields: its model type and the remote-code classes it names.
 KIMI_K2 = dict(

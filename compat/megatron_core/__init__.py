@@ -454,6 +454,68 @@ def gated_delta_net_tensor_parallel(module: torch.nn.Module) -> None:
         param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
 
 
+# ---- attention sinks ------------------------------------------------------------------------------------------------
+def sinks_split_by_head(chunks: list[torch.nn.Module]) -> int:
+    """Mark attention sinks (``softmax_offset``: one per attention head of this TP rank) split over TP along dim 0.
+
+    0.16.1's ``DotProductAttention`` and TransformerEngine's attention create them as plain parameters; only their
+    ``sharded_state_dict`` says they are split (dot_product_attention.py:267, transformer_engine.py:1450), so the
+    export and the checkpoint check would take each rank's share for the whole. Returns how many it marked."""
+    marked = 0
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if name.rsplit(".", 1)[-1] == "softmax_offset" and not getattr(param, "tensor_model_parallel", False):
+                param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
+                marked += 1
+    return marked
+
+
+# ---- expert biases ------------------------------------------------------------------------------------------------
+def _own_output(module, inputs, output):
+    out, bias = output
+    return (out.clone() if out._is_view() else out), bias
+
+
+def expert_biases(chunks: list[torch.nn.Module]) -> int:
+    """Two faults of experts with biases (gpt-oss's) in 0.16.1, fixed on the built model; returns the experts fixed.
+
+    * ``MLP.forward`` adds an expert's probability-weighted output bias in place (mlp.py:247) to what its
+      ``linear_fc2`` returns: for experts without tensor parallelism (the only kind biases allow), the reduction's
+      input returned as is, a view autograd refuses to let change at the first backward ("Output 0 of
+      _ReduceFromModelParallelRegion is a view and is being modified inplace"). ``linear_fc2`` returns its own copy.
+    * ``RowParallelLinear`` marks its bias ``sequence_parallel`` (layers.py:1228), so ``finalize_model_grads`` sums
+      its gradient over the TP group; an expert's gradients are already reduced over its expert-data-parallel group,
+      which holds those TP ranks when experts have no TP: TP times the gradient. The mark is cleared."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    fixed = 0
+    for module in (m for chunk in chunks for m in chunk.modules() if isinstance(m, SequentialMLP)):
+        for expert in module.local_experts:
+            bias = getattr(expert.linear_fc2, "bias", None)
+            if isinstance(bias, torch.Tensor) and bias.numel():
+                expert.linear_fc2.register_forward_hook(_own_output)
+                bias.sequence_parallel = False
+                fixed += 1
+    return fixed
+
+
+def expert_norms_by_expert_tp(optimizer, expt_tp_group) -> int:
+    """Give the experts' optimizer of Megatron-Core's ``optimizer`` the expert-TP group to tell TP duplicates by in
+    the gradient norm; returns how many optimizers it changed.
+
+    0.16.1 gives every optimizer of a chain the dense TP group (optimizer/__init__.py:473), and a parameter not split
+    over TP counts in the norm on TP rank 0 only (layers.py:89). Expert parameters not split over TP (row-parallel
+    expert biases, gpt-oss's) are no TP duplicates: the distributed optimizer shards them over the expert-data-parallel
+    group, which holds every dense TP rank when experts have no TP. The norm left out all but rank 0's shards."""
+    changed = 0
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if any(group.get("is_expert_parallel") for group in chained.optimizer.param_groups):
+            check_version("expert TP group of the gradient norm")
+            chained.tp_group = expt_tp_group
+            changed += 1
+    return changed
+
+
 # ---- MLA without TransformerEngine --------------------------------------------------------------------------------
 def mla_without_te() -> None:
     """0.16.1 builds its TE wrappers on a MagicMock when TE is absent, so multi-latent attention believes TE is there

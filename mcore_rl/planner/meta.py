@@ -42,7 +42,7 @@ def pipeline_stages(
 def hf_tensors(hf_config: dict) -> dict[str, torch.Size]:
     """Name and shape of every tensor a checkpoint of ``hf_config`` (a config.json's dict) holds, as
     transformers saves its model: in the checkpoint layout (per-expert tensors, not transformers 5's fused
-    in-memory experts)."""
+    in-memory experts), a family's stacked experts as the mappings see them (per expert, :mod:`converters.stacks`)."""
     from models.registry import get_bridge
 
     bridge = get_bridge(hf_config)
@@ -56,4 +56,6 @@ def hf_tensors(hf_config: dict) -> dict[str, torch.Size]:
     with torch.device("meta"):
         model = getattr(transformers, auto).from_config(config)
     saved = revert_weight_conversion(model, model.state_dict())
-    return {name: tensor.shape for name, tensor in saved.items()} | bridge.mtp_own_tensors()
+    shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()} | bridge.mtp_own_tensors()
+    stacks = bridge.expert_stacks()
+    return {name: torch.Size(shape) for name, shape in (shapes if stacks is None else stacks.split(shapes)).items()}

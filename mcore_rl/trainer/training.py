@@ -20,7 +20,12 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from compat.megatron_core import accumulate_weight_grads, fuse_torch_adam, release_dispatcher_graphs
+from compat.megatron_core import (
+    accumulate_weight_grads,
+    expert_norms_by_expert_tp,
+    fuse_torch_adam,
+    release_dispatcher_graphs,
+)
 from compat.torch import optimizers_without_compiler
 from mcore_rl.trainer.logprobs import token_logprobs
 from mcore_rl.trainer.moe import end_replay, replay_routing
@@ -265,6 +270,7 @@ class MegatronTrainStep(MegatronModel):
         config.finalize_model_grads_func = finalize_model_grads
         optimizers_without_compiler()  # torch's Adam imports the compiler for nothing (compat.torch)
         self.optimizer = get_megatron_optimizer(optimizer, self.model, pg_collection=groups, **device.optimizer_args())
+        expert_norms_by_expert_tp(self.optimizer, groups.expt_tp)
         fuse_torch_adam(self.optimizer)
 
     def step(self, microbatches: list[dict], loss_fn: LossFn) -> StepResult:

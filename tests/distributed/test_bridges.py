@@ -18,15 +18,24 @@ DENSE_LAYOUTS = [
     dict(pp=2, last_stage_layers=1),
 ]
 EXPERT_LAYOUTS = [dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)]
-MOE = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM")
+MOE = (
+    "DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM",
+    "GptOssForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+)
 
 
 def _layouts(arch, layouts):
     """``layouts`` as ``arch`` can run them, plus the expert-parallel ones for the MoE families."""
     if arch not in MOE:
         return layouts
-    # MoE with TP needs sequence parallelism (a Megatron rule the layout validation enforces).
-    return [dict(lay, sequence_parallel=True) if lay.get("tp", 1) > 1 else lay for lay in layouts] + EXPERT_LAYOUTS
+    # MoE with TP needs sequence parallelism (a Megatron rule the layout validation enforces); gpt-oss's expert
+    # biases, experts without TP (Megatron's rule), and so expert parallelism beside TP.
+    etp = dict(etp=1, ep=2) if arch == "GptOssForCausalLM" else {}
+    layouts = [dict(lay, sequence_parallel=True) if lay.get("tp", 1) > 1 else lay for lay in layouts] + EXPERT_LAYOUTS
+    return [dict(lay, **etp) if lay.get("tp", 1) > 1 else lay for lay in layouts]
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
@@ -96,10 +105,11 @@ def test_moonlight_shaped_mla_matches_hf(ranks, tmp_path):
         assert len(set(counts)) == 1 and counts[0] > 0, (layout, counts)
 
 
-@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM"])  # GLM-4.5's and Qwen3-Next's too
+# GLM-4.5's and Qwen3-Next's experts are DeepSeek-V3's and Qwen3-MoE's; gpt-oss's have biases, a clamp and an offset
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "GptOssForCausalLM", "Qwen3MoeForCausalLM"])
 def test_grouped_experts_match_sequential(ranks, tiny_models, arch):
     tokens = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(5))
-    for layout in (dict(), dict(ep=2), dict(tp=2, ep=2, sequence_parallel=True)):
+    for layout in _layouts(arch, [dict()]):
         for diffs in ranks.run(
             cases.experts_grouped_vs_sequential, hf_dir=tiny_models[arch], layout=layout, tokens=tokens
         ):
@@ -124,7 +134,10 @@ def test_context_parallel_matches_single_rank(ranks, tiny_models, arch):
             assert worst <= 1e-5, (layout, packed, worst)
 
 
-@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM", "Qwen3NextForCausalLM"])
+# gpt-oss: sliding windows and sinks per packed sequence
+@pytest.mark.parametrize(
+    "arch", ["LlamaForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM", "Qwen3NextForCausalLM"]
+)
 def test_packed_training_matches_padded(ranks, tiny_models, arch):
     """THD-packed micro-batches (token-balanced over DP ranks) give the padded micro-batches' loss and gradient."""
     generator = torch.Generator().manual_seed(7)

@@ -80,8 +80,10 @@ def converted(tmp_path_factory, tiny_models) -> dict[str, dict[str, Path]]:
 
     def chain(arch: str) -> dict[str, Path]:
         out = {tp: root / arch / f"mcore_tp{tp}" for tp in (1, 2)} | {"hf": root / arch / "hf"}
+        # gpt-oss's expert biases: experts without TP, so expert parallelism beside TP (test_bridges._layouts)
+        experts = ("--etp", "1", "--ep", "2") if arch == "GptOssForCausalLM" else ()
         ok(cli("hf2mcore", tiny_models[arch], out[1], "--bucket-size", "64KB"))
-        ok(cli("mcore2mcore", out[1], out[2], "--tp", "2", "--bucket-size", "64KB"))
+        ok(cli("mcore2mcore", out[1], out[2], "--tp", "2", *experts, "--bucket-size", "64KB"))
         ok(cli("mcore2hf", out[2], out["hf"], "--max-shard-size", "1MB"))
         return out
 
@@ -309,6 +311,39 @@ def test_block_fp8_checkpoint_converts_dequantized(tmp_path, tiny_models):
     run = cli("hf2mcore", fp8, tmp_path / "gptq")
     assert run.returncode == 2 and "quant_method='gptq'" in run.stderr, run.stderr
     assert not (tmp_path / "gptq").exists()
+
+
+def test_mxfp4_experts_convert_dequantized(tmp_path, tiny_models):
+    """gpt-oss's release stores its experts in MXFP4 (``*_blocks``: two e2m1 values a byte, ``*_scales``: a power of two
+    per 32 values, the weight transposed): hf2mcore reads them as bf16, each EP rank's experts a slice of the stacked
+    tensors, equal to what transformers' own dequantization makes of them; mcore2hf writes that model with a
+    config.json that no longer claims MXFP4."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    source, mxfp4 = Path(tiny_models["GptOssForCausalLM"]), tmp_path / "mxfp4"
+    mxfp4.mkdir()
+    copy_model_files(source, mxfp4)
+    generator = torch.Generator().manual_seed(0)
+    stored, expected = {}, {}
+    for name, weight in hf_tensors(source).items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            stored[name] = expected[name] = weight
+            continue
+        experts, rows, cols = weight.shape  # [E, in, out], stored as [E, out, in / 32, 16] bytes
+        blocks = torch.randint(0, 256, (experts, cols, rows // 32, 16), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(120, 130, (experts, cols, rows // 32), dtype=torch.uint8, generator=generator)
+        stored[name + "_blocks"], stored[name + "_scales"] = blocks, scales
+        expected[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+        assert expected[name].shape == weight.shape
+    save_file(stored, mxfp4 / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    quantization = dict(quant_method="mxfp4", modules_to_not_convert=["model.layers.*.self_attn", "lm_head"])
+    (mxfp4 / "config.json").write_text(json.dumps(config | {"quantization_config": quantization}))
+
+    ok(cli("hf2mcore", mxfp4, tmp_path / "mcore", "--ep", "2"))
+    ok(cli("mcore2hf", tmp_path / "mcore", tmp_path / "hf"))
+    assert_same_tensors(hf_tensors(tmp_path / "hf"), expected)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text()) == config
 
 
 def test_a_converted_checkpoint_loads_into_modules_with_extra_state(ranks, converted, tiny_models):

@@ -25,7 +25,7 @@ def _config(tiny_models, arch) -> dict:
 def test_unknown_architecture_lists_supported():
     with pytest.raises(
         ValueError,
-        match=r"'GPTNeoXForCausalLM' is not supported; supported: \['DeepseekV3ForCausalLM', 'Glm4MoeForCausalLM', 'Llama",
+        match=r"'GPTNeoXForCausalLM' is not supported; supported: \['DeepseekV3ForCausalLM', 'Glm4MoeForCausalLM', 'GptOss",
     ):
         get_bridge({"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"})
     with pytest.raises(ValueError, match="no 'architectures' entry"):
@@ -107,6 +107,30 @@ def test_deepseek_routing_it_cannot_translate_is_refused(tiny_models):
         get_bridge(cfg | {"norm_topk_prob": False})
     with pytest.raises(ValueError, match="scoring_func='sigmoid'"):
         get_bridge(cfg | {"scoring_func": "softmax"})
+
+
+def test_what_gpt_oss_cannot_train_or_serve_is_refused_with_the_fix(tiny_models):
+    cfg = _config(tiny_models, "GptOssForCausalLM")
+    bridge = get_bridge(cfg)
+    for layout, match in (
+        (dict(tp=2, sequence_parallel=True, ep=2), r"parallel.etp=2: .*set parallel.etp: 1"),
+        (dict(tp=2, sequence_parallel=True, etp=1), r"tp=2 with ep=1: .*set parallel.ep > 1"),
+        (dict(cp=2), r"parallel.cp=2: sliding-window layers"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            bridge.transformer_config(ParallelConfig(**layout))
+    config = bridge.transformer_config(ParallelConfig(tp=2, sequence_parallel=True, etp=1, ep=2))
+    assert config.window_attn_skip_freq == [1, 0, 1, 0] and config.window_size == (3, 0)  # HF's window of 4
+    with pytest.raises(ValueError, match="swiglu_alpha=1.5 is not supported"):
+        get_bridge(cfg | {"swiglu_alpha": 1.5})
+    # vLLM 0.32's gpt_oss fixes its windows, clamp and RoPE: an engine of another model is refused with the reason
+    assert bridge.engine_problem(cuda=True, dtype="bfloat16") is None
+    for change, reason in (
+        ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "slides the window on the even layers"),
+        ({"swiglu_limit": 3.0}, "clamp at 7.0"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "YaRN RoPE only"),
+    ):
+        assert reason in get_bridge(cfg | change).engine_problem(cuda=False, dtype="float32")
 
 
 def test_deepseek_s_multi_token_prediction_layers_are_megatron_s_mtp_block(tiny_models):
