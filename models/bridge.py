@@ -160,6 +160,11 @@ class Bridge:
         return self.mla
 
     @property
+    def sliding_window(self) -> bool:
+        """Whether some layers attend within a sliding window (their masks are bands: no shared-prompt rows)."""
+        return False
+
+    @property
     def linear_attention(self) -> bool:
         """Whether some layers are linear attention (a recurrence over the whole row: no masks, no shared prompts)."""
         return False
@@ -432,6 +437,15 @@ class Bridge:
     def engine_problem(self, cuda: bool, dtype: str) -> str | None:
         """Why a rollout engine of ``dtype`` cannot serve this model on this platform (an engine's measured limits),
         or None."""
+        return None
+
+    def engine_update_problem(self) -> str | None:
+        """Why a rollout engine serving this model cannot take new weights in place (the trainer's sync), or None."""
+        return None
+
+    def engine_tolerance(self, cuda: bool, dtype: torch.dtype) -> tuple[float, float] | None:
+        """(max, mean) |Δ| of log-probs the post-sync probe allows this model's engine of ``dtype`` here, where its
+        kernels are measured further from the trainer than the dtype's default; None: the default."""
         return None
 
     def rollout_engine_args(self, cuda: bool) -> dict:

@@ -20,7 +20,9 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
-from compat.vllm import gpt_oss_problem
+import torch
+
+from compat.vllm import GPT_OSS_CPU_FP32_TOLERANCE, GPT_OSS_IN_PLACE_UPDATE, gpt_oss_problem
 from converters.mapping import Direct, InterleavedGatedMLP, Mapping, Transposed
 from converters.stacks import ExpertStack, ExpertStacks
 from models.bridge import _HL, _L, DENSE_CONFIG, Bridge
@@ -91,6 +93,10 @@ class GptOssBridge(Bridge):
         return self.hf.get("layer_types") or default
 
     @property
+    def sliding_window(self) -> bool:
+        return "sliding_attention" in self.layer_types
+
+    @property
     def position_embedding_type(self) -> str:
         return "yarn" if self.rope_type == "yarn" else "rope"
 
@@ -106,7 +112,7 @@ class GptOssBridge(Bridge):
                 f"{self.architecture}: layer_types must name each of the {hf['num_hidden_layers']} layers one of "
                 f"{list(LAYER_TYPES)} (got {self.layer_types})"
             )
-        if "sliding_attention" in self.layer_types and not hf.get("sliding_window"):
+        if self.sliding_window and not hf.get("sliding_window"):
             raise ValueError(f"{self.architecture}: sliding_attention layers need a sliding_window")
 
     def validate_layout(self, parallel: ParallelConfig) -> None:
@@ -123,7 +129,7 @@ class GptOssBridge(Bridge):
                 f"parallel.tp={parallel.tp} with ep=1: gpt-oss's expert biases train right beside TP only with expert "
                 "parallelism; set parallel.ep > 1 (or tp: 1)"
             )
-        if parallel.cp > 1 and "sliding_attention" in self.layer_types:
+        if parallel.cp > 1 and self.sliding_window:
             raise ValueError(
                 f"parallel.cp={parallel.cp}: sliding-window layers have no context parallelism here; cp: 1"
             )
@@ -143,7 +149,7 @@ class GptOssBridge(Bridge):
             activation_func_clamp_value=float(hf.get("swiglu_limit", 7.0)),
             bias_activation_fusion=False,
             softmax_type="learnable",
-            window_size=(hf["sliding_window"] - 1, 0) if "sliding_attention" in self.layer_types else None,
+            window_size=(hf["sliding_window"] - 1, 0) if self.sliding_window else None,
             window_attn_skip_freq=[int(t == "sliding_attention") for t in self.layer_types],
             moe_ffn_hidden_size=hf["intermediate_size"],
             moe_router_pre_softmax=False,
@@ -161,6 +167,12 @@ class GptOssBridge(Bridge):
 
     def engine_problem(self, cuda: bool, dtype: str) -> str | None:
         return gpt_oss_problem(self.layer_types, float(self.hf.get("swiglu_limit", 7.0)), self.rope_type)
+
+    def engine_update_problem(self) -> str | None:
+        return GPT_OSS_IN_PLACE_UPDATE
+
+    def engine_tolerance(self, cuda: bool, dtype: torch.dtype) -> tuple[float, float] | None:
+        return GPT_OSS_CPU_FP32_TOLERANCE if not cuda and dtype == torch.float32 else None
 
     def expert_stacks(self) -> ExpertStacks:
         stacks = [ExpertStack(_HL + "mlp.experts." + name, _HE + name) for name in _EXPERT_TENSORS]

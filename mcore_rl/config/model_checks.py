@@ -129,12 +129,12 @@ def roles(config: RunConfig) -> None:
         if not role.share_prompts:
             continue
         bridge = get_bridge(role.load)
-        mla, linear = bridge.multi_latent_attention, bridge.linear_attention
-        if mla or linear or role.parallel.cp > 1:
+        mla, linear, window = bridge.multi_latent_attention, bridge.linear_attention, bridge.sliding_window
+        if mla or linear or window or role.parallel.cp > 1:
             raise ConfigError(
                 f"{key}.share_prompts: shared-prompt rows need whole rows per rank (parallel.cp="
                 f"{role.parallel.cp}), rotary embeddings outside attention ({role.load!r} uses MLA: {mla}) and "
-                f"attention that masks (linear attention: {linear}); set it to false"
+                f"attention that masks (linear attention: {linear}, sliding windows: {window}); set it to false"
             )
     for role in m.trained_roles:
         groups, dp = rt.train_global_batch_size // n, getattr(m, role).parallel.dp(rt.trainer_devices)

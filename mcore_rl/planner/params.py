@@ -45,6 +45,8 @@ class Architecture:
     value_head: bool = False  # a value head ([1, hidden]) for the LM head: a reward model or a critic
     mtp_layers: int = 0  # multi-token-prediction layers (models/mtp.py), on the last pipeline stage
     attention_gate: bool = False  # a sigmoid output gate per query head, projected with the queries
+    linear_bias: bool = False  # biases of the output projection, the MLPs (each expert's) and the router (gpt-oss)
+    sinks: bool = False  # a learned attention sink per head (``softmax_offset``)
     shared_gate: bool = False  # the shared expert's output scaled by a sigmoid gate ([1, hidden])
     # Gated DeltaNet (linear attention) layers (models/gated_delta.py): which, and their heads and convolution width
     linear_layers: tuple[bool, ...] = ()
@@ -85,6 +87,8 @@ class Architecture:
             value_head=bridge.value_model,
             mtp_layers=c.mtp_num_layers or 0,
             attention_gate=c.attention_output_gate,
+            linear_bias=c.add_bias_linear,
+            sinks=c.softmax_type == "learnable",
             shared_gate=bool(c.moe_shared_expert_gate and c.moe_shared_expert_intermediate_size),
             linear_layers=tuple(linear_attention_layers(c)),
             linear_key_heads=c.linear_num_key_heads,
@@ -155,18 +159,22 @@ def _attention_params(a: Architecture, tp: int, linear: bool = False) -> int:
         kv = h * (a.kv_lora + a.rope_dim) + a.kv_lora + a.kv_lora * a.heads * (a.qk_dim + a.v_dim) // tp
         return h + q + kv + a.heads * a.v_dim * h // tp
     qkv = (a.heads * (2 if a.attention_gate else 1) + 2 * a.kv_heads) * d
-    return h + qkv * h // tp + (qkv // tp if a.qkv_bias else 0) + (2 * d if a.qk_norm else 0) + a.heads * d * h // tp
+    extras = (qkv // tp if a.qkv_bias else 0) + (2 * d if a.qk_norm else 0) + (a.heads // tp if a.sinks else 0)
+    return h + qkv * h // tp + extras + a.heads * d * h // tp + (h if a.linear_bias else 0)
 
 
 def layer_params(a: Architecture, moe: bool, parallel: ParallelConfig, linear: bool = False) -> tuple[int, int]:
     """(parameters, of which expert parameters) of one layer on one device; ``linear``: a Gated DeltaNet layer."""
-    tp, h = parallel.tp, a.hidden
+    tp, h, bias = parallel.tp, a.hidden, a.linear_bias
     dense = _attention_params(a, tp, linear) + h
     if not moe:
-        return dense + 3 * a.ffn * h // tp, 0
-    experts = a.experts // parallel.ep * 3 * a.moe_ffn * h // parallel.expert_tp
+        return dense + 3 * a.ffn * h // tp + (2 * a.ffn // tp + h if bias else 0), 0
+    etp = parallel.expert_tp
+    expert = 3 * a.moe_ffn * h // etp + (2 * a.moe_ffn // etp + h if bias else 0)
+    experts = a.experts // parallel.ep * expert
     shared = 3 * a.shared_ffn * h // tp + (h if a.shared_gate else 0)
-    return dense + a.experts * h + shared + experts, experts
+    router = a.experts * (h + bias)
+    return dense + router + shared + experts, experts
 
 
 def adaptable_linears(a: Architecture, moe: bool) -> set[str]:
@@ -251,12 +259,14 @@ def layer_tensors(a: Architecture, moe: bool, parallel: ParallelConfig, linear: 
         attention = 7
     elif a.mla:  # norm; queries (down, norm, up, or one projection); keys and values (down, norm, up); output
         attention = 1 + (3 if a.q_lora else 1) + 3 + 1
-    else:  # norm, fused QKV (and its bias), query and key norms, output
-        attention = 1 + 1 + a.qkv_bias + 2 * a.qk_norm + 1
+    else:  # norm, fused QKV (and its bias), query and key norms, sinks, output (and its bias)
+        attention = 1 + 1 + a.qkv_bias + 2 * a.qk_norm + a.sinks + 1 + a.linear_bias
+    per_linear = 1 + a.linear_bias  # a weight, and its bias where linears have biases
     if not moe:
-        return attention + 3  # norm, fc1, fc2
+        return attention + 1 + 2 * per_linear  # norm, fc1, fc2
     shared = (2 + a.shared_gate) if a.shared_ffn else 0
-    return attention + 2 + 2 * (a.experts // parallel.ep) + shared  # norm, router, experts, shared expert
+    # norm, router, experts, shared expert
+    return attention + 1 + per_linear + 2 * per_linear * (a.experts // parallel.ep) + shared
 
 
 def stage_tensors(a: Architecture, parallel: ParallelConfig) -> list[int]:

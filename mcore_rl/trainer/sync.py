@@ -28,6 +28,7 @@ from mcore_rl.rollout.transport import BucketSender
 from mcore_rl.trainer.training import MegatronModel
 from models.lora import LoRAConfig, export_peft, merged
 from parallel.comm import all_gather_objects, all_reduce_scalar, byte_buckets, in_row_shares
+from parallel.device import Device
 from parallel.groups import block_group
 from parallel.transfer import TransferGroup, free_addresses
 
@@ -257,7 +258,8 @@ class WeightSync:
         self.chunks, self.bridge, self.groups, self.route, self.drafts = chunks, bridge, groups, route, drafts
         self.scorer = scorer
         self.config = config
-        default_max, default_mean = PROBE_TOLERANCE[engine_dtype]
+        cuda = Device.current().cuda
+        default_max, default_mean = bridge.engine_tolerance(cuda, engine_dtype) or PROBE_TOLERANCE[engine_dtype]
         self.max_tolerance = config.probe_max_tolerance if config.probe_max_tolerance is not None else default_max
         self.mean_tolerance = config.probe_mean_tolerance if config.probe_mean_tolerance is not None else default_mean
         device = next(chunks[0].parameters()).device

@@ -76,6 +76,32 @@ def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, 
             stop_engine(actor)
 
 
+def test_vllms_gpt_oss_loader_misses_an_in_place_update_which_is_refused(ranks, tiny_models, ray_address):
+    """vLLM 0.32's gpt_oss copies experts, biases and sinks straight into its parameters, which the layer-wise reload
+    of an in-place update has put on the meta device (compat.vllm.GPT_OSS_IN_PLACE_UPDATE): the update receives the
+    whole model in the checkpoint's layout (stacked experts), loads nothing into those layers, and is refused by
+    name instead of serving stale weights. (Runs that would train a gpt-oss policy are refused up front.)"""
+    arch = "GptOssForCausalLM"
+    engines = {0: "rollout-gpt-oss"}
+    actors = launch_engines(tiny_models[arch], ENGINE, [(name, {}) for name in engines.values()])
+    try:
+        with pytest.raises(RuntimeError, match=r"loaded nothing into 8 layer\(s\): .*attn.*experts"):
+            ranks.run(
+                cases.train_and_sync,
+                hf_dir=tiny_models[arch],
+                layout=dict(ep=2),
+                ray_address=ray_address,
+                engines=engines,
+                steps=1,
+                bucket_bytes=256 << 10,
+                engine_tp=1,
+                drafts=False,
+            )
+    finally:
+        for actor in actors:
+            stop_engine(actor)
+
+
 def test_bf16_engine_casts_fp32_trainer_weights_at_the_receiver(ranks, tiny_models, ray_address):
     arch = "LlamaForCausalLM"
     actor = launch_engine(tiny_models[arch], dataclasses.replace(ENGINE, dtype="bfloat16"), name="rollout-bf16")

@@ -91,6 +91,8 @@ def moonlight(tmp_path_factory):
         ("DeepseekV3ForCausalLM", dict(pp=2, ep=2, last_stage_layers=1)),  # the dense first layer on stage 0
         ("Glm4MoeForCausalLM", dict(pp=2, ep=2)),  # q/k/v biases, shared expert, the MTP layer on the last stage
         ("Qwen3NextForCausalLM", dict(ep=2, **SP)),  # Gated DeltaNet, gated queries, the shared expert's gate
+        # sinks split by head, biases of the output projection, the router and every expert
+        ("GptOssForCausalLM", dict(ep=2, etp=1, **SP)),
         ("moonlight", dict(tp=2, ep=2, etp=1, sequence_parallel=True)),  # MLA without a query projection rank
     ],
 )
@@ -147,6 +149,7 @@ def test_lora_params_equal_the_adapters_megatron_models_hold(ranks, tiny_models,
         # the released "685B": 671.03 B and its multi-token-prediction layer's 13.46 B (an MoE layer and copies of
         # the embedding and the head), which the rollout engines leave out
         ("deepseek_v3", 684.49),
+        ("gpt_oss_120b", 116.83),  # as its model card says
     ],
 )
 def test_checkpoint_parameter_counts_of_the_public_configs(model, billions):
