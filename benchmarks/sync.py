@@ -72,7 +72,9 @@ def trainer_side_alone(chunks, bridge, groups, bucket_bytes: int, repeats: int) 
         seconds = []
         for _ in range(repeats):
             start = time.perf_counter()
-            for i, bucket in enumerate(send_buckets(export_hf(chunks, bridge, groups, bucket_bytes), bucket_bytes)):
+            for i, bucket in enumerate(
+                send_buckets(export_hf(chunks, bridge, groups, bucket_bytes, stack_experts=False), bucket_bytes)
+            ):
                 senders[i % 2].pack(bucket)
             seconds.append(time.perf_counter() - start)
         return seconds

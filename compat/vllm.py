@@ -145,11 +145,13 @@ def detach_pending(buffer: torch.Tensor) -> None:
 def load_bucket(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]) -> set[str]:
     """``model.load_weights`` of one bucket; the parameter names it loaded. vLLM 0.32's MTP drafter
     (``DeepSeekMTP``) refuses a load that holds none of its layers, as a bucket of a streamed update may: that
-    check is off here, and the update checks every parameter at its end instead."""
+    check is off here, and the update checks every parameter at its end instead. gpt-oss's sinks are loaded apart
+    (:func:`_gpt_oss_sinks`)."""
     from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
+    tensors, loaded = _gpt_oss_sinks(model, tensors)
     with disable_mtp_completeness_check():
-        return model.load_weights(iter(tensors))
+        return loaded | model.load_weights(iter(tensors))
 
 
 def is_derived(name: str) -> bool:
@@ -306,15 +308,31 @@ GPT_OSS_SWIGLU_LIMIT = 7.0
 GPT_OSS_CPU_FP32_TOLERANCE = (2e-3, 5e-4)
 
 
-# vLLM 0.32's gpt_oss loads its experts, biases and sinks by copying into the parameters it looks up (gpt_oss.py:1167,
-# ``param.copy_``), not through their weight loaders; the layer-wise reload that takes a weight update in place
-# (``model_loader.reload.layerwise``) puts the parameters on the meta device and collects what their loaders receive,
-# so those copies go nowhere: measured, the update "loaded nothing into" every attention and expert layer.
-GPT_OSS_IN_PLACE_UPDATE = (
-    "vLLM 0.32's gpt_oss loader copies experts, biases and sinks straight into its parameters, past the layer-wise "
-    "reload that takes weight updates in place; the engine serves the checkpoint, and cannot take the trainer's "
-    "weights after a step"
-)
+def _gpt_oss_sinks(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor]]):
+    """(the tensors left, the parameters loaded) after loading ``tensors``' attention sinks of vLLM 0.32's gpt_oss.
+
+    Its loader copies sinks into ``param.data`` (gpt_oss.py:1263), which the layer-wise reload of an in-place update
+    has put on the meta device: the copy goes nowhere (measured: the update "loaded nothing into" every attention
+    layer). They go through their weight loader here, each TP rank its heads, as that loader narrows them. (Its
+    experts load through their weight loaders where they arrive one expert at a time, as the sync sends them.)"""
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+    from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
+
+    if not isinstance(model, GptOssForCausalLM):
+        return tensors, set()
+    params, rest, loaded = dict(model.named_parameters()), [], set()
+    for name, tensor in tensors:
+        target = name.replace(".self_attn.", ".attn.")
+        if not name.endswith(".self_attn.sinks") or target not in params:
+            rest.append((name, tensor))
+            continue
+        param = params[target]
+        heads = param.shape[0]
+        shard = tensor.narrow(0, get_tensor_model_parallel_rank() * heads, heads)
+        getattr(param, "weight_loader", default_weight_loader)(param, shard)
+        loaded.add(target)
+    return rest, loaded
 
 
 def gpt_oss_problem(layer_types: list[str], swiglu_limit: float, rope_type: str) -> str | None:

@@ -161,17 +161,20 @@ def export_hf(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     read=torch.Tensor.detach,
     mtp: bool = True,
+    stack_experts: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for the whole model on every rank, in byte buckets; ``read`` gives what a
     parameter's shard exports as (a LoRA-adapted weight: merged with its adapter, :func:`models.lora.merged`);
-    ``mtp`` False: without the multi-token-prediction layers (for an engine that does not draft with them).
+    ``mtp`` False: without the multi-token-prediction layers (for an engine that does not draft with them);
+    ``stack_experts`` False: a family's stacked expert tensors one expert at a time, under their per-expert names
+    (:mod:`converters.stacks`; the rollout engines load those, never holding a layer's stack).
 
     Per bucket (tasks of one pipeline owner): one all_gather over TP, one over expert-TP, one over EP for the
     experts, one broadcast over PP. Peak extra memory is about one bucket (plus, for a family whose checkpoints
     stack experts, the stacked tensors begun). Yielded tensors may alias parameters or the bucket buffer: copy them
     before the model or the iterator moves on.
     """
-    stacks = bridge.expert_stacks()
+    stacks = bridge.expert_stacks() if stack_experts else None
     exported = _export_hf(chunks, bridge, groups, bucket_bytes, read, mtp)
     return exported if stacks is None else stacks.stack(exported)
 

@@ -21,24 +21,10 @@ def check_inputs(config: RunConfig) -> Data:
     """The model directories' files, the checkpoints a resume would load, the data, and the user's code on the first
     prompt: the run's data."""
     config.check_files()
-    check_engine_updates(config)
     check_resume(config)
     data = Data(config)
     check_user_code(config, data.train.batch(0, 1)[0].row, data.tokenizer)
     return data
-
-
-def check_engine_updates(config: RunConfig) -> None:
-    """A trained policy's engines take its weights in place after every step: refused where they cannot (a model
-    whose engine's loader misses in-place updates, :meth:`models.bridge.Bridge.engine_update_problem`). A dry run
-    plans such a run all the same."""
-    from models.registry import get_bridge
-
-    m = config.models
-    if "policy_trainer" in m.trained_roles and (problem := get_bridge(m.policy.load).engine_update_problem()):
-        raise ConfigError(
-            f"models.policy.load={m.policy.load!r}: the trained policy's weights reach no engine: {problem}"
-        )
 
 
 def check_resume(config: RunConfig) -> None:

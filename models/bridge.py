@@ -439,10 +439,6 @@ class Bridge:
         or None."""
         return None
 
-    def engine_update_problem(self) -> str | None:
-        """Why a rollout engine serving this model cannot take new weights in place (the trainer's sync), or None."""
-        return None
-
     def engine_tolerance(self, cuda: bool, dtype: torch.dtype) -> tuple[float, float] | None:
         """(max, mean) |Δ| of log-probs the post-sync probe allows this model's engine of ``dtype`` here, where its
         kernels are measured further from the trainer than the dtype's default; None: the default."""

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from compat.vllm import GPT_OSS_CPU_FP32_TOLERANCE, GPT_OSS_IN_PLACE_UPDATE, gpt_oss_problem
+from compat.vllm import GPT_OSS_CPU_FP32_TOLERANCE, gpt_oss_problem
 from converters.mapping import Direct, InterleavedGatedMLP, Mapping, Transposed
 from converters.stacks import ExpertStack, ExpertStacks
 from models.bridge import _HL, _L, DENSE_CONFIG, Bridge
@@ -167,9 +167,6 @@ class GptOssBridge(Bridge):
 
     def engine_problem(self, cuda: bool, dtype: str) -> str | None:
         return gpt_oss_problem(self.layer_types, float(self.hf.get("swiglu_limit", 7.0)), self.rope_type)
-
-    def engine_update_problem(self) -> str | None:
-        return GPT_OSS_IN_PLACE_UPDATE
 
     def engine_tolerance(self, cuda: bool, dtype: torch.dtype) -> tuple[float, float] | None:
         return GPT_OSS_CPU_FP32_TOLERANCE if not cuda and dtype == torch.float32 else None

@@ -115,9 +115,7 @@ def sync_plan(
                     if mtp or not bridge.is_mtp_tensor(hf_name):
                         yield hf_name, tensor
 
-    stacks = bridge.expert_stacks()
-    tensors = exported() if stacks is None else stacks.stack(exported())
-    sends = [[t.numel() * t.element_size() for _, t in b] for b in send_buckets(tensors, bucket_bytes)]
+    sends = [[t.numel() * t.element_size() for _, t in b] for b in send_buckets(exported(), bucket_bytes)]
     counts = sorted(len(b) for b in sends)
     return SyncPlan(
         gather_buckets=len(gathers),

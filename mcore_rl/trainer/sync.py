@@ -313,6 +313,7 @@ class WeightSync:
                 self.config.bucket_bytes,
                 read=merged(self.chunks),
                 mtp=self.drafts,
+                stack_experts=False,
             )
         if not self.route.sends:  # this rank's part of the collective export
             for _ in exported:

