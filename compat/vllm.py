@@ -335,8 +335,14 @@ def _gpt_oss_sinks(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor
     return rest, loaded
 
 
-def gpt_oss_problem(layer_types: list[str], swiglu_limit: float, rope_type: str) -> str | None:
-    """Why vLLM 0.32 would serve a gpt-oss model with these settings as another model (see above), or None."""
+def gpt_oss_problem(layer_types: list[str], swiglu_limit: float, rope_type: str, quantized: bool) -> str | None:
+    """Why vLLM 0.32 would serve a gpt-oss model with these settings as another model (see above), or cannot take
+    the trainer's bf16 experts in place of its MXFP4 ones (``quantized``), or None."""
+    if quantized:
+        return (
+            "MXFP4 experts (quantization_config): the engines take the trainer's bf16 weights in place, which vLLM's "
+            "MXFP4 experts cannot hold; serve a bf16 copy (mcore-rl-hf2mcore, then mcore-rl-mcore2hf)"
+        )
     served = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(layer_types))]
     if layer_types != served:
         return f"layer_types {layer_types}: vLLM 0.32's gpt_oss slides the window on the even layers ({served})"

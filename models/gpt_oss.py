@@ -166,7 +166,8 @@ class GptOssBridge(Bridge):
         return fields
 
     def engine_problem(self, cuda: bool, dtype: str) -> str | None:
-        return gpt_oss_problem(self.layer_types, float(self.hf.get("swiglu_limit", 7.0)), self.rope_type)
+        swiglu_limit, quantized = float(self.hf.get("swiglu_limit", 7.0)), "quantization_config" in self.hf
+        return gpt_oss_problem(self.layer_types, swiglu_limit, self.rope_type, quantized)
 
     def engine_tolerance(self, cuda: bool, dtype: torch.dtype) -> tuple[float, float] | None:
         return GPT_OSS_CPU_FP32_TOLERANCE if not cuda and dtype == torch.float32 else None

@@ -129,6 +129,7 @@ def test_what_gpt_oss_cannot_train_or_serve_is_refused_with_the_fix(tiny_models)
         ({"layer_types": ["full_attention", "sliding_attention"] * 2}, "slides the window on the even layers"),
         ({"swiglu_limit": 3.0}, "clamp at 7.0"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "YaRN RoPE only"),
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "serve a bf16 copy"),
     ):
         assert reason in get_bridge(cfg | change).engine_problem(cuda=False, dtype="float32")
 
