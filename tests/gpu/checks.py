@@ -537,9 +537,10 @@ FAMILY_TOLERANCE = 1e-4  # fp32 logits and log-probs against transformers' (meas
 
 
 def new_families() -> tuple[str, dict]:
-    """Tiny GLM-4.5, Kimi-K2 and Qwen3-Next in fp32 on each available layer spec: logits equal transformers' on the
-    device, and log-probs padded equal THD-packed (Qwen3-Next's Gated DeltaNet with fla's kernel where it is
-    installed, else compat.fla's plain-torch one, on the GPU)."""
+    """Tiny GLM-4.5, gpt-oss, Kimi-K2 and Qwen3-Next in fp32 on each available layer spec: logits equal
+    transformers' on the device, and log-probs padded equal THD-packed (gpt-oss's sinks and sliding windows in
+    TransformerEngine's attention where it runs; Qwen3-Next's Gated DeltaNet with fla's kernel where it is installed,
+    else compat.fla's plain-torch one, on the GPU)."""
     _need("transformers", "safetensors", "tokenizers")
     import transformers
 
@@ -558,6 +559,7 @@ def new_families() -> tuple[str, dict]:
     with tempfile.TemporaryDirectory() as root:
         models = {
             "Glm4MoeForCausalLM": (make_tiny("Glm4MoeForCausalLM", Path(root) / "glm"), None),
+            "GptOssForCausalLM": (make_tiny("GptOssForCausalLM", Path(root) / "gpt_oss"), None),
             # transformers has no Kimi-K2: its reference is the DeepSeek-V3 it was saved from
             "KimiK2": (
                 make_tiny_kimi_k2(Path(root) / "kimi"),
