@@ -509,7 +509,8 @@ def expert_norms_by_expert_tp(optimizer, expt_tp_group) -> int:
     group, which holds every dense TP rank when experts have no TP. The norm left out all but rank 0's shards."""
     changed = 0
     for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if any(group.get("is_expert_parallel") for group in chained.optimizer.param_groups):
+        inner = getattr(chained, "optimizer", None)  # None: an optimizer of no parameters (a frozen LoRA model's)
+        if inner is not None and any(group.get("is_expert_parallel") for group in inner.param_groups):
             check_version("expert TP group of the gradient norm")
             chained.tp_group = expt_tp_group
             changed += 1

