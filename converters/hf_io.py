@@ -127,10 +127,8 @@ class HFCheckpoint:
     def __init__(self, hf_dir: str | Path, stacks: ExpertStacks | None = None):
         self.dir = Path(hf_dir)
         config = self.dir / "config.json"
-        method, self.fp8_block = (quantization(read_config(self.dir), str(config)) if config.is_file() else None) or (
-            None,
-            None,
-        )
+        quantized = quantization(read_config(self.dir), str(config)) if config.is_file() else None
+        method, self.fp8_block = quantized or (None, None)
         self.mxfp4 = method == "mxfp4"
         self.stacks = stacks
         index = self.dir / INDEX_FILE

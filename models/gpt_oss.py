@@ -11,7 +11,8 @@ experts carry biases and a clamped, offset SwiGLU.
   ffn], gate and up outputs alternating; :mod:`converters.stacks`) and stores them transposed (``x @ W``); the
   released ones in MXFP4 (``*_blocks``, ``*_scales``), dequantized on load (:class:`converters.hf_io.HFCheckpoint`).
 * Routing: a router with a bias, top-k of its logits, softmax over the k (``moe_router_pre_softmax=False``).
-* Megatron-Core 0.16.1 puts biases on experts only without expert tensor parallelism: ``parallel.etp`` must be 1.
+* Megatron-Core 0.16.1 puts biases on experts only without expert tensor parallelism (``parallel.etp: 1``); beside TP
+  they train right with expert parallelism only (``parallel.ep`` > 1; measured, see :meth:`GptOssBridge.validate_layout`).
 """
 
 from __future__ import annotations
