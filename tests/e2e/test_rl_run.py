@@ -550,6 +550,8 @@ def test_new_families_train_two_episodes(tiny_models, ray_address, tmp_path, mon
     overrides = [
         f"runtime_args.output_dir={tmp_path}/run",
         "runtime_args.num_episode=2",
+        "runtime_args.sample_per_episode=16",  # one step, and a sync, per episode
+        "runtime_args.train_global_batch_size=16",
         "runtime_args.eval_episode_interval=0",
         "runtime_args.save_episode_interval=0",
         f"models.reward.fn={REPO}/scripts/rewards/vowel_fraction.py",
