@@ -50,6 +50,7 @@ import contextlib
 import gc
 import inspect
 import logging
+import sys
 
 import torch
 
@@ -320,12 +321,12 @@ def _gpt_oss_sinks(model: torch.nn.Module, tensors: list[tuple[str, torch.Tensor
     has put on the meta device: the copy goes nowhere (measured: the update "loaded nothing into" every attention
     layer). They go through their weight loader here, each TP rank its heads, as that loader narrows them. (Its
     experts load through their weight loaders where they arrive one expert at a time, as the sync sends them.)"""
+    gpt_oss = sys.modules.get("vllm.model_executor.models.gpt_oss")  # imported where a gpt-oss model was built
+    if gpt_oss is None or not isinstance(model, gpt_oss.GptOssForCausalLM):
+        return tensors, set()
     from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-    from vllm.model_executor.models.gpt_oss import GptOssForCausalLM
 
-    if not isinstance(model, GptOssForCausalLM):
-        return tensors, set()
     params, rest, loaded = dict(model.named_parameters()), [], set()
     for name, tensor in tensors:
         target = name.replace(".self_attn.", ".attn.")
