@@ -19,6 +19,11 @@ from compat.torch import cat
 from converters import transforms
 
 
+def wildcard_regex(pattern: str) -> re.Pattern:
+    """A name pattern as a regex whose groups capture its ``*`` indices."""
+    return re.compile("^" + re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
+
+
 def _fill(pattern: str, captures: Sequence[str]) -> str:
     parts = pattern.split("*")
     if len(parts) - 1 != len(captures):
@@ -244,8 +249,7 @@ class MappingTable:
         for m in self.mappings:
             if re.search(r"[\d*]\*|\*\d", m.megatron):
                 raise ValueError(f"mapping {m.megatron!r}: a wildcard next to a digit or a wildcard is ambiguous")
-            rx = re.compile("^" + re.escape(m.megatron).replace(r"\*", r"(\d+)") + "$")
-            self._by_shape[_shape(m.megatron)].append((rx, m))
+            self._by_shape[_shape(m.megatron)].append((wildcard_regex(m.megatron), m))
 
     def resolve(self, megatron_name: str) -> tuple[Mapping, tuple[str, ...]]:
         candidates = self._by_shape.get(_shape(megatron_name), ())

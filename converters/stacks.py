@@ -9,13 +9,12 @@ export (:meth:`ExpertStacks.stack`), so converters, the rollout sync and dry run
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from converters.mapping import _fill
+from converters.mapping import _fill, wildcard_regex
 
 
 @dataclass(frozen=True)
@@ -28,22 +27,18 @@ class ExpertStack:
     expert_wildcard: int = 1
 
 
-def _regex(pattern: str) -> re.Pattern:
-    return re.compile("^" + re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
-
-
 class ExpertStacks:
     """The per-expert view of a checkpoint's stacked tensors, ``num_experts`` each (see the module docstring)."""
 
     def __init__(self, stacks: Sequence[ExpertStack], num_experts: int):
         self.num_experts = num_experts
-        self._stacks = [(s, _regex(s.stacked), _regex(s.per_expert)) for s in stacks]
+        self._stacks = [(s, wildcard_regex(s.stacked), wildcard_regex(s.per_expert)) for s in stacks]
         for s in stacks:
             if s.per_expert.count("*") != s.stacked.count("*") + 1:
                 raise ValueError(f"{s}: per_expert needs exactly one more wildcard (the expert's) than stacked")
 
     def split(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-        """``shapes`` (name -> shape) with each stacked tensor as its experts' tensors."""
+        """``shapes`` (name -> shape, tuple or ``torch.Size``, kept so) with each stacked tensor as its experts'."""
         out = {}
         for name, shape in shapes.items():
             found = next(((s, m) for s, rx, _ in self._stacks if (m := rx.match(name))), None)
@@ -54,7 +49,7 @@ class ExpertStacks:
             if not shape or shape[0] != self.num_experts:
                 raise ValueError(f"{name} {tuple(shape)}: expected {self.num_experts} experts stacked on dim 0")
             for expert in range(self.num_experts):
-                out[self._per_expert(stack, match.groups(), expert)] = tuple(shape[1:])
+                out[self._per_expert(stack, match.groups(), expert)] = shape[1:]
         return out
 
     @staticmethod

@@ -40,6 +40,17 @@ DECODER_CONFIG: tuple[tuple[str, str], ...] = (
 )
 DENSE_CONFIG = DECODER_CONFIG + (("num_key_value_heads", "num_query_groups"), ("head_dim", "kv_channels"))
 
+# HF YaRN parameter -> Megatron-Core's field: MLATransformerConfig's as named, GPTModel's (gpt_oss.yarn_config) with a
+# ``yarn_`` prefix.
+YARN = (
+    ("factor", "rotary_scaling_factor"),
+    ("original_max_position_embeddings", "original_max_position_embeddings"),
+    ("beta_fast", "beta_fast"),
+    ("beta_slow", "beta_slow"),
+    ("mscale", "mscale"),
+    ("mscale_all_dim", "mscale_all_dim"),
+)
+
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
 

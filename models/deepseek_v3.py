@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from compat.vllm import mla_engine_args
 from converters.mapping import Direct, Mapping, RopeRows
-from models.bridge import _HL, _L, DECODER_CONFIG
+from models.bridge import _HL, _L, DECODER_CONFIG, YARN
 from models.sigmoid_moe import SIGMOID_MOE_CONFIG, SigmoidMoE
 
 MLA_CONFIG = (
@@ -24,16 +24,6 @@ MLA_CONFIG = (
         ("v_head_dim", "v_head_dim"),
     )
     + SIGMOID_MOE_CONFIG
-)
-
-# HF YaRN parameter -> MLATransformerConfig field
-YARN = (
-    ("factor", "rotary_scaling_factor"),
-    ("original_max_position_embeddings", "original_max_position_embeddings"),
-    ("beta_fast", "beta_fast"),
-    ("beta_slow", "beta_slow"),
-    ("mscale", "mscale"),
-    ("mscale_all_dim", "mscale_all_dim"),
 )
 
 _A = _L + "self_attention."

@@ -26,7 +26,7 @@ import torch
 from compat.vllm import GPT_OSS_CPU_FP32_TOLERANCE, gpt_oss_problem
 from converters.mapping import Direct, InterleavedGatedMLP, Mapping, Transposed
 from converters.stacks import ExpertStack, ExpertStacks
-from models.bridge import _HL, _L, DENSE_CONFIG, Bridge
+from models.bridge import _HL, _L, DENSE_CONFIG, YARN, Bridge
 from parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
@@ -39,15 +39,6 @@ GPT_OSS_CONFIG = DENSE_CONFIG + (
 )
 QUICK_GELU_ALPHA = 1.702  # the sigmoid gain megatron.core.activations.quick_gelu has built in
 LAYER_TYPES = ("sliding_attention", "full_attention")
-# HF rope_scaling key -> the config attribute Megatron-Core 0.16.1's GPTModel and attention read for YaRN.
-YARN = (
-    ("factor", "yarn_rotary_scaling_factor"),
-    ("original_max_position_embeddings", "yarn_original_max_position_embeddings"),
-    ("beta_fast", "yarn_beta_fast"),
-    ("beta_slow", "yarn_beta_slow"),
-    ("mscale", "yarn_mscale"),
-    ("mscale_all_dim", "yarn_mscale_all_dim"),
-)
 
 _E = _L + "mlp.experts.local_experts.*."
 _HE = _HL + "mlp.experts.*."
@@ -96,6 +87,10 @@ class GptOssBridge(Bridge):
     @property
     def sliding_window(self) -> bool:
         return "sliding_attention" in self.layer_types
+
+    @property
+    def swiglu_limit(self) -> float:
+        return float(self.hf.get("swiglu_limit", 7.0))  # transformers' default
 
     @property
     def position_embedding_type(self) -> str:
@@ -147,7 +142,7 @@ class GptOssBridge(Bridge):
             add_bias_linear=True,  # o_proj, the router, the experts
             activation_func=quick_gelu,
             glu_linear_offset=1.0,
-            activation_func_clamp_value=float(hf.get("swiglu_limit", 7.0)),
+            activation_func_clamp_value=self.swiglu_limit,
             bias_activation_fusion=False,
             softmax_type="learnable",
             window_size=(hf["sliding_window"] - 1, 0) if self.sliding_window else None,
@@ -160,15 +155,15 @@ class GptOssBridge(Bridge):
         )
         if self.rope_type == "yarn":
             rope = self.rope_scaling
-            fields |= {mcore: rope[key] for key, mcore in YARN if rope.get(key) is not None}
+            fields |= {"yarn_" + mcore: rope[key] for key, mcore in YARN if rope.get(key) is not None}
             if not (rope.get("mscale") and rope.get("mscale_all_dim")):  # HF uses both or neither
                 fields |= dict(yarn_mscale=None, yarn_mscale_all_dim=None)
             fields["yarn_correction_range_round_to_int"] = bool(rope.get("truncate", True))
         return fields
 
     def engine_problem(self, cuda: bool, dtype: str) -> str | None:
-        swiglu_limit, quantized = float(self.hf.get("swiglu_limit", 7.0)), "quantization_config" in self.hf
-        return gpt_oss_problem(self.layer_types, swiglu_limit, self.rope_type, quantized)
+        quantized = "quantization_config" in self.hf
+        return gpt_oss_problem(self.layer_types, self.swiglu_limit, self.rope_type, quantized)
 
     def engine_tolerance(self, cuda: bool, dtype: torch.dtype) -> tuple[float, float] | None:
         return GPT_OSS_CPU_FP32_TOLERANCE if not cuda and dtype == torch.float32 else None

@@ -56,6 +56,6 @@ def hf_tensors(hf_config: dict) -> dict[str, torch.Size]:
     with torch.device("meta"):
         model = getattr(transformers, auto).from_config(config)
     saved = revert_weight_conversion(model, model.state_dict())
-    shapes = {name: tuple(tensor.shape) for name, tensor in saved.items()} | bridge.mtp_own_tensors()
+    shapes = {name: tensor.shape for name, tensor in saved.items()} | bridge.mtp_own_tensors()
     stacks = bridge.expert_stacks()
-    return {name: torch.Size(shape) for name, shape in (shapes if stacks is None else stacks.split(shapes)).items()}
+    return shapes if stacks is None else stacks.split(shapes)
