@@ -299,6 +299,23 @@ def gated_delta_net_problem(cuda: bool, dtype: str, head_dims: tuple[int, int]) 
     return None
 
 
+# vLLM 0.32's qwen3_5.py imports its Qwen3-VL file (qwen3_5.py:88), which imports transformers' Qwen2-VL image
+# processor, which imports torchvision: without it the engine cannot even inspect a text-only Qwen3.5 ("Model
+# architectures ['Qwen3_5MoeForCausalLM'] failed to be inspected"). The package index has no CPU build of torchvision
+# for torch 2.13.0+cpu; PyPI's 0.28.0, built for CUDA's torch, fails on import ("operator torchvision::nms does not
+# exist").
+def qwen3_5_problem() -> str | None:
+    """Why vLLM cannot import its Qwen3.5 model file here, or None."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as err:  # missing, or a build for another torch: both fail vLLM's import the same way
+        return (
+            f"vLLM 0.32's Qwen3.5 model file imports its Qwen3-VL file, which needs torchvision ({type(err).__name__}: "
+            f"{err}); install the torchvision build of this machine's torch"
+        )
+    return None
+
+
 # vLLM 0.32's gpt_oss model file fixes what gpt-oss checkpoints may vary: it slides the window on the even layers by
 # index, never reading layer_types (gpt_oss.py:176); its experts' kernels clamp at 7.0 with gain 1.702 whatever the
 # config says (swigluoai, fused_moe/activation.py:268); and it builds YaRN RoPE from rope_parameters' factor,

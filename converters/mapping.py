@@ -117,17 +117,20 @@ class GatedQKV(QKV):
 
 @dataclass(frozen=True)
 class PerRankParts(Mapping):
-    """One HF tensor whose rows are parts of ``sizes`` (Gated DeltaNet's ``conv1d``: the ``[q | k | v]`` channels)
-    -> a Megatron tensor holding on each TP rank its share of every part, in order."""
+    """HF tensors whose rows are parts of ``sizes`` (one tuple per tensor: Gated DeltaNet's ``conv1d``, ``[q | k | v]``
+    channels; Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) -> a Megatron tensor holding on
+    each TP rank its share of every part, in order."""
 
-    sizes: tuple[int, ...] = ()
+    sizes: tuple[tuple[int, ...], ...] = ()
     tp_axis: int | None = 0
 
     def to_megatron(self, hf, tp, full_shape):
-        return transforms.merge_per_rank(list(hf[0].split(self.sizes)), tp)
+        parts = [part for tensor, sizes in zip(hf, self.sizes, strict=True) for part in tensor.split(sizes)]
+        return transforms.merge_per_rank(parts, tp)
 
     def to_hf(self, full, tp):
-        return (cat(transforms.split_per_rank(full, list(self.sizes), tp)),)
+        parts = iter(transforms.split_per_rank(full, [n for sizes in self.sizes for n in sizes], tp))
+        return tuple(cat([next(parts) for _ in sizes]) for sizes in self.sizes)
 
 
 @dataclass(frozen=True)

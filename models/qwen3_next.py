@@ -106,20 +106,25 @@ class Qwen3NextBridge(Qwen3MoeBridge):
             Direct(_A + "linear_qkv.layer_norm_weight", _HL + "input_layernorm.weight"),
             Direct(_A + "q_layernorm.weight", _HL + "self_attn.q_norm.weight"),
             Direct(_A + "k_layernorm.weight", _HL + "self_attn.k_norm.weight"),
-            GatedDeltaInProj(
-                _A + "in_proj.weight",
-                (_HG + "in_proj_qkvz.weight", _HG + "in_proj_ba.weight"),
-                key_heads=hf["linear_num_key_heads"],
-                value_heads=hf["linear_num_value_heads"],
-                key_dim=hf["linear_key_head_dim"],
-                value_dim=hf["linear_value_head_dim"],
-            ),
-            PerRankParts(_A + "conv1d.weight", (_HG + "conv1d.weight",), sizes=(key, key, value)),
+            self.in_proj_mapping(),
+            PerRankParts(_A + "conv1d.weight", (_HG + "conv1d.weight",), sizes=((key, key, value),)),
             Direct(_A + "dt_bias", _HG + "dt_bias", tp_axis=0),
             Direct(_A + "A_log", _HG + "A_log", tp_axis=0),
             Direct(_A + "out_norm.weight", _HG + "norm.weight"),
             Direct(_A + "out_proj.weight", _HG + "out_proj.weight", tp_axis=1),
         ]
+
+    def in_proj_mapping(self) -> Mapping:
+        """Gated DeltaNet's input projection: the checkpoint's ``in_proj_qkvz`` and ``in_proj_ba``."""
+        hf = self.hf
+        return GatedDeltaInProj(
+            _A + "in_proj.weight",
+            (_HG + "in_proj_qkvz.weight", _HG + "in_proj_ba.weight"),
+            key_heads=hf["linear_num_key_heads"],
+            value_heads=hf["linear_num_value_heads"],
+            key_dim=hf["linear_key_head_dim"],
+            value_dim=hf["linear_value_head_dim"],
+        )
 
     def mlp_mappings(self) -> list[Mapping]:
         shared, hf_shared = _L + "mlp.shared_experts.", _HL + "mlp.shared_expert."

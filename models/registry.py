@@ -14,6 +14,7 @@ from models.kimi_k2 import KimiK2Bridge
 from models.llama import LlamaBridge
 from models.qwen2 import Qwen2Bridge
 from models.qwen3 import Qwen3Bridge
+from models.qwen3_5 import Qwen35MoeBridge
 from models.qwen3_moe import Qwen3MoeBridge
 from models.qwen3_next import Qwen3NextBridge
 
@@ -25,6 +26,7 @@ FAMILIES = (
     LlamaBridge,
     Qwen2Bridge,
     Qwen3Bridge,
+    Qwen35MoeBridge,
     Qwen3MoeBridge,
     Qwen3NextBridge,
 )

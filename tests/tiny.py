@@ -124,6 +124,29 @@ FAMILIES: dict[str, dict] = {
         router_aux_loss_coef=0.0,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
     ),
+    # Qwen3.5: Qwen3-Next's layers, its Gated DeltaNet projections saved apart, multimodal RoPE sections (of the 4
+    # rotary frequencies a head's 8 rotary dims have).
+    "Qwen3_5MoeForCausalLM": dict(
+        config="Qwen3_5MoeTextConfig",
+        tie_word_embeddings=False,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        router_aux_loss_coef=0.0,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=10000.0,
+            partial_rotary_factor=0.25,
+            mrope_section=[2, 1, 1],
+            mrope_interleaved=True,
+        ),
+    ),
     # gpt-oss: q/k/v/o biases and sinks, a 4-token window on even layers (the rows are longer), YaRN without
     # truncation, 4 experts with biases (their checkpoint tensors stacked) and the router's bias.
     "GptOssForCausalLM": dict(

@@ -22,6 +22,7 @@ MOE = (
     "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM",
     "GptOssForCausalLM",
+    "Qwen3_5MoeForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM",
 )
@@ -81,8 +82,10 @@ STEP_LAYOUTS = [
 def test_train_step_matches_single_rank(ranks, tiny_models, arch):
     tokens = torch.randint(0, 100, (8, 17), generator=torch.Generator().manual_seed(2))
     ref_loss, ref_norm = _hf_step_reference(tiny_models[arch], tokens)
-    # gpt-oss's own parts (sinks and biases split by TP, experts by EP) under TP and EP; its PP is every family's
-    dense = [dict(), dict(pp=2, vpp=2)] if arch == "GptOssForCausalLM" else [dict(), *STEP_LAYOUTS]
+    # gpt-oss's own parts (sinks and biases split by TP, experts by EP) under TP and EP, its PP every family's; Qwen3.5's
+    # model is Qwen3-Next's (so are its pipeline layouts): its own mapping under TP and EP
+    own = {"GptOssForCausalLM": [dict(), dict(pp=2, vpp=2)], "Qwen3_5MoeForCausalLM": [dict()]}
+    dense = own.get(arch, [dict(), *STEP_LAYOUTS])
     for layout in _layouts(arch, dense):
         for loss, norm in ranks.run(
             cases.train_step, hf_dir=tiny_models[arch], layout=layout, tokens=tokens, micro_batch_size=1

