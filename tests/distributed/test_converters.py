@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from converters.hf_io import HFCheckpoint, copy_model_files
 from mcore_rl import checkpoint, convert
 from tests.distributed import cases
-from tests.distributed.test_bridges import DENSE_LAYOUTS, _layouts
+from tests.distributed.test_bridges import _layouts, dense_layouts
 from tests.tiny import FAMILIES, make_tiny, make_tiny_kimi_k2
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,7 +113,7 @@ def test_kimi_k2_converts_both_ways_keeping_its_model_type(tmp_path):
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
 def test_converted_checkpoint_loads_under_every_layout(ranks, converted, tiny_models, arch):
-    for layout in _layouts(arch, DENSE_LAYOUTS):
+    for layout in _layouts(arch, dense_layouts(arch)):
         source = converted[arch][layout.get("tp", 1)]
         counts = ranks.run(
             cases.roundtrip, hf_dir=str(source), layout=layout, bucket_bytes=512 << 20, reference=tiny_models[arch]

