@@ -38,6 +38,21 @@ COMMON = dict(
     # no pad_token_id: HF would zero that embedding row, and RMSNorm of a zero vector blows gradients up by 1/eps
 )
 
+# Qwen3-Next's and Qwen3.5's layers (their other fields in FAMILIES).
+GATED_DELTA_MOE = dict(
+    tie_word_embeddings=False,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    router_aux_loss_coef=0.0,
+)
+
 FAMILIES: dict[str, dict] = {
     # Llama and Qwen3 tie embeddings (as SmolLM2 and small Qwen3 do); Qwen2 and Qwen3-MoE do not.
     # Qwen2 is saved in shards with a model.safetensors.index.json, the others as one file.
@@ -110,35 +125,14 @@ FAMILIES: dict[str, dict] = {
     # expert.
     "Qwen3NextForCausalLM": dict(
         config="Qwen3NextConfig",
-        tie_word_embeddings=False,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
         norm_topk_prob=True,
-        router_aux_loss_coef=0.0,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        **GATED_DELTA_MOE,
     ),
     # Qwen3.5: Qwen3-Next's layers, its Gated DeltaNet projections saved apart, multimodal RoPE sections (of the 4
     # rotary frequencies a head's 8 rotary dims have).
     "Qwen3_5MoeForCausalLM": dict(
         config="Qwen3_5MoeTextConfig",
-        tie_word_embeddings=False,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        linear_conv_kernel_dim=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        shared_expert_intermediate_size=64,
-        router_aux_loss_coef=0.0,
         rope_parameters=dict(
             rope_type="default",
             rope_theta=10000.0,
@@ -146,6 +140,7 @@ FAMILIES: dict[str, dict] = {
             mrope_section=[2, 1, 1],
             mrope_interleaved=True,
         ),
+        **GATED_DELTA_MOE,
     ),
     # gpt-oss: q/k/v/o biases and sinks, a 4-token window on even layers (the rows are longer), YaRN without
     # truncation, 4 experts with biases (their checkpoint tensors stacked) and the router's bias.
