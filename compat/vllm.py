@@ -301,9 +301,9 @@ def gated_delta_net_problem(cuda: bool, dtype: str, head_dims: tuple[int, int]) 
 
 # vLLM 0.32's qwen3_5.py imports its Qwen3-VL file (qwen3_5.py:88), which imports transformers' Qwen2-VL image
 # processor, which imports torchvision: without it the engine cannot even inspect a text-only Qwen3.5 ("Model
-# architectures ['Qwen3_5MoeForCausalLM'] failed to be inspected"). The package index has no CPU build of torchvision
-# for torch 2.13.0+cpu; PyPI's 0.28.0, built for CUDA's torch, fails on import ("operator torchvision::nms does not
-# exist").
+# architectures ['Qwen3_5MoeForCausalLM'] failed to be inspected"). The CPU stack leaves torchvision out
+# (scripts/setup_env.sh): PyPI's 0.28.0 is built for CUDA's torch and fails to import beside torch 2.13.0+cpu
+# ("operator torchvision::nms does not exist"); the CUDA stack has it (vLLM 0.32 requires it).
 def qwen3_5_problem() -> str | None:
     """Why vLLM cannot import its Qwen3.5 model file here, or None."""
     try:
