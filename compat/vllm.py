@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import inspect
 import logging
 import sys
@@ -306,8 +307,8 @@ def gated_delta_net_problem(cuda: bool, dtype: str, head_dims: tuple[int, int]) 
 # ("operator torchvision::nms does not exist"); the CUDA stack has it (vLLM 0.32 requires it).
 def qwen3_5_problem() -> str | None:
     """Why vLLM cannot import its Qwen3.5 model file here, or None."""
-    try:
-        import torchvision  # noqa: F401
+    try:  # an optional package, probed as transformer_engine is (parallel.device)
+        importlib.import_module("torchvision")
     except Exception as err:  # missing, or a build for another torch: both fail vLLM's import the same way
         return (
             f"vLLM 0.32's Qwen3.5 model file imports its Qwen3-VL file, which needs torchvision ({type(err).__name__}: "
