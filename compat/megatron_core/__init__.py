@@ -404,9 +404,11 @@ def compile_on_first_call(jit: types.ModuleType) -> None:
     """``megatron/core/jit.py`` sets ``jit_fuser = torch.compile``, and ~40 fused functions are decorated with it
     at import: building each decorator imports torch's whole compiler stack (dynamo, inductor: 2 of Megatron-Core's
     6 s of import), even in processes that never call one of them (rollout engines, converters, the planner, dense
-    models on CPU; MoE routers call ``_apply_expert_bias`` on every forward). Each decorated function is compiled
-    by ``torch.compile`` as before, on its first call. Runs after ``jit.py`` executes
-    (:data:`compat.AFTER_IMPORT`), before any module imports ``jit_fuser`` from it."""
+    models on CPU). Each decorated function is compiled by ``torch.compile`` on its first call on CUDA tensors
+    (:func:`compiles`); on CPU tensors it runs as written: Inductor's CPU code for these elementwise fusions costs
+    seconds of C++ compilation in every process that calls one (a tiny gpt-oss's first forward 4.8 s, the next
+    0.5 s; MoE routers call ``_apply_expert_bias`` on every forward) and speeds nothing up measurably. Runs after
+    ``jit.py`` executes (:data:`compat.AFTER_IMPORT`), before any module imports ``jit_fuser`` from it."""
     if jit.jit_fuser is not torch.compile:  # 0.16.1 on torch >= 2.2; anything else is left as Megatron chose
         return
 
@@ -416,6 +418,8 @@ def compile_on_first_call(jit: types.ModuleType) -> None:
         @functools.wraps(fn)
         def call(*args, **kwargs):
             nonlocal compiled
+            if not compiles(args, kwargs):
+                return fn(*args, **kwargs)
             if compiled is None:
                 compiled = torch.compile(fn)
             return compiled(*args, **kwargs)
@@ -423,6 +427,11 @@ def compile_on_first_call(jit: types.ModuleType) -> None:
         return call
 
     jit.jit_fuser = jit_fuser
+
+
+def compiles(args: tuple, kwargs: dict) -> bool:
+    """Whether a Megatron fused function called with these arguments is compiled: where a tensor is on CUDA."""
+    return any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
 
 
 # ---- Gated DeltaNet without flash-linear-attention ----------------------------------------------------------------
