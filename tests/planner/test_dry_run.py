@@ -1,6 +1,6 @@
 """Full-size dry runs on meta tensors: every train script's ``--dry-run`` (its config's layout, the whole HF <->
 Megatron mapping and the rollout-sync plan, checked against transformers' own model of the public config.json).
-Each run is a subprocess (a fake process group of the config's device count)."""
+Runs happen in subprocesses (fake process groups of each config's device count); the train scripts' share one."""
 
 import json
 import os
